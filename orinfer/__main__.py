@@ -1,0 +1,3 @@
+from orinfer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""The engine loop: requests in, one scheduled step at a time, tokens and text out.
+
+`add_request` validates a request and queues it; `step` runs one scheduler decision (a prefill or a decode batch)
+and returns the sequences that advanced; `abort` drops a request and frees its blocks at once. Callers (LLM, the
+server) drive `step` in a loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import torch
+from torch import nn
+
+from orinfer.config import EngineConfig, ModelConfig
+from orinfer.engine.block_manager import BlockManager
+from orinfer.engine.model_runner import ModelRunner
+from orinfer.engine.scheduler import Scheduler
+from orinfer.engine.sequence import Sequence, TokenLogprob
+from orinfer.errors import RequestError
+from orinfer.layers.sampler import SamplerOutput
+from orinfer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """Everything the engine runs on, however it was made (a checkpoint, random weights, a test)."""
+
+    model: nn.Module
+    model_config: ModelConfig
+    tokenizer: Any | None                 # orinfer.tokenizer.Tokenizer, or None for token-id-only use
+    generation_config: dict[str, Any]
+    device: torch.device
+    act_dtype: torch.dtype
+
+
+class LLMEngine:
+    def __init__(self, parts: EngineParts, config: EngineConfig) -> None:
+        self.parts, self.config = parts, config
+        self.tokenizer = parts.tokenizer
+        self.generation_config = parts.generation_config
+        mcfg = parts.model_config
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sequences: dict[str, Sequence] = {}
+        self._request_ids = itertools.count()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set(self.parts.model_config.eos_token_id)
+        gen_eos = self.generation_config.get("eos_token_id")
+        if gen_eos is not None:
+            ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # --- requests ---------------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Validates and queues one request; raises RequestError with the reason when it cannot be served."""
+        params = (params or SamplingParams()).with_defaults(self.generation_config)
+        text, ids = self._encode(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len}, "
+                               "which leaves no room to generate")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                               f"length of {self.max_model_len} tokens")
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise RequestError(f"prompt + max_tokens ({len(ids) + params.max_tokens} tokens) exceeds the KV cache "
+                               f"({capacity} tokens)")
+        request_id = request_id or str(next(self._request_ids))
+        if request_id in self.sequences:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.parts.device).manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, prompt=text, generator=generator)
+        if self.tokenizer is not None:
+            seq.detokenizer = self.tokenizer.new_detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError("a prompt must be a string or a list of token ids") from None
+        vocab = self.parts.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return None, ids
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request now and frees its KV blocks (unknown or finished ids are ignored)."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request (its output was taken)."""
+        self.sequences.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the loop ---------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Runs one batch; returns the sequences that got a token (finished ones included)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        start = time.perf_counter()
+        for seq in seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = start
+        out = self.runner.execute(seqs, is_prefill)
+        now = time.perf_counter()
+        if is_prefill:
+            for seq in seqs:
+                seq.prefill_seconds += now - start
+        self._process(seqs, out, now)
+        return seqs
+
+    def _process(self, seqs: list[Sequence], out: SamplerOutput, now: float) -> None:
+        token_ids = out.token_ids.tolist()  # the one host sync of a step
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
+            seq.append_token(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprobs is not None and seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                top = list(zip(top_ids[i][:k], top_lp[i][:k])) if top_ids is not None else []
+                seq.logprobs.append(TokenLogprob(token, logprobs[i], top))
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.finish_time = now
+                if seq.detokenizer is not None and reason != "stop_str":
+                    seq.output_text += seq.detokenizer.flush()
+                if reason == "stop_str":
+                    seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        generated = seq.num_completion_tokens
+        stop_id = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        if stop_id and generated >= p.min_tokens:
+            return "stop"
+        if seq.detokenizer is not None:
+            before = len(seq.output_text)
+            seq.output_text += seq.detokenizer.push(token)
+            if p.stop and self._apply_stop_strings(seq, before):
+                return "stop_str"
+        if generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _apply_stop_strings(seq: Sequence, before: int) -> bool:
+        """Truncates output_text at the first stop string that the newest text completed."""
+        longest = max(len(s) for s in seq.params.stop)
+        search_from = max(0, before - longest + 1)
+        hits = [(seq.output_text.find(s, search_from), s) for s in seq.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        end = pos + len(stop) if seq.params.include_stop_str_in_output else pos
+        seq.output_text = seq.output_text[:end]
+        return True
+
+    def take_delta(self, seq: Sequence) -> str:
+        """New text of a sequence since the last call, holding back a tail that could start a stop string."""
+        end = len(seq.output_text)
+        if not seq.is_finished and seq.params.stop:
+            end -= max(len(s) for s in seq.params.stop) - 1
+        if end <= seq.emitted_chars:
+            return ""
+        delta = seq.output_text[seq.emitted_chars:end]
+        seq.emitted_chars = end
+        return delta

@@ -1,0 +1,172 @@
+"""Runs one engine step on the model: builds the flat batch, owns the KV-cache pool, samples the next tokens.
+
+The runner knows no concrete model: it needs `forward(input_ids, positions, meta)`, `compute_logits(hidden)` and
+`attention_layers()` (each gets a `k_cache`/`v_cache` pair bound to it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from orinfer.config import EngineConfig, ModelConfig
+from orinfer.engine.sequence import Sequence
+from orinfer.layers.attention import AttentionMetadata
+from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineConfig,
+                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int) -> None:
+        self.model, self.model_config, self.config = model, model_config, engine_config
+        self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
+        self.block_size = engine_config.block_size
+        self.num_blocks = self._plan_num_blocks()
+        self._allocate_kv_cache()
+
+    # --- KV cache ---------------------------------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _plan_num_blocks(self) -> int:
+        """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could ever use."""
+        useful = self.config.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_bytes is not None:
+            budget = self.config.kv_cache_bytes
+        elif self.device.type == "cuda":
+            budget = self._gpu_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = min(useful, budget // self.bytes_per_block())
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "
+                               "or raise gpu_memory_utilization")
+        return int(blocks)
+
+    def _gpu_kv_budget(self) -> int:
+        """Free memory after the weights and one worst-case prefill's activations, within gpu_memory_utilization."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup_forward()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory held outside torch's allocator (CUDA context, other processes) counts as used.
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.gpu_memory_utilization - used_elsewhere - peak)
+
+    @torch.inference_mode()
+    def _warmup_forward(self) -> None:
+        # A prefill of the largest batch the scheduler will form, in sequences of at most 1024 tokens.
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        lengths = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            is_prefill=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            max_query_len=max(lengths), max_context_len=max(lengths))
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        hidden = self.model(ids, positions, meta)
+        self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
+        del hidden
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            # empty, not zeros: a slot is always written before it is read (attention reads only context_lens slots).
+            attn.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            self.kv_caches.append((attn.k_cache, attn.v_cache))
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                 self.num_blocks * self.bytes_per_block() / 2**20)
+
+    # --- batches ----------------------------------------------------------------------------------------------------
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids [T], positions [T], metadata, rows whose logits are needed [B])."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        for seq in seqs:
+            # Prefill (also the recompute of a preempted sequence) runs every token; decode only the newest.
+            first = 0 if is_prefill else seq.num_tokens - 1
+            ids.extend(seq.token_ids[first:])
+            positions.extend(range(first, seq.num_tokens))
+            slots.extend(self._slot(seq, p) for p in range(first, seq.num_tokens))
+            starts.append(len(ids))
+        lens = [s.num_tokens for s in seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=is_prefill,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:])),
+            max_context_len=max(lens),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=self._block_tables(seqs),
+        )
+        last_rows = torch.tensor(starts[1:], dtype=torch.int64, device=dev) - 1
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
+                meta, last_rows)
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        dev = self.device
+        params = [s.params for s in seqs]
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)
+
+        need_history = any(p.repetition_penalty != 1.0 for p in params)
+        need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
+        num_logprobs = max((p.logprobs or 0) for p in params)
+        return SamplingBatch(
+            temperature=column("temperature", torch.float32), top_k=column("top_k", torch.int64),
+            top_p=column("top_p", torch.float32), min_p=column("min_p", torch.float32),
+            repetition_penalty=column("repetition_penalty", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            history=_padded([s.token_ids for s in seqs], dev) if need_history else None,
+            output_ids=_padded([s.completion_token_ids for s in seqs], dev) if need_output else None,
+            generators=[s.generator for s in seqs],
+            all_greedy=all(p.greedy for p in params),
+            num_logprobs=num_logprobs, want_logprobs=any(p.logprobs is not None for p in params),
+        )
+
+    # --- step -------------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+        input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[last_rows])
+        return sample(logits, self.sampling_batch(seqs))
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)

@@ -1,0 +1,83 @@
+"""A request's state inside the engine: its tokens, where their KV lives, and how far it has got."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from orinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not in the KV cache (new, or preempted and to be recomputed)
+    RUNNING = "running"      # its KV is in the cache; decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One prompt and its continuation. `block_table` lists the KV-cache blocks holding its tokens, in order."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, generator: torch.Generator | None = None) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.output_text = ""          # detokenized completion, stop strings removed
+        self.emitted_chars = 0         # how much of output_text has been streamed
+        self.logprobs: list[TokenLogprob] = []
+        self.num_preemptions = 0
+        # timings (time.perf_counter seconds)
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.prefill_seconds = 0.0
+        self.detokenizer = None        # set by the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
+        n = self.num_tokens if num_tokens is None else num_tokens
+        return (n + block_size - 1) // block_size
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,65 @@
+"""Self-attention over the paged KV cache, and the per-step batch description it reads.
+
+The model runner fills an `AttentionMetadata` for each step; every attention layer reads it. Tokens of all sequences
+in the step are concatenated into one flat batch of T rows ("varlen"), so prefill of several prompts and decode of
+many sequences share one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from orinfer.layers.ops import Ops
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step looks like, for B sequences and T new tokens in all.
+
+    query_start_loc [B+1] int32: row offsets of each sequence's new tokens in the flat batch.
+    context_lens [B] int32: tokens of each sequence in the cache after this step (prefix + new tokens).
+    block_tables [B, max_blocks] int32 and slot_mapping [T] int64: where each token's K/V lives; None when the
+    forward runs without a cache (training, warm-up), in which case every sequence is attended from scratch.
+    """
+
+    is_prefill: bool
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V in the layer's cache, then attends each query over its sequence's cached keys."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        # Bound by the model runner once the pool is allocated; [num_blocks, block_size, kv_heads, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D]."""
+        tokens = q.shape[0]
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.k_cache is None or meta.slot_mapping is None:
+            out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale)
+        else:
+            self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                           meta.query_start_loc, self.scale)
+        return out.reshape(tokens, self.num_heads * self.head_dim)

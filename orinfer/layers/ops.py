@@ -1,0 +1,75 @@
+"""The op table a backend provides to the layers.
+
+Layers never call a kernel directly: they call `ops.<name>`, and the backend decides whether that is the pure-torch
+reference (the `torch` backend: CPU and GPU, the correctness baseline) or a fused Triton kernel (the `triton`
+backend). Both tables have the same signatures, so one model definition serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from orinfer.errors import ConfigError
+from orinfer.kernels.activation import silu_and_mul_ref
+from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
+from orinfer.kernels.norm import rms_norm_ref
+from orinfer.kernels.rotary import qk_norm_rope_ref
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b in x's dtype. In mixed mode (fp32 x, 16-bit W) the weight is widened, so products are fp32."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    linear: Callable
+    rms_norm: Callable
+    qk_norm_rope: Callable
+    silu_and_mul: Callable
+    store_kv: Callable
+    paged_attention: Callable
+    varlen_attention: Callable
+    # The fused gate/up+SwiGLU GEMV for decode; None means "GEMM then silu_and_mul".
+    fused_gate_up_silu: Callable | None = None
+
+
+TORCH_OPS = Ops(
+    name="torch", linear=linear_ref, rms_norm=rms_norm_ref, qk_norm_rope=qk_norm_rope_ref,
+    silu_and_mul=silu_and_mul_ref, store_kv=store_kv_ref, paged_attention=paged_attention_ref,
+    varlen_attention=varlen_causal_attention_ref,
+)
+
+
+def get_ops(backend: str, device: torch.device, fused_ffn: bool = True) -> Ops:
+    """The op table for `backend` ("torch", "triton" or "auto": triton on CUDA when installed, else torch)."""
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "torch":
+        return TORCH_OPS
+    if backend == "triton":
+        if device.type != "cuda":
+            raise ConfigError("the triton backend needs a CUDA device; use backend='torch' on the CPU")
+        from orinfer.layers.triton_ops import triton_ops  # imported lazily: triton is optional
+        return triton_ops(fused_ffn=fused_ffn)
+    raise ConfigError(f"unknown backend {backend!r}; use auto, torch or triton")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        import orinfer.layers.triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,25 @@
+"""Rotary embedding module: owns the fp32 cos/sin table and applies (QK-norm +) RoPE through the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from orinfer.kernels.rotary import rope_cos_sin_cache
+from orinfer.layers.ops import Ops
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float, ops: Ops) -> None:
+        super().__init__()
+        self.ops, self.head_dim = ops, head_dim
+        # Not a checkpoint tensor: persistent=False keeps it out of state_dict; built on the module's device at init.
+        self.register_buffer("cos_sin", rope_cos_sin_cache(head_dim, max_position, base), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.qk_norm_rope(
+            q, k, positions, self.cos_sin, self.head_dim,
+            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 1e-6)

@@ -1,0 +1,119 @@
+"""Token sampling on the device for a batch of sequences, each with its own settings.
+
+Order (as HF's logits processors): repetition / presence / frequency penalties -> temperature -> top-k -> top-p ->
+min-p -> draw. Drawing uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
+p_i, needs no cumulative sum, and lets each seeded request draw its noise from its own generator, so its tokens do not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings, already on the logits' device. `history`/`output_ids` are padded with -1."""
+
+    temperature: torch.Tensor          # [B] fp32; rows with 0 are greedy
+    top_k: torch.Tensor                # [B] int64; 0 = off
+    top_p: torch.Tensor                # [B] fp32; 1 = off
+    min_p: torch.Tensor                # [B] fp32; 0 = off
+    repetition_penalty: torch.Tensor   # [B] fp32; 1 = off
+    presence_penalty: torch.Tensor     # [B] fp32
+    frequency_penalty: torch.Tensor    # [B] fp32
+    history: torch.Tensor | None       # [B, L] int64 prompt+output ids, for the repetition penalty
+    output_ids: torch.Tensor | None    # [B, L] int64 output ids, for presence/frequency penalties
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    all_greedy: bool = False
+    num_logprobs: int = 0              # top log-probabilities to return per row (0: only the sampled token's)
+    want_logprobs: bool = False
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                       # [B] int64
+    logprobs: torch.Tensor | None = None          # [B] fp32, of the chosen token under the model's distribution
+    top_logprobs: torch.Tensor | None = None      # [B, k] fp32
+    top_ids: torch.Tensor | None = None           # [B, k] int64
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    if batch.history is not None and bool((batch.repetition_penalty != 1.0).any()):
+        seen = _token_mask(batch.history, vocab)
+        penalty = batch.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if batch.output_ids is not None and bool(((batch.presence_penalty != 0) | (batch.frequency_penalty != 0)).any()):
+        counts = _token_counts(batch.output_ids, vocab)
+        logits = logits - batch.frequency_penalty[:, None] * counts \
+            - batch.presence_penalty[:, None] * (counts > 0).float()
+    return logits
+
+
+def _token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    # Padding (-1) goes to an extra column that is dropped afterwards.
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device, dtype=torch.float32)
+    index = torch.where(ids < 0, vocab, ids)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _token_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return _token_counts(ids, vocab) > 0
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p; masked entries become -inf. logits [B, V] fp32."""
+    temperature = torch.where(batch.temperature < 1e-5, torch.ones_like(batch.temperature), batch.temperature)
+    logits = logits / temperature[:, None]
+    if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab)[:, None]
+        drop = ranks >= k
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the first token always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) >= batch.top_p[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if bool((batch.min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row by the exponential race; rows with a generator use it, the others share the global RNG."""
+    noise = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < probs.shape[0]:
+        noise.exponential_()
+    for i in seeded:
+        noise[i].exponential_(generator=generators[i])
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits [B, V] fp32 -> chosen token ids [B] (and log-probabilities when asked for)."""
+    raw = logits
+    logits = apply_penalties(logits, batch)
+    if batch.all_greedy:
+        ids = logits.argmax(dim=-1)
+    else:
+        greedy = batch.temperature < 1e-5
+        probs = torch.softmax(filter_logits(logits, batch), dim=-1)
+        sampled = draw(probs, batch.generators or [None] * logits.shape[0])
+        ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    out = SamplerOutput(token_ids=ids)
+    if batch.want_logprobs:
+        logp = torch.log_softmax(raw, dim=-1)
+        out.logprobs = logp.gather(1, ids[:, None]).squeeze(1)
+        if batch.num_logprobs > 0:
+            out.top_logprobs, out.top_ids = logp.topk(batch.num_logprobs, dim=-1)
+    return out

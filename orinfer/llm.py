@@ -1,0 +1,152 @@
+"""The public Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`, `.chat(...)`, `.stream(...)`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from orinfer.config import EngineConfig, ModelConfig, resolve_dtype
+from orinfer.engine.llm_engine import EngineParts, LLMEngine
+from orinfer.errors import ConfigError, RequestError
+from orinfer.layers.ops import get_ops
+from orinfer.loader import load_hf_model, read_generation_config
+from orinfer.outputs import RequestOutput
+from orinfer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Seq[int]
+Message = dict[str, Any]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> cuda when available, else cpu. A cuda device without CUDA is a clear error."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was requested but CUDA is not available on this machine")
+    return dev
+
+
+class LLM:
+    """A loaded model plus its engine. Arguments mirror vLLM's `LLM` where they overlap."""
+
+    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device | None = None, backend: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, block_size: int = 16,
+                 gpu_memory_utilization: float = 0.90, kv_cache_bytes: int | None = None,
+                 num_kv_blocks: int | None = None, cuda_graph: bool = True, fused_ffn: bool = True,
+                 seed: int | None = None, progress: bool = True) -> None:
+        from orinfer.tokenizer import Tokenizer  # local: keeps `import orinfer` light
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        dev = resolve_device(device)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              block_size=block_size, max_model_len=max_model_len,
+                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
+                              num_kv_blocks=num_kv_blocks, backend=backend, cuda_graph=cuda_graph,
+                              fused_ffn=fused_ffn)
+        model_dir = Path(model)
+        model_config = ModelConfig.from_hf(model_dir)
+        weight_dtype, act_dtype = resolve_dtype(dtype, dev, model_config.torch_dtype)
+        ops = get_ops(backend, dev, fused_ffn=fused_ffn)
+        tok = Tokenizer.from_dir(tokenizer or model_dir) if tokenizer or (model_dir / "tokenizer.json").is_file() \
+            else None
+        net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
+        parts = EngineParts(net, model_config, tok, read_generation_config(model_dir), dev, act_dtype)
+        self.engine = LLMEngine(parts, config)
+        self.tokenizer = tok
+        self.device = dev
+        log.info("loaded %s (%s, %s weights, %s activations, %s backend)", model_dir, model_config.architecture,
+                 weight_dtype, act_dtype, ops.name)
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts, config: EngineConfig | None = None) -> "LLM":
+        """An LLM over an already built model (random weights for benchmarks, models made in tests)."""
+        self = cls.__new__(cls)
+        self.engine = LLMEngine(parts, config or EngineConfig())
+        self.tokenizer = parts.tokenizer
+        self.device = parts.device
+        return self
+
+    # --- generation -------------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs all prompts to completion, batched together; outputs come back in the order of the prompts."""
+        batch = _as_prompt_list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise RequestError(f"got {len(plist)} SamplingParams for {len(batch)} prompts")
+        seqs = []
+        try:
+            for prompt, p in zip(batch, plist):
+                seqs.append(self.engine.add_request(prompt, p))
+            self._run(len(seqs), use_tqdm)
+        except BaseException:
+            for seq in seqs:  # leave nothing half-run in the engine (e.g. after Ctrl-C or a bad prompt)
+                self.engine.abort(seq.request_id)
+            raise
+        outputs = [RequestOutput.of(seq) for seq in seqs]
+        for seq in seqs:
+            self.engine.release(seq.request_id)
+        return outputs
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="Generating", disable=not use_tqdm, leave=False)
+        with bar:
+            while self.engine.has_unfinished():
+                done = sum(s.is_finished for s in self.engine.step())
+                bar.update(done)
+
+    def chat(self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None, *,
+             enable_thinking: bool | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template and generates the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, params)
+
+    def render_chat(self, messages: list[Message], **kwargs: Any) -> str:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so it cannot render a chat")
+        if not messages:
+            raise RequestError("messages is empty")
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas as they are decoded (never half a character, never part of a stop string)."""
+        seq = self.engine.add_request(prompt, params)
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                delta = self.engine.take_delta(seq)
+                if delta:
+                    yield delta
+            tail = self.engine.take_delta(seq)
+            if tail:
+                yield tail
+        finally:
+            self.engine.abort(seq.request_id)
+            self.engine.release(seq.request_id)
+        self.last_output = RequestOutput.of(seq)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if not items:
+        raise RequestError("no prompts given")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt given as token ids
+    return items

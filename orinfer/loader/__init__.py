@@ -1,0 +1,57 @@
+"""Loading models: from Hugging Face directories, or with random weights of a given shape."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from orinfer.config import ModelConfig
+from orinfer.errors import ConfigError
+from orinfer.layers.ops import Ops
+from orinfer.loader.safetensors_loader import checkpoint_files, iter_safetensors
+from orinfer.models.registry import build_model
+
+log = logging.getLogger(__name__)
+
+
+def load_hf_model(model_dir: str | Path, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype,
+                  device: torch.device, config: ModelConfig | None = None, progress: bool = True) -> nn.Module:
+    """Builds the model for `model_dir`'s config.json and fills it from its safetensors files."""
+    config = config or ModelConfig.from_hf(model_dir)
+    files = checkpoint_files(model_dir)  # fail on missing weights before allocating anything
+    model = build_model(config, ops, weight_dtype, act_dtype, device)
+    model.load_weights(iter_safetensors(files, device=device, progress=progress))
+    return model
+
+
+def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype,
+                 device: torch.device, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """A model of `config`'s shapes with random weights made on the device (speed depends on shapes only)."""
+    model = build_model(config, ops, weight_dtype, act_dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=gen)
+    return model
+
+
+def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    """generation_config.json as a dict ({} when absent)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,74 @@
+"""Reads Hugging Face safetensors checkpoints: one file, or shards listed in model.safetensors.index.json.
+
+Files are memory-mapped by `safetensors`; each tensor is read once and copied into its (possibly packed) parameter,
+so peak host memory stays near one tensor, not one model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from orinfer.errors import WeightsError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, in a stable order; raises WeightsError if there are none."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise WeightsError(f"{index} lists shard(s) that do not exist: {', '.join(absent)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        hint = " (PyTorch .bin checkpoints are not loaded: convert them to safetensors)" \
+            if any(model_dir.glob("*.bin")) else ""
+        raise WeightsError(f"no *.safetensors weights in {model_dir}{hint}")
+    return files
+
+
+def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor in `files`, converted to `dtype` and moved to `device`."""
+    total = 0
+    names_by_file = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise WeightsError(f"{path}: cannot read safetensors file ({exc})") from None
+        names_by_file.append((path, names))
+        total += len(names)
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    try:
+        for path, names in names_by_file:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in names:
+                    try:
+                        tensor = handle.get_tensor(name)
+                    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                        raise WeightsError(f"{path}: tensor {name} is corrupt ({exc})") from None
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    yield name, tensor.to(device)
+                    bar.update(1)
+    finally:
+        bar.close()

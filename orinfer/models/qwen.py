@@ -1,0 +1,185 @@
+"""Qwen2 / Qwen2.5 and Qwen3 decoders in one definition.
+
+The two families differ in two flags of `ModelConfig`: `attention_bias` (Qwen2 adds a bias to q/k/v) and `qk_norm`
+(Qwen3 RMS-normalises each head of q and k before RoPE). Everything else - GQA, SwiGLU MLP, pre-norm residual
+blocks, tied or untied lm_head - is shared. Checkpoint names are HF's; q/k/v and gate/up are packed at load.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from orinfer.config import ModelConfig
+from orinfer.errors import WeightsError
+from orinfer.layers.attention import Attention, AttentionMetadata
+from orinfer.layers.embedding import Embedding, LMHead
+from orinfer.layers.linear import Linear, PackedLinear
+from orinfer.layers.norm import RMSNorm
+from orinfer.layers.ops import Ops
+from orinfer.layers.rotary import RotaryEmbedding
+
+# checkpoint sub-name -> (packed parameter's sub-name, shard id)
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class QwenAttentionBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+                                     cfg.attention_bias, ops, dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, ops, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
+        self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
+        self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ops)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size], dim=-1)
+        q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class QwenMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up packed into one [2I, H] weight."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size},
+                                         False, ops, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
+
+    def forward(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
+        fused = self.ops.fused_gate_up_silu
+        if fused is not None and is_decode:
+            return self.down_proj(fused(x, self.gate_up_proj.weight))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.self_attn = QwenAttentionBlock(cfg, rotary, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.mlp = QwenMLP(cfg, ops, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden, is_decode=not meta.is_prefill), residual
+
+
+class QwenForCausalLM(nn.Module):
+    """The full model. `forward` returns final hidden states; `compute_logits` applies the head to chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.act_dtype = act_dtype
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, ops)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(cfg, self.rotary, ops, weight_dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
+                              tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # --- KV cache -------------------------------------------------------------------------------------------------
+
+    def attention_layers(self) -> list[Attention]:
+        """The layers that own a KV cache, in order; the runner binds one (k, v) pool pair to each."""
+        return [layer.self_attn.attn for layer in self.layers]
+
+    # --- weights ----------------------------------------------------------------------------------------------------
+
+    def _param_for(self, hf_name: str) -> tuple[str, object] | None:
+        """Maps an HF checkpoint name to (our parameter name, shard id), or None for tensors we do not use."""
+        name = hf_name.removeprefix("model.")
+        if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+            return None  # tied: the head is the embedding matrix
+        if "rotary_emb" in name:
+            return None
+        for ckpt, (packed, shard) in _PACKED.items():
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{packed}."), shard
+        return name, None
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors into the model, checking every shape, and fails if any parameter was not filled."""
+        params = dict(self.named_parameters())
+        expected = self._expected_keys()
+        loaded: set[tuple[str, object]] = set()
+        for hf_name, tensor in tensors:
+            target = self._param_for(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            param = params.get(name)
+            if param is None:
+                continue  # extra tensors in a checkpoint are harmless (HF ignores them too)
+            param.weight_loader(param, tensor, shard, hf_name)
+            loaded.add((name, shard))
+        missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(_hf_name(m) for m in missing[:6])
+            more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
+            raise WeightsError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
+
+    def _expected_keys(self) -> set[tuple[str, object]]:
+        keys: set[tuple[str, object]] = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, PackedLinear):
+                keys.update((name, shard) for shard in module.shard_offsets)
+            else:
+                keys.add((name, None))
+        return keys
+
+    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights under HF names, packed matrices split back (inverse of load_weights); for saving models."""
+        for name, param in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            prefix = "" if name.startswith("lm_head.") else "model."
+            if isinstance(module, PackedLinear):
+                for shard, (offset, rows) in module.shard_offsets.items():
+                    for ckpt, (packed, sid) in _PACKED.items():
+                        if sid == shard and f".{packed}." in name:
+                            yield prefix + name.replace(packed, ckpt), param.data.narrow(0, offset, rows)
+            else:
+                yield prefix + name, param.data
+
+
+def _hf_name(ours: str) -> str:
+    """Our parameter name (with optional [shard]) back to the HF checkpoint name, for error messages."""
+    base, _, shard = ours.partition("[")
+    shard = shard.rstrip("]")
+    for ckpt, (packed, sid) in _PACKED.items():
+        if f".{packed}." in base and str(sid) == shard:
+            base = base.replace(packed, ckpt)
+    return base if base.startswith("lm_head.") else "model." + base

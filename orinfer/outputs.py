@@ -1,0 +1,48 @@
+"""What `LLM.generate` returns for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orinfer.engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request, in seconds and tokens per second (as the seed's reports print them)."""
+
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    ttft_s: float | None          # arrival -> first generated token
+    prefill_tok_s: float | None   # prompt tokens / time of the prefill step(s) that ran them
+    decode_tok_s: float | None    # tokens after the first / time from the first token to the last
+    e2e_s: float | None           # arrival -> finish
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        prefill = seq.num_prompt_tokens / seq.prefill_seconds if seq.prefill_seconds > 0 else None
+        decode = None
+        if seq.finish_time is not None and seq.first_token_time is not None and seq.num_completion_tokens > 1:
+            span = seq.finish_time - seq.first_token_time
+            decode = (seq.num_completion_tokens - 1) / span if span > 0 else None
+        e2e = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
+        return cls(seq.num_prompt_tokens, seq.num_completion_tokens, ttft, prefill, decode, e2e, seq.num_preemptions)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None       # "stop" (EOS, stop id or stop string), "length", "abort"; None while running
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_text,
+                   seq.completion_token_ids, seq.finish_reason, RequestMetrics.of(seq), list(seq.logprobs))

@@ -1,0 +1,116 @@
+"""Per-request sampling settings, validated when made.
+
+Fields left as None take the model's defaults from generation_config.json (as vLLM does), then the neutral value
+(temperature 1, no top-k/top-p/min-p, no penalties). temperature 0 means greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from orinfer.errors import RequestError
+
+# generation_config.json key -> SamplingParams field, for the defaults a checkpoint may set.
+_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16             # None: up to the context length
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None                # 0 or -1: disabled
+    min_p: float | None = None
+    repetition_penalty: float | None = None  # HF style, over prompt + output; 1 = off
+    presence_penalty: float = 0.0           # OpenAI style, over the output; 0 = off
+    frequency_penalty: float = 0.0
+    seed: int | None = None                 # same seed + same inputs -> same tokens, whatever else is batched
+    stop: str | list[str] | None = None     # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0                     # EOS and stop ids are ignored before this many tokens
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None             # number of top log-probabilities to return per token (None: off)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises RequestError naming the first invalid field."""
+        _check_int("max_tokens", self.max_tokens, low=1, allow_none=True)
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_int("top_k", self.top_k, low=-1, allow_none=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_int("seed", self.seed, low=-(2 ** 63), allow_none=True)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        _check_int("logprobs", self.logprobs, low=0, high=20, allow_none=True)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers")
+
+    def with_defaults(self, generation_config: dict[str, Any]) -> "SamplingParams":
+        """A copy where unset fields take the checkpoint's generation_config values, then neutral ones."""
+        changes: dict[str, Any] = {}
+        sample = generation_config.get("do_sample", True)
+        for key in _GENERATION_CONFIG_KEYS:
+            if getattr(self, key) is None and key in generation_config and generation_config[key] is not None:
+                changes[key] = generation_config[key]
+        if self.temperature is None and sample is False:
+            changes["temperature"] = 0.0
+        out = dataclasses.replace(self, **changes)
+        out.temperature = 1.0 if out.temperature is None else float(out.temperature)
+        out.top_p = 1.0 if out.top_p is None else float(out.top_p)
+        out.top_k = 0 if out.top_k is None or out.top_k < 0 else int(out.top_k)
+        out.min_p = 0.0 if out.min_p is None else float(out.min_p)
+        out.repetition_penalty = 1.0 if out.repetition_penalty is None else float(out.repetition_penalty)
+        out.validate()
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is not None and self.temperature < 1e-5
+
+
+def _bad(name: str, value: Any, rule: str) -> RequestError:
+    return RequestError(f"invalid sampling parameter {name}={value!r}: {rule}")
+
+
+def _check_float(name: str, value: Any, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, "must be a number")
+    if not math.isfinite(value):
+        raise _bad(name, value, "must be finite")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise _bad(name, value, f"must be {'>' if low_open else '>='} {low}")
+    if high is not None and value > high:
+        raise _bad(name, value, f"must be <= {high}")
+
+
+def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None,
+               allow_none: bool = False) -> None:
+    if value is None:
+        if allow_none:
+            return
+        raise _bad(name, value, "is required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, value, "must be an integer")
+    if low is not None and value < low:
+        raise _bad(name, value, f"must be >= {low}")
+    if high is not None and value > high:
+        raise _bad(name, value, f"must be <= {high}")

@@ -154,6 +154,9 @@ class ModelRunner:
             output_ids=_padded([s.completion_token_ids for s in seqs], dev) if need_output else None,
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in params),
+            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0 for p in params),
+            use_repetition_penalty=need_history, use_presence_frequency=need_output,
             num_logprobs=num_logprobs, want_logprobs=any(p.logprobs is not None for p in params),
         )
 

@@ -56,10 +56,13 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.k_cache is None or meta.slot_mapping is None:
+        if self.k_cache is not None and meta.slot_mapping is not None:
+            self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            # Every prefill starts at position 0 (recompute after preemption re-runs the whole sequence), so the
+            # fresh k/v are the whole context: a varlen flash kernel needs no reads from the cache.
             out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale)
         else:
-            self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                            meta.query_start_loc, self.scale)
         return out.reshape(tokens, self.num_heads * self.head_dim)

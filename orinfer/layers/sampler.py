@@ -28,6 +28,11 @@ class SamplingBatch:
     output_ids: torch.Tensor | None    # [B, L] int64 output ids, for presence/frequency penalties
     generators: list[torch.Generator | None] = field(default_factory=list)
     all_greedy: bool = False
+    # Host-side flags, so that no step pays a device->host sync to learn whether a filter is needed.
+    use_top_k_top_p: bool = True
+    use_min_p: bool = True
+    use_repetition_penalty: bool = True
+    use_presence_frequency: bool = True
     num_logprobs: int = 0              # top log-probabilities to return per row (0: only the sampled token's)
     want_logprobs: bool = False
 
@@ -42,12 +47,12 @@ class SamplerOutput:
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
-    if batch.history is not None and bool((batch.repetition_penalty != 1.0).any()):
+    if batch.history is not None and batch.use_repetition_penalty:
         seen = _token_mask(batch.history, vocab)
         penalty = batch.repetition_penalty[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
-    if batch.output_ids is not None and bool(((batch.presence_penalty != 0) | (batch.frequency_penalty != 0)).any()):
+    if batch.output_ids is not None and batch.use_presence_frequency:
         counts = _token_counts(batch.output_ids, vocab)
         logits = logits - batch.frequency_penalty[:, None] * counts \
             - batch.presence_penalty[:, None] * (counts > 0).float()
@@ -70,7 +75,7 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p; masked entries become -inf. logits [B, V] fp32."""
     temperature = torch.where(batch.temperature < 1e-5, torch.ones_like(batch.temperature), batch.temperature)
     logits = logits / temperature[:, None]
-    if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1.0).any()):
+    if batch.use_top_k_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -81,7 +86,7 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         drop |= (probs.cumsum(dim=-1) - probs) >= batch.top_p[:, None]
         drop[:, 0] = False
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if bool((batch.min_p > 0).any()):
+    if batch.use_min_p:
         probs = torch.softmax(logits, dim=-1)
         threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))

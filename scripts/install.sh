@@ -19,8 +19,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "${pip[@]}" torch
   else
     echo "no NVIDIA GPU found: installing a CPU build of torch"
-    "${pip[@]}" --no-index torch 2>/dev/null \
-      || "${pip[@]}" torch --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+    # A local CPU wheel (pip's find-links) first, without deps, which are then fetched from the normal index.
+    if "${pip[@]}" --no-index --no-deps torch 2>/dev/null; then
+      "${pip[@]}" torch
+    else
+      "${pip[@]}" torch --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+    fi
   fi
 fi
 

@@ -58,7 +58,8 @@ class LLM:
         tok = Tokenizer.from_dir(tokenizer or model_dir) if tokenizer or (model_dir / "tokenizer.json").is_file() \
             else None
         net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
-        parts = EngineParts(net, model_config, tok, read_generation_config(model_dir), dev, act_dtype)
+        parts = EngineParts(net, model_config, tok, read_generation_config(model_dir), dev, act_dtype,
+                            graph_safe=ops.name == "triton")
         self.engine = LLMEngine(parts, config)
         self.tokenizer = tok
         self.device = dev

@@ -38,6 +38,7 @@ class EngineParts:
     generation_config: dict[str, Any]
     device: torch.device
     act_dtype: torch.dtype
+    graph_safe: bool = False              # the backend's decode path has no host syncs (CUDA graphs allowed)
 
 
 class LLMEngine:
@@ -48,7 +49,8 @@ class LLMEngine:
         mcfg = parts.model_config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
-        self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len)
+        self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
+                                  graph_safe=parts.graph_safe)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}

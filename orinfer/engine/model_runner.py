@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from orinfer.config import EngineConfig, ModelConfig
+from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.sequence import Sequence
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
@@ -23,12 +24,18 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineConfig,
-                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int) -> None:
+                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int, graph_safe: bool = False) -> None:
         self.model, self.model_config, self.config = model, model_config, engine_config
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        # Graphs need a backend whose decode path never syncs with the host (the torch reference does).
+        if engine_config.cuda_graph and device.type == "cuda" and graph_safe:
+            max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+            self.graphs = DecodeGraphs(model, engine_config.max_num_seqs, max_blocks, device)
+            self.graphs.capture()
 
     # --- KV cache ---------------------------------------------------------------------------------------------------
 
@@ -88,9 +95,10 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            # empty, not zeros: a slot is always written before it is read (attention reads only context_lens slots).
-            attn.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            # Zeros, although a slot is always written before attention reads it: CUDA-graph padding rows read one
+            # slot they never wrote, and it must hold finite values.
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block() / 2**20)
@@ -165,8 +173,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[last_rows])
+        if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            logits = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+            logits = self.model.compute_logits(hidden[last_rows])
         return sample(logits, self.sampling_batch(seqs))
 
 

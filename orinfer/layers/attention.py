@@ -61,7 +61,7 @@ class Attention(nn.Module):
         if meta.is_prefill:
             # Every prefill starts at position 0 (recompute after preemption re-runs the whole sequence), so the
             # fresh k/v are the whole context: a varlen flash kernel needs no reads from the cache.
-            out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale)
+            out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale, max_seqlen=meta.max_query_len)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                            meta.query_start_loc, self.scale)

@@ -1,0 +1,74 @@
+"""orinfer's own timings through the real engine (scheduler, paged cache, graphs): prefill, decode, TTFT, memory."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from orinfer.config import EngineConfig, ModelConfig
+from orinfer.engine.llm_engine import EngineParts
+from orinfer.llm import LLM
+from orinfer.sampling_params import SamplingParams
+
+
+def decode_bytes_per_token(cfg: ModelConfig, weight_bytes: int, context: int, kv_elem: int) -> int:
+    """Bytes one decode step at batch 1 must read: every weight but the embedding table (one row is read), plus the
+    lm_head (the same matrix when tied), plus the KV cache of the context."""
+    embed = cfg.vocab_size * cfg.hidden_size * 2
+    weights = weight_bytes - (0 if cfg.tie_word_embeddings else embed)
+    kv = 2 * cfg.num_hidden_layers * context * cfg.kv_size * kv_elem
+    return weights + kv
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """Matmul FLOPs of a prefill of `tokens` (projections, MLP, causal attention, one lm_head row)."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    proj = 2 * tokens * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size)
+    attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * tokens * tokens / 2  # QK^T and PV, causal half
+    return layers * (proj + attn) + 2 * h * cfg.vocab_size
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n, length), generator=gen).tolist()
+
+
+def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes: list[int], decode_tokens: int,
+                 decode_prompt_len: int = 128, repeats: int = 3) -> dict:
+    """Prefill at each prompt length (median of `repeats`), decode throughput at each batch size."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    out: dict = {"prefill": {}, "decode": {}}
+    llm.generate(_prompts(1, 64, cfg.vocab_size, 0), SamplingParams(max_tokens=8, **greedy))  # warm-up
+    for length in prompt_lens:
+        runs = [llm.generate(_prompts(1, length, cfg.vocab_size, r), SamplingParams(max_tokens=1, **greedy))[0]
+                for r in range(repeats + 1)][1:]
+        seconds = statistics.median(1 / o.metrics.prefill_tok_s * length for o in runs)
+        ttft = statistics.median(o.metrics.ttft_s for o in runs)
+        out["prefill"][length] = {"tok_s": length / seconds, "seconds": seconds, "ttft_ms": ttft * 1000,
+                                  "tflops": prefill_flops(cfg, length) / seconds / 1e12}
+    for batch in batch_sizes:
+        prompts = _prompts(batch, decode_prompt_len, cfg.vocab_size, 100 + batch)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=decode_tokens, **greedy))
+        # From the moment every sequence has its first token to the last finish: pure batched decode.
+        start = max(o.metrics.ttft_s for o in outs)
+        end = max(o.metrics.e2e_s for o in outs)
+        steps = min(o.metrics.num_generated_tokens for o in outs) - 1
+        out["decode"][batch] = {"tok_s": batch * steps / (end - start), "step_ms": (end - start) / steps * 1000,
+                                "per_seq_tok_s": steps / (end - start)}
+    return out
+
+
+def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend: str,
+                        engine_config: EngineConfig, fused_ffn: bool = True) -> LLM:
+    from orinfer.layers.ops import get_ops
+    from orinfer.loader import random_model
+
+    ops = get_ops(backend, device, fused_ffn=fused_ffn)
+    model = random_model(cfg, ops, dtype, dtype, device)
+    parts = EngineParts(model, cfg, None, {}, device, dtype, graph_safe=ops.name == "triton")
+    return LLM.from_parts(parts, engine_config)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

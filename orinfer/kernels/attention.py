@@ -6,11 +6,24 @@ lives in block block_table[t // block_size] at offset t % block_size; its flat s
 One reference covers prefill, decode and recompute after preemption: sequence i contributes the query rows
 query_start_loc[i]:query_start_loc[i+1] (its newest tokens) and attends over its first context_lens[i] cached
 tokens, causally: query j (of n) sits at position context_len - n + j and sees keys at positions <= its own.
+
+Triton kernels (below the references): `store_kv`; `paged_decode_attention` (flash-decoding: split-K over the
+context, GQA-grouped, log-sum-exp merge) behind `paged_attention`; `varlen_attention` (causal flash attention over
+concatenated prompts, for prefill). All softmax math is fp32 in the log2 domain; 16-bit inputs use tensor-core dots
+with fp32 accumulation, fp32 inputs exact fp32 dots.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
+import triton.language as tl
+
+from orinfer.kernels.gemv import check_device, interpreting
+
+_LOG2E = 1.4426950408889634
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,11 +73,344 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def varlen_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention within each segment of concatenated sequences, without a cache (training, warm-up)."""
+                                query_start_loc: torch.Tensor, scale: float, *, max_seqlen: int | None = None
+                                ) -> torch.Tensor:
+    """Causal attention within each segment of concatenated sequences (prefill, training, warm-up).
+    max_seqlen is accepted for signature parity with the Triton kernel and not needed here."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for begin, end in zip(starts[:-1], starts[1:]):
         if end > begin:
             out[begin:end] = causal_attention_ref(q[begin:end], k[begin:end], v[begin:end], scale)
+    return out
+
+
+# --- Triton: KV store -------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, stride_kt, stride_kh, stride_vt, stride_vh,
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    mask = (h < HK)[:, None] & (d < D)[None, :] & (slot >= 0)
+    dst = slot * HK * D + h[:, None] * D + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Triton `store_kv_ref`: k, v [T, kv_heads, D] (unit last stride; token/head strides free, e.g. views of the
+    packed qkv output) into the contiguous caches at flat slots [T] (int32/int64); slots < 0 are skipped.
+
+    Kernel: grid (T, cdiv(Hk, BLOCK_H)); a program copies BLOCK_H heads of one token's K and V (converted to the
+    cache dtype). Traffic: 2*T*Hk*D read + written.
+    """
+    check_device(k)
+    tokens, kv_heads, head_dim = k.shape
+    if (v.shape != k.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (kv_heads, head_dim)
+            or slot_mapping.shape != (tokens,)):
+        raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"slots {tuple(slot_mapping.shape)} do not match")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv: the caches must be contiguous")
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, min(triton.next_power_of_2(kv_heads), 4096 // block_d))
+    _store_kv_kernel[(tokens, triton.cdiv(kv_heads, block_h))](
+        k, v, k_cache, v_cache, slot_mapping, kv_heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        D=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+
+
+# --- Triton: paged decode attention (flash-decoding) ------------------------------------------------------------------
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                         HQ, GROUP, num_splits, scale_log2,
+                         stride_qb, stride_qh, stride_bt, stride_cblk, stride_ctok, stride_ch, stride_ob, stride_oh,
+                         D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr,
+                         SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < D
+    heads = kvh * GROUP + g  # the query heads that read this kv head (GQA): K/V tiles are loaded once for all
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * BLOCK_N + offs_n
+        t_mask = tok < ctx
+        block = tl.load(bt_row + tok // BS, mask=t_mask, other=0).to(tl.int64)
+        row = block * stride_cblk + (tok % BS) * stride_ctok + kvh * stride_ch
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every visited tile holds >= 1 valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range (context 0, or a split past the end) writes zeros
+    o = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        idx = (b * HQ + heads).to(tl.int64) * num_splits + split
+        tl.store(part_o_ptr + idx[:, None] * D + d[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
+                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    base = (b * HQ + h).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # log2 domain
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom > 0, denom, 1.0)
+    o = tl.load(part_o_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / denom
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_f32(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether the attention dots run as exact fp32 dots (fp32 or mixed inputs, or the interpreter, whose bf16
+    dot is wrong) rather than 16-bit tensor-core dots with fp32 accumulation."""
+    return a != b or a == torch.float32 or interpreting()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Flash-decoding over the paged cache: one query token per sequence, q [B, Hq, D] -> [B, Hq, D] in q's dtype.
+
+    Query b attends over the first context_lens[b] cached tokens of its sequence (its own included: decode has
+    already stored it). Kernel 1, grid (B, Hk, num_splits): a program owns one kv head (so each K/V tile is loaded
+    once for all Hq/Hk query heads of the group, padded to 16 rows for the tensor-core dots) and one contiguous
+    share of the sequence's BLOCK_N-token tiles; it gathers tokens through the block table, keeps an online
+    softmax (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp. Kernel 2, grid (B, Hq),
+    merges the splits by their LSE. num_splits = 1 skips kernel 2 (kernel 1 writes the output). Default
+    num_splits: enough programs for ~2 per SM, computed from shapes only (block_tables.shape[1] bounds the
+    context), so no device->host sync and the launch is CUDA-graph safe; splits past a sequence's end write zeros.
+    Any cache block size and any head_dim (masked to the next power of two >= 16) work.
+    Traffic: the context's K and V once (2*ctx*Hk*D elements per sequence) + q/out + 2*splits*Hq*(D+1) fp32.
+    """
+    check_device(q)
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
+            or block_tables.shape[0] != batch or context_lens.shape != (batch,)):
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_decode_attention: the caches must be contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = heads // kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = max(16, triton.next_power_of_2(group))
+    dot_f32 = _dot_f32(q.dtype, k_cache.dtype)
+    # Tiles chosen from ptxas reports for sm_90 (registers <= 128, no spills); exact fp32 dots are FMA loops.
+    if block_d <= 128:
+        block_n = 64
+    else:
+        block_n = 16 if dot_f32 else 32
+    max_tiles = max(1, triton.cdiv(block_tables.shape[1] * block_size, block_n))
+    if num_splits is None:
+        num_splits = min(triton.cdiv(2 * _num_sms(q.device), batch * kv_heads), max_tiles, 64)
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _paged_decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
+        heads, group, num_splits, scale * _LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        D=head_dim, BS=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
+        DOT_F32=dot_f32, num_warps=4, num_stages=2)
+    if split:
+        _combine_splits_kernel[(batch, heads)](
+            part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention_ref`'s signature. When there are as many query rows as sequences (decode: one new token
+    each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel;
+    otherwise (several new tokens over a cached prefix: not produced by the engine today) the reference."""
+    if q.shape[0] == context_lens.shape[0]:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+
+
+# --- Triton: varlen causal flash attention (prefill) ------------------------------------------------------------------
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_base, v_base, keys, offs_m, d, length, stride_kt, stride_vt, scale_log2,
+                 D: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """One key tile of the online softmax: updates (m_i, l_i, acc) with keys [BLOCK_N] of the segment."""
+    if MASKED:
+        kv_mask = (keys < length)[:, None] & (d < D)[None, :]
+    else:
+        kv_mask = (d < D)[None, :]
+    k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    if MASKED:
+        s = tl.where((keys[None, :] <= offs_m[:, None]) & (keys < length)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile's first key is <= every row's position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, GROUP, scale_log2,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DOT_F32: tl.constexpr):
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (most key tiles) blocks are scheduled first
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(qsl_ptr + seq)
+    length = tl.load(qsl_ptr + seq + 1) - start
+    m0 = m_block * BLOCK_M
+    if m0 < length:
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < length
+        d_mask = d < D
+        rows_m = (start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows_m[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        k_base = k_ptr + start.to(tl.int64) * stride_kt + kvh * stride_kh
+        v_base = v_ptr + start.to(tl.int64) * stride_vt + kvh * stride_vh
+        # Key tiles entirely before the query block need no mask (BLOCK_M is a multiple of BLOCK_N, m0 < length);
+        # the diagonal tiles get the causal and length masks.
+        for n0 in range(0, m0, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, n0 + offs_n, offs_m, d, length,
+                                         stride_kt, stride_vt, scale_log2, D, False, DOT_F32)
+        for n0 in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_base, v_base, n0 + offs_n, offs_m, d, length,
+                                         stride_kt, stride_vt, scale_log2, D, True, DOT_F32)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + rows_m[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & d_mask[None, :])
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                     *, max_seqlen: int | None = None) -> torch.Tensor:
+    """Triton `varlen_causal_attention_ref`: causal flash attention within each segment of concatenated sequences.
+
+    q [T, Hq, D], k/v [T, Hk, D] (unit last stride, other strides free), query_start_loc [B+1] int -> [T, Hq, D].
+    Kernel: grid (cdiv(max_seqlen, BLOCK_M), B, Hq); a program holds BLOCK_M query rows of one head and streams
+    the segment's key/value tiles up to the diagonal (GQA: kv head = h // (Hq/Hk)) with an fp32 online softmax.
+    max_seqlen (host int) avoids the device->host sync that computing it from query_start_loc needs.
+    Traffic: q, out once; K/V once per query block (L2-resident for typical prompt lengths).
+    """
+    check_device(q)
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape or heads % kv_heads:
+        raise ValueError(f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    num_seqs = query_start_loc.shape[0] - 1
+    if tokens == 0 or num_seqs <= 0:
+        return out
+    if max_seqlen is None:
+        max_seqlen = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync; fine for a prefill
+    if max_seqlen <= 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    dot_f32 = _dot_f32(q.dtype, k.dtype)
+    # Tiles chosen from ptxas reports for sm_90: wgmma tiles without spills for 16-bit inputs; exact fp32 dots are
+    # FMA loops that spill above 16x16 tiles (fp32 prefill is a correctness mode, not a fast path).
+    if interpreting() or dot_f32:
+        block_m, block_n, warps, stages = 16, 16, 4, 2  # also: short test sequences cross tiles in the interpreter
+    elif block_d <= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, warps, stages = 64, 32, 8, 2
+    _varlen_fwd_kernel[(triton.cdiv(max_seqlen, block_m), num_seqs, heads)](
+        q, k, v, out, query_start_loc, heads // kv_heads, scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
+        num_warps=warps, num_stages=stages)
     return out

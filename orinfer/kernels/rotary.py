@@ -9,7 +9,10 @@ Math: for head vector x of size D split into halves (x1, x2) and angle theta_i =
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from orinfer.kernels.gemv import check_device
 from orinfer.kernels.norm import rms_norm_ref
 
 
@@ -48,3 +51,88 @@ def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
+                         HQ, HK, stride_q, stride_k, stride_cs, eps,
+                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)   # q heads 0..HQ-1, then k heads HQ..HQ+HK-1
+    is_q = heads < HQ
+    is_k = (heads >= HQ) & (heads < HQ + HK)
+    kh = heads - HQ
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    head_dim = 2 * HALF
+    q_mask = is_q[:, None] & d_mask[None, :]
+    k_mask = is_k[:, None] & d_mask[None, :]
+    q_off = t * stride_q + heads[:, None] * head_dim + d[None, :]
+    k_off = t * stride_k + kh[:, None] * head_dim + d[None, :]
+    act_ty = q_out_ptr.dtype.element_ty
+    # Each head row comes from q or from k: two masked loads, merged.
+    x1 = tl.where(is_q[:, None], tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(tl.float32),
+                  tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(tl.float32))
+    x2 = tl.where(is_q[:, None], tl.load(q_ptr + q_off + HALF, mask=q_mask, other=0.0).to(tl.float32),
+                  tl.load(k_ptr + k_off + HALF, mask=k_mask, other=0.0).to(tl.float32))
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim + eps)
+        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        w2 = tl.where(is_q[:, None], tl.load(qw_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        # rms_norm_ref rounding: normalised value to the dtype, times the weight, to the dtype again.
+        x1 = (w1 * (x1 * rstd[:, None]).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
+        x2 = (w2 * (x2 * rstd[:, None]).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)[None, :]
+    # The reference computes x*cos + rotate_half(x)*sin in the activation dtype: every product and the sum round.
+    o1 = ((x1 * cos).to(act_ty).to(tl.float32) - (x2 * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    o2 = ((x2 * cos).to(act_ty).to(tl.float32) + (x1 * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    q_dst = q_out_ptr + t * HQ * head_dim + heads[:, None] * head_dim + d[None, :]
+    k_dst = k_out_ptr + t * HK * head_dim + kh[:, None] * head_dim + d[None, :]
+    tl.store(q_dst, o1, mask=q_mask)
+    tl.store(q_dst + HALF, o2, mask=q_mask)
+    tl.store(k_dst, o1, mask=k_mask)
+    tl.store(k_dst + HALF, o2, mask=k_mask)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 head_dim: int, q_norm_weight: torch.Tensor | None = None,
+                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton per-head RMSNorm (optional) + RoPE with `qk_norm_rope_ref`'s signature and rounding.
+
+    q [T, Hq*D], k [T, Hk*D] (row strides free: they may be column slices of the packed qkv output; unit last
+    stride), positions [T] int, cos_sin [max_pos, D] fp32 -> new contiguous q_out [T, Hq*D], k_out [T, Hk*D].
+    Kernel: grid (T, cdiv(Hq+Hk, BLOCK_H)); a program takes BLOCK_H heads (q and k heads in one index space) of
+    one token as two [BLOCK_H, D/2] halves, norms each head in fp32, rotates, stores. Traffic: read + write
+    (Hq+Hk)*D elements per token, plus D cos/sin values.
+    """
+    check_device(q)
+    tokens = q.shape[0]
+    if head_dim % 2 or q.shape[-1] % head_dim or k.shape[-1] % head_dim or k.shape[0] != tokens:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, head_dim {head_dim} do not match")
+    if q.dtype != k.dtype or (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("qk_norm_rope: q and k must share a dtype, and both norm weights be given or neither")
+    if cos_sin.shape[-1] != head_dim:
+        raise ValueError(f"cos_sin has {cos_sin.shape[-1]} columns, head_dim is {head_dim}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+    hq, hk = q.shape[-1] // head_dim, k.shape[-1] // head_dim
+    q_out = torch.empty(tokens, hq * head_dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, hk * head_dim, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    has_norm = q_norm_weight is not None
+    qw = q_norm_weight.contiguous() if has_norm else q_out
+    kw = k_norm_weight.contiguous() if has_norm else k_out
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_half))
+    _qk_norm_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
+        q, k, positions, cos_sin, qw, kw, q_out, k_out, hq, hk, q.stride(0), k.stride(0), cos_sin.stride(0),
+        eps, HALF=half, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
+    return q_out, k_out

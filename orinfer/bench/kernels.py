@@ -1,0 +1,217 @@
+"""Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes.
+
+Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
+before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
+minimum, the achieved GB/s and its share of the device's read bandwidth measured in the same run (a reduction over
+a 4 GiB buffer). Attention prefill rows add TFLOP/s. Run: `python -m orinfer.bench.kernels` (needs a CUDA device;
+importing this module does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Qwen3-8B
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 12288, 32, 8, 128, 151936
+EPS = 1e-6
+
+
+class _Timer:
+    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
+        self.iters, self.warmup = iters, warmup
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)  # larger than the H200's 50 MB L2
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Median microseconds of fn()."""
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0)
+        return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:
+    x = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).uniform_()
+    timer = _Timer(device, iters=10, warmup=3)
+    us = timer(lambda: x.sum())
+    del x
+    torch.cuda.empty_cache()
+    return gib * 2**30 / us / 1e3
+
+
+def _paged_cache(ctx: int, batch: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    blocks_per_seq = math.ceil(ctx / block_size)
+    num_blocks = blocks_per_seq * batch
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks, as after churn
+    block_tables = perm.view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return k_cache, v_cache, block_tables, context_lens
+
+
+def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, iters: int = 50,
+                     batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Rows of {op, shape, impl, us, bytes, GBps, pct_read_bw, speedup (torch us / triton us), config}."""
+    from orinfer.kernels import activation, attention, gemv, norm, rotary  # imports triton
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    read_gbps = read_bandwidth_gbps(dev)
+    timer = _Timer(dev, iters=iters, warmup=5)
+    esize = torch.empty((), dtype=dtype).element_size()
+    rows: list[dict] = [{"op": "read bandwidth (x.sum, 4 GiB fp32)", "shape": "", "impl": "torch", "us": None,
+                         "bytes": 4 * 2**30, "GBps": read_gbps, "pct_read_bw": 100.0}]
+
+    def add(op: str, shape: str, nbytes: float, triton_fn, torch_fn, flops: float | None = None,
+            config: str = "") -> None:
+        t_us = timer(triton_fn)
+        r_us = timer(torch_fn) if torch_fn is not None else None
+        for impl, us in (("triton", t_us), ("torch", r_us)):
+            if us is None:
+                continue
+            row = {"op": op, "shape": shape, "impl": impl, "us": us, "bytes": nbytes, "GBps": nbytes / us / 1e3,
+                   "pct_read_bw": 100.0 * nbytes / us / 1e3 / read_gbps}
+            if flops:
+                row["TFLOPs"] = flops / us / 1e6
+            if impl == "triton":
+                row["speedup"] = (r_us / t_us) if r_us else None
+                row["config"] = config
+            rows.append(row)
+
+    def randn(*shape, scale: float = 1.0):
+        return torch.randn(*shape, device=dev, dtype=torch.float32).mul_(scale).to(dtype)
+
+    # RMSNorm + residual: fused vs add then norm.
+    w_norm = randn(HIDDEN, scale=0.1).add_(1)
+    for t in (1, 2048):
+        x, r = randn(t, HIDDEN), randn(t, HIDDEN)
+        add("rms_norm+residual", f"T={t} H={HIDDEN}", (4 * t * HIDDEN + HIDDEN) * esize,
+            lambda: norm.rms_norm(x, w_norm, EPS, r), lambda: norm.rms_norm_ref(x, w_norm, EPS, r))
+
+    # QK-norm + RoPE on slices of a packed qkv row.
+    cos_sin = rotary.rope_cos_sin_cache(HEAD_DIM, 40960, 1e6, device=dev)
+    qw, kw = randn(HEAD_DIM, scale=0.1).add_(1), randn(HEAD_DIM, scale=0.1).add_(1)
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for t in (1, 2048):
+        qkv = randn(t, q_size + 2 * kv_size)
+        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        pos = torch.randint(0, 4096, (t,), device=dev)
+        add("qk_norm_rope", f"T={t} Hq={HEADS} Hk={KV_HEADS} D={HEAD_DIM}", 2 * t * (q_size + kv_size) * esize,
+            lambda: rotary.qk_norm_rope(q, k, pos, cos_sin, HEAD_DIM, qw, kw, EPS),
+            lambda: rotary.qk_norm_rope_ref(q, k, pos, cos_sin, HEAD_DIM, qw, kw, EPS))
+
+    # SwiGLU on a prefill-sized gate_up.
+    gu = randn(2048, 2 * INTER)
+    add("silu_and_mul", f"T=2048 I={INTER}", 3 * 2048 * INTER * esize,
+        lambda: activation.silu_and_mul(gu), lambda: activation.silu_and_mul_ref(gu))
+
+    # Decode GEMVs (weights read once) and the fused gate/up + SwiGLU.
+    w_gate_up = randn(2 * INTER, HIDDEN, scale=0.02)
+    for b in batches:
+        x = randn(b, HIDDEN)
+        activation.fused_gate_up_silu(x, w_gate_up)  # tunes once, outside the timing
+        cfg = gemv.TUNER.cache.get((INTER, HIDDEN, b, True, False, dtype, dtype, str(x.device)))
+        add("fused gate_up+silu", f"B={b} H={HIDDEN} I={INTER}", (2 * INTER * HIDDEN + b * (HIDDEN + INTER)) * esize,
+            lambda: activation.fused_gate_up_silu(x, w_gate_up),
+            lambda: activation.silu_and_mul_ref(F.linear(x, w_gate_up)), config=str(cfg))
+    del w_gate_up
+    shapes = {"qkv": (q_size + 2 * kv_size, HIDDEN), "o": (HIDDEN, q_size), "down": (HIDDEN, INTER),
+              "lm_head": (VOCAB, HIDDEN)}
+    for name, (n, k) in shapes.items():
+        w = randn(n, k, scale=0.02)
+        for b in batches:
+            x = randn(b, k)
+            gemv.gemv(x, w)
+            cfg = gemv.TUNER.cache.get((n, k, b, False, False, dtype, dtype, str(x.device)))
+            add(f"gemv {name}", f"B={b} N={n} K={k}", (n * k + b * (n + k)) * esize,
+                lambda: gemv.gemv(x, w), lambda: F.linear(x, w), config=str(cfg))
+        del w
+    torch.cuda.empty_cache()
+
+    # Paged decode attention vs SDPA on contiguous K/V (the reference loop is far too slow to time).
+    scale = HEAD_DIM ** -0.5
+    for ctx in (512, 4096):
+        for b in batches:
+            k_cache, v_cache, tables, lens = _paged_cache(ctx, b, 16, dtype, dev)
+            q = randn(b, HEADS, HEAD_DIM)
+            k_flat = k_cache[tables.long()].reshape(b, -1, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
+            v_flat = v_cache[tables.long()].reshape(b, -1, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2).contiguous()
+            q4 = q.unsqueeze(2)
+            add("paged decode attention", f"B={b} ctx={ctx} Hq={HEADS} Hk={KV_HEADS}",
+                2 * b * ctx * kv_size * esize,
+                lambda: attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+                lambda: F.scaled_dot_product_attention(q4, k_flat, v_flat, scale=scale, enable_gqa=True))
+            del k_cache, v_cache, k_flat, v_flat
+
+    # Prefill attention: varlen flash kernel vs causal SDPA on one sequence.
+    for length in (512, 2048):
+        q, k, v = randn(length, HEADS, HEAD_DIM), randn(length, KV_HEADS, HEAD_DIM), randn(length, KV_HEADS, HEAD_DIM)
+        qsl = torch.tensor([0, length], dtype=torch.int32, device=dev)
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        flops = 4 * HEADS * HEAD_DIM * length * (length + 1) / 2
+        add("varlen attention (prefill)", f"L={length} Hq={HEADS} Hk={KV_HEADS}",
+            (2 * length * q_size + 2 * length * kv_size) * esize,
+            lambda: attention.varlen_attention(q, k, v, qsl, scale, max_seqlen=length),
+            lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True),
+            flops=flops)
+
+    # KV store of a prefill chunk.
+    t = 2048
+    k_new, v_new = randn(t, KV_HEADS, HEAD_DIM), randn(t, KV_HEADS, HEAD_DIM)
+    k_cache = torch.empty(t // 16 * 2, 16, KV_HEADS, HEAD_DIM, dtype=dtype, device=dev)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0] * 16, device=dev)[:t]
+    add("store_kv", f"T={t} Hk={KV_HEADS} D={HEAD_DIM}", 4 * t * kv_size * esize,
+        lambda: attention.store_kv(k_new, v_new, k_cache, v_cache, slots),
+        lambda: attention.store_kv_ref(k_new, v_new, k_cache, v_cache, slots))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| op | shape | impl | us | GB/s | % read BW | TFLOP/s | speedup vs torch | config |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        us = f"{r['us']:.1f}" if r.get("us") is not None else ""
+        tf = f"{r['TFLOPs']:.1f}" if r.get("TFLOPs") is not None else ""
+        sp = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else ""
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {us} | {r['GBps']:.0f} | {r['pct_read_bw']:.1f} "
+                     f"| {tf} | {sp} | {r.get('config', '')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the kernel benchmark needs a CUDA device")
+        return 1
+    rows = run_kernel_bench(args.device, getattr(torch, args.dtype), args.iters)
+    name = torch.cuda.get_device_name(torch.device(args.device))
+    print(f"# Kernel micro-benchmark on {name} ({args.dtype}, Qwen3-8B shapes)\n")
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "dtype": args.dtype, "rows": rows}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

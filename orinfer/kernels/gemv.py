@@ -1,0 +1,271 @@
+"""GEMV for decode: y = x W^T (+ b) for a handful of rows of x, reading every weight element exactly once.
+
+Math: x [B, K] (B <= 16: decode), W [N, K] row-major (stride(1) == 1), b [N]; y [B, N] = x W^T + b. Products and
+sums are fp32, the result is rounded once to x's dtype (as cuBLAS does). Mixed mode (fp32 x, 16-bit W): W is
+widened to fp32 as it is loaded, so the math is the fp32 GEMM of `gemv_ref` without materialising an fp32 copy.
+
+Traffic: N*K*sizeof(W) + B*K + B*N elements -> bandwidth-bound at decode batch sizes: the target time is
+N*K*sizeof(W) / (HBM read bandwidth). For Qwen3-8B in bf16: qkv 6144x4096 = 50 MB (12 us on an H200 at 4.1 TB/s),
+o 4096x4096 = 34 MB, down 4096x12288 = 101 MB, lm_head 151936x4096 = 1.24 GB (303 us).
+
+One kernel, two inner loops; per problem shape the fastest of a few configs of each, and of cuBLAS itself, is
+picked by timing them once (`_Tuner`; defaults where timing is impossible):
+  * FMA (B == 1): each program owns BLOCK_N output rows; per step it loads a [BLOCK_N, BLOCK_K] weight tile
+    (coalesced 16-byte vectors along K), multiplies by x[k0:k0+BLOCK_K] and accumulates into a [BLOCK_N, BLOCK_K]
+    fp32 register tile; one cross-lane reduction at the end. Latency is hidden by occupancy (several programs per
+    SM, each with one 4-16 KB tile in flight).
+  * DOT (any B <= 16): x is padded to 16 rows and the tile product is a tensor-core `tl.dot` of the weight tile
+    [BLOCK_N, BLOCK_K] with x^T [BLOCK_K, 16] (swap-AB: the large dimension N is the MMA's M, so BLOCK_N = 64 maps
+    onto Hopper's wgmma). The loads feed a dot, so Triton's software pipeliner keeps `num_stages` tiles in flight
+    (cp.async into shared memory). fp32 (and mixed) inputs use an exact ("ieee") fp32 dot.
+Grid: (cdiv(N, BLOCK_N),). No split-K: every Qwen projection has N >= 1024 rows.
+
+The same kernel serves the fused gate/up + SwiGLU of `kernels.activation.fused_gate_up_silu` (GATED=True): each
+program loads the gate rows n and the up rows I + n of the packed [2I, H] weight and writes silu(g) * u, with g and u
+rounded to the activation dtype first exactly as the unfused GEMM + `silu_and_mul` sequence does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the DOT path pads x to 16 rows; larger batches go to cuBLAS
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b in x's dtype; in mixed mode (fp32 x, 16-bit W) the weight is widened first."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(t: torch.Tensor) -> None:
+    if not t.is_cuda and not interpreting():
+        raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors)")
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, B, N, K, stride_xb, stride_wn, stride_ob, up_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # Rows past N are clamped to N-1 (read twice, never stored), so the weight loads need no row mask.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < B
+    wg_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    wu_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + offs_k[None, :]
+    if USE_DOT:
+        x_ptrs = x_ptr + offs_b[None, :] * stride_xb + offs_k[:, None]        # x^T tile [BLOCK_K, BLOCK_B]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + offs_k                                                 # row 0 of x [BLOCK_K]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # Weights are streamed once: evict_first keeps them from pushing x (re-read by every program) out of L2.
+        if EVEN_K:
+            wg = tl.load(wg_ptrs, eviction_policy="evict_first")
+            if GATED:
+                wu = tl.load(wu_ptrs, eviction_policy="evict_first")
+            if USE_DOT:
+                xv = tl.load(x_ptrs, mask=b_mask[None, :], other=0.0)
+            else:
+                xv = tl.load(x_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < K
+            wg = tl.load(wg_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            if USE_DOT:
+                xv = tl.load(x_ptrs, mask=k_mask[:, None] & b_mask[None, :], other=0.0)
+            else:
+                xv = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        if USE_DOT:
+            if DOT_F32:
+                xf = xv.to(tl.float32)
+                acc_g = tl.dot(wg.to(tl.float32), xf, acc_g, input_precision="ieee")
+                if GATED:
+                    acc_u = tl.dot(wu.to(tl.float32), xf, acc_u, input_precision="ieee")
+            else:
+                xw = xv.to(wg.dtype)
+                acc_g = tl.dot(wg, xw, acc_g)
+                if GATED:
+                    acc_u = tl.dot(wu, xw, acc_u)
+        else:
+            xf = xv.to(tl.float32)[None, :]
+            acc_g += wg.to(tl.float32) * xf
+            if GATED:
+                acc_u += wu.to(tl.float32) * xf
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        g = acc_g
+        u = acc_u
+    else:
+        g = tl.sum(acc_g, axis=1)[:, None]
+        u = tl.sum(acc_u, axis=1)[:, None]
+    out_ty = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if GATED:
+        # The unfused path rounds the GEMM output, then silu, then the product: do the same.
+        g = g.to(out_ty).to(tl.float32)
+        u = u.to(out_ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        g = s * u
+    out_ptrs = out_ptr + offs_b[None, :] * stride_ob + offs_n[:, None]
+    tl.store(out_ptrs, g.to(out_ty), mask=n_mask[:, None] & b_mask[None, :])
+
+
+class GemvConfig(NamedTuple):
+    use_dot: bool
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# "Use cuBLAS" (F.linear, then the silu_and_mul kernel when gated) is a candidate too, so the tuned choice is never
+# slower than the library. Candidate lists are short: each config is compiled once and timed once per shape.
+CUBLAS = GemvConfig(False, 0, 0, 0, 0)
+# FMA: 72-77 registers (gated: 105-163) and no spills on sm_90 per ptxas; one tile of 4-16 KB in flight per
+# program, several programs per SM.
+FMA_CONFIGS = [GemvConfig(False, 8, 512, 4, 1), GemvConfig(False, 16, 512, 8, 1), GemvConfig(False, 4, 1024, 4, 1),
+               GemvConfig(False, 16, 256, 4, 1), GemvConfig(False, 32, 256, 8, 1)]
+# DOT: BLOCK_N = 64 (128) rows per warpgroup lets Triton use Hopper's wgmma (M=64, N=16); smaller BLOCK_N falls
+# back to mma.sync with 160-255 registers and spills, so it is not offered. Shared memory: stages x (BLOCK_N +
+# 16) x BLOCK_K x 2 bytes (twice the weight part when gated).
+DOT_CONFIGS = [GemvConfig(True, 64, 128, 4, 3), GemvConfig(True, 64, 128, 4, 4), GemvConfig(True, 64, 64, 4, 6),
+               GemvConfig(True, 64, 256, 4, 2), GemvConfig(True, 128, 64, 4, 4)]
+# fp32 / mixed activations: the exact fp32 dot is an FMA loop; larger tiles spill (mixed gated above 64x32).
+DOT_F32_CONFIGS = [GemvConfig(True, 64, 32, 4, 4), GemvConfig(True, 32, 32, 4, 4), GemvConfig(True, 32, 64, 4, 3),
+                   GemvConfig(True, 16, 64, 4, 4)]
+DEFAULT_FMA = GemvConfig(False, 8, 512, 4, 1)
+DEFAULT_DOT = GemvConfig(True, 64, 128, 4, 3)
+DEFAULT_DOT_F32 = GemvConfig(True, 32, 32, 4, 4)
+
+
+class _Tuner:
+    """Picks a launch config per problem key by timing the candidates once, on CUDA, outside graph capture.
+
+    Unlike `triton.autotune` it never benchmarks while a CUDA graph is being captured (it returns the cached choice,
+    or the default when the shape was never seen): warm each decode batch size up eagerly before capturing.
+    ORINFER_AUTOTUNE=0 disables timing (defaults only). `cache` maps key -> config, for reports.
+    """
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, GemvConfig] = {}
+
+    def pick(self, key: tuple, candidates: list[GemvConfig], default: GemvConfig, device: torch.device,
+             launch: Callable[[GemvConfig], object]) -> GemvConfig:
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        if (interpreting() or device.type != "cuda" or os.environ.get("ORINFER_AUTOTUNE", "1") == "0"
+                or torch.cuda.is_current_stream_capturing()):
+            return default
+        timings = {}
+        for cfg in candidates:
+            try:
+                timings[cfg] = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25)
+            except Exception:  # a config that does not compile or fit (shared memory, registers) is skipped
+                timings[cfg] = float("inf")
+        best = min(timings, key=timings.get)
+        if timings[best] == float("inf"):
+            best = default
+        self.cache[key] = best
+        return best
+
+
+TUNER = _Tuner()
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Dtype pairs the kernel handles: equal dtypes (fp32/fp16/bf16), or fp32 x with a 16-bit weight (mixed)."""
+    float_types = (torch.float32, torch.float16, torch.bfloat16)
+    if x.dtype not in float_types or weight.dtype not in float_types:
+        return False
+    return x.dtype == weight.dtype or x.dtype == torch.float32
+
+
+def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int, gated: bool,
+                cfg: GemvConfig) -> torch.Tensor:
+    """Runs one explicit config on x2 [B, K] (unit last stride); returns [B, n_out] (a new tensor)."""
+    if cfg == CUBLAS:
+        y = gemv_ref(x2, weight, bias)
+        if gated:
+            from orinfer.kernels.activation import silu_and_mul  # lazy: activation imports this module
+            y = silu_and_mul(y)
+        return y
+    rows, k = x2.shape
+    if not cfg.use_dot and rows != 1:
+        raise ValueError("the FMA loop computes one row; use a DOT config for several rows")
+    out = torch.empty(rows, n_out, dtype=x2.dtype, device=x2.device)
+    dot_f32 = x2.dtype == torch.float32 or weight.dtype == torch.float32 or interpreting()
+    _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x2, weight, out if bias is None else bias, out, rows, n_out, k, x2.stride(0), weight.stride(0),
+        out.stride(0), n_out if gated else 0,
+        HAS_BIAS=bias is not None, GATED=gated, USE_DOT=cfg.use_dot, DOT_F32=dot_f32,
+        BLOCK_B=16 if cfg.use_dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+             cfg: GemvConfig | None = None) -> torch.Tensor:
+    """Shared body of `gemv` and `fused_gate_up_silu`: validates, picks a config (timed once per shape), launches.
+
+    The caller has checked `supported(x, weight)` and 1 <= rows <= MAX_ROWS. gated: weight is [2I, K] packed
+    (gate rows first) and the result is silu(x Wg^T) * (x Wu^T) [B, I]. `cfg` forces a config (tests).
+    """
+    check_device(x)
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight must be row-major (stride(1) == 1)")
+    if gated and weight.shape[0] % 2:
+        raise ValueError("a packed gate/up weight needs an even number of rows")
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (n_out,) or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    if cfg is None:
+        key = (n_out, k, rows, gated, bias is not None, x.dtype, weight.dtype, str(x.device))
+        same = x.dtype == weight.dtype  # cuBLAS in mixed mode would widen the whole weight every call
+        f32 = x.dtype == torch.float32
+        candidates = ((FMA_CONFIGS if rows == 1 else []) + (DOT_F32_CONFIGS if f32 else DOT_CONFIGS)
+                      + ([CUBLAS] if same else []))
+        default = DEFAULT_FMA if rows == 1 else (CUBLAS if same else DEFAULT_DOT_F32 if f32 else DEFAULT_DOT)
+        cfg = TUNER.pick(key, candidates, default, x.device, lambda c: launch_gemv(x2, weight, bias, n_out, gated, c))
+    return launch_gemv(x2, weight, bias, n_out, gated, cfg).reshape(*lead, n_out)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for x [..., K] with at most MAX_ROWS rows; more rows, or other dtype pairs, go to `gemv_ref`."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows == 0 or rows > MAX_ROWS or not supported(x, weight):
+        return gemv_ref(x, weight, bias)
+    return run_gemv(x, weight, bias, gated=False)

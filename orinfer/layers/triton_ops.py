@@ -1,0 +1,39 @@
+"""The `triton` backend's op table: fused Triton kernels where they win, cuBLAS (torch) for large GEMMs.
+
+linear: decode-sized inputs (at most GEMV_MAX_ROWS rows) against a large weight go to the Triton GEMV (which
+itself falls back to cuBLAS for shapes where timing says cuBLAS is faster); everything else is `linear_ref`
+(F.linear = cuBLAS, widening the weight in mixed mode). The other ops are the kernels of `orinfer.kernels`, each
+with its reference's signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orinfer.kernels.activation import fused_gate_up_silu, silu_and_mul
+from orinfer.kernels.attention import paged_attention, store_kv, varlen_attention
+from orinfer.kernels.gemv import gemv, supported
+from orinfer.kernels.norm import rms_norm
+from orinfer.kernels.rotary import qk_norm_rope
+from orinfer.layers.ops import Ops, linear_ref
+
+GEMV_MAX_ROWS = 8
+GEMV_MIN_WEIGHT = 1 << 20  # elements; smaller weights (tiny test models) are latency-bound either way
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_ref`'s contract; the GEMV kernel for decode-sized x and large row-major weights."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (0 < rows <= GEMV_MAX_ROWS and weight.numel() >= GEMV_MIN_WEIGHT and weight.stride(-1) == 1
+            and supported(x, weight)):
+        return gemv(x, weight, bias)
+    return linear_ref(x, weight, bias)
+
+
+def triton_ops(fused_ffn: bool = True) -> Ops:
+    """The Triton op table; fused_ffn=False (`--no-fused-ffn`) makes decode run gate/up GEMV + silu_and_mul."""
+    return Ops(
+        name="triton", linear=triton_linear, rms_norm=rms_norm, qk_norm_rope=qk_norm_rope,
+        silu_and_mul=silu_and_mul, store_kv=store_kv, paged_attention=paged_attention,
+        varlen_attention=varlen_attention, fused_gate_up_silu=fused_gate_up_silu if fused_ffn else None,
+    )

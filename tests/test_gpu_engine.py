@@ -86,6 +86,7 @@ def test_qwen3_8b_logits_within_bf16_tolerance_of_hf():
     hf_err = (hf16 - reference).abs().max().item()
     our_err = (got - reference).abs().max().item()
     assert our_err <= 1.5 * hf_err + 1e-2, (our_err, hf_err)
-    agree = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    hf_agree = (hf16.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    assert agree >= hf_agree - 0.05, (agree, hf_agree)
+    # Random weights give nearly flat logits, so argmax agreement is a coin toss; the mean error is not.
+    hf_mean = (hf16 - reference).abs().mean().item()
+    our_mean = (got - reference).abs().mean().item()
+    assert our_mean <= 1.5 * hf_mean, (our_mean, hf_mean)

@@ -391,10 +391,14 @@ def test_gpu_gemv_and_fused_ffn_qwen3_shapes(x_dtype, w_dtype, rows):
 @pytest.mark.gpu
 def test_gpu_tuner_times_candidates_and_caches_the_choice(monkeypatch):
     monkeypatch.setenv("ORINFER_AUTOTUNE", "1")
-    x, w = randn(1, 4096, dtype=torch.bfloat16), randn(4096, 4096, dtype=torch.bfloat16, scale=4096 ** -0.5)
+    # Several rows go through the tuner (one row uses the measured ONE_ROW config, never the tuner).
+    x, w = randn(4, 4096, dtype=torch.bfloat16), randn(4096, 4096, dtype=torch.bfloat16, scale=4096 ** -0.5)
     close(gemv.gemv(x, w), gemv.gemv_ref(x.double(), w.double()), torch.bfloat16, scale=2)
-    key = (4096, 4096, 1, False, False, torch.bfloat16, torch.bfloat16, str(x.device))
+    key = (4096, 4096, 4, False, False, torch.bfloat16, torch.bfloat16, str(x.device))
     assert key in gemv.TUNER.cache
+    one = randn(1, 4096, dtype=torch.bfloat16)
+    close(gemv.gemv(one, w), gemv.gemv_ref(one.double(), w.double()), torch.bfloat16, scale=2)
+    assert (4096, 4096, 1, False, False, torch.bfloat16, torch.bfloat16, str(x.device)) not in gemv.TUNER.cache
     close(gemv.gemv(x, w), gemv.gemv_ref(x.double(), w.double()), torch.bfloat16, scale=2)
 
 

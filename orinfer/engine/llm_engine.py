@@ -142,15 +142,15 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
         out = self.runner.execute(seqs, is_prefill)
+        token_ids = out.token_ids.tolist()  # the one host sync of a step: timings are read after it
         now = time.perf_counter()
         if is_prefill:
             for seq in seqs:
                 seq.prefill_seconds += now - start
-        self._process(seqs, out, now)
+        self._process(seqs, token_ids, out, now)
         return seqs
 
-    def _process(self, seqs: list[Sequence], out: SamplerOutput, now: float) -> None:
-        token_ids = out.token_ids.tolist()  # the one host sync of a step
+    def _process(self, seqs: list[Sequence], token_ids: list[int], out: SamplerOutput, now: float) -> None:
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None

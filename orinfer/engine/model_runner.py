@@ -111,7 +111,7 @@ class ModelRunner:
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        return self._upload(rows, torch.int32)
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -128,29 +128,36 @@ class ModelRunner:
             slots.extend(self._slot(seq, p) for p in range(first, seq.num_tokens))
             starts.append(len(ids))
         lens = [s.num_tokens for s in seqs]
-        dev = self.device
         meta = AttentionMetadata(
             is_prefill=is_prefill,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc=self._upload(starts, torch.int32),
+            context_lens=self._upload(lens, torch.int32),
             max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:])),
             max_context_len=max(lens),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=self._upload(slots, torch.int64),
             block_tables=self._block_tables(seqs),
         )
-        last_rows = torch.tensor(starts[1:], dtype=torch.int64, device=dev) - 1
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
-                meta, last_rows)
+        last_rows = self._upload([s - 1 for s in starts[1:]], torch.int64)
+        return self._upload(ids, torch.int64), self._upload(positions, torch.int64), meta, last_rows
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list to the device without blocking the host: pinned staging + an asynchronous copy (a plain
+        torch.tensor(..., device=cuda) waits for every kernel already queued, stalling the next step's launch)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        dev = self.device
         params = [s.params for s in seqs]
-
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)
-
         need_history = any(p.repetition_penalty != 1.0 for p in params)
         need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs):
+            return SamplingBatch.greedy_only()  # argmax needs no per-row settings on the device
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return self._upload([getattr(p, name) for p in params], dtype)
+
         num_logprobs = max((p.logprobs or 0) for p in params)
         return SamplingBatch(
             temperature=column("temperature", torch.float32), top_k=column("top_k", torch.int64),
@@ -158,29 +165,32 @@ class ModelRunner:
             repetition_penalty=column("repetition_penalty", torch.float32),
             presence_penalty=column("presence_penalty", torch.float32),
             frequency_penalty=column("frequency_penalty", torch.float32),
-            history=_padded([s.token_ids for s in seqs], dev) if need_history else None,
-            output_ids=_padded([s.completion_token_ids for s in seqs], dev) if need_output else None,
+            history=self._padded([s.token_ids for s in seqs]) if need_history else None,
+            output_ids=self._padded([s.completion_token_ids for s in seqs]) if need_output else None,
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in params),
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             use_min_p=any(p.min_p > 0 for p in params),
             use_repetition_penalty=need_history, use_presence_frequency=need_output,
-            num_logprobs=num_logprobs, want_logprobs=any(p.logprobs is not None for p in params),
+            num_logprobs=num_logprobs, want_logprobs=want_logprobs,
         )
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        return self._upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
 
     # --- step -------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+        sampling = self.sampling_batch(seqs)  # uploaded before the forward is queued, so nothing waits for it
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[last_rows])
-        return sample(logits, self.sampling_batch(seqs))
+        return sample(logits, sampling)
 
 
-def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+

@@ -20,6 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 from orinfer.kernels.gemv import check_device, interpreting
 
@@ -89,7 +90,10 @@ def varlen_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, stride_kt, stride_kh, stride_vt, stride_vh,
-                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -126,7 +130,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_h = max(1, min(triton.next_power_of_2(kv_heads), 4096 // block_d))
     _store_kv_kernel[(tokens, triton.cdiv(kv_heads, block_h))](
         k, v, k_cache, v_cache, slot_mapping, kv_heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        D=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+        D=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, PDL=use_pdl(k), launch_pdl=use_pdl(k))
 
 
 # --- Triton: paged decode attention (flash-decoding) ------------------------------------------------------------------
@@ -137,7 +141,9 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o
                          stride_qb, stride_qh, stride_bt, stride_cblk, stride_ctok, stride_ch, stride_ob, stride_oh,
                          D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr,
-                         SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+                         SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,6 +190,8 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if PDL:  # the main loop is done: let the next kernel launch while this one writes its result
+        gdc_launch_dependents()
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range (context 0, or a split past the end) writes zeros
     o = acc / l_safe[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
@@ -198,7 +206,10 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o
 
 @triton.jit
 def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
-                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -283,11 +294,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         D=head_dim, BS=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
-        DOT_F32=dot_f32, num_warps=4, num_stages=2)
+        DOT_F32=dot_f32, num_warps=4, num_stages=2, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     if split:
         _combine_splits_kernel[(batch, heads)](
             part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+            PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return out
 
 

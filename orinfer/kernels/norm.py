@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 from orinfer.kernels.gemv import check_device
 
@@ -33,7 +34,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, eps,
                      stride_xo, stride_xi, stride_ro, stride_ri,
-                     H: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                     H: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1).to(tl.int64)
@@ -104,5 +109,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_warps = max(1, min(16, rows_per_prog * block_h // 512))
     _rms_norm_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
         xv, rv, weight, out, res_out, n_rows, n_inner, eps, sxo, sxi, sro, sri,
-        H=h, HAS_RES=residual is not None, ROWS=rows_per_prog, BLOCK_H=block_h, num_warps=num_warps)
+        H=h, HAS_RES=residual is not None, ROWS=rows_per_prog, BLOCK_H=block_h, num_warps=num_warps,
+        PDL=use_pdl(x), launch_pdl=use_pdl(x))
     return out if residual is None else (out, res_out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.norm import rms_norm_ref
@@ -56,7 +57,10 @@ def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
                          HQ, HK, stride_q, stride_k, stride_cs, eps,
-                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)   # q heads 0..HQ-1, then k heads HQ..HQ+HK-1
     is_q = heads < HQ
@@ -134,5 +138,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_half))
     _qk_norm_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
         q, k, positions, cos_sin, qw, kw, q_out, k_out, hq, hk, q.stride(0), k.stride(0), cos_sin.stride(0),
-        eps, HALF=half, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
+        eps, HALF=half, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
+        PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return q_out, k_out

@@ -37,6 +37,15 @@ class SamplingBatch:
     want_logprobs: bool = False
 
 
+    @classmethod
+    def greedy_only(cls) -> "SamplingBatch":
+        """A batch where every row is greedy with no penalties and no log-probabilities: argmax needs nothing else."""
+        return cls(temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+                   presence_penalty=None, frequency_penalty=None, history=None, output_ids=None, all_greedy=True,
+                   use_top_k_top_p=False, use_min_p=False, use_repetition_penalty=False,
+                   use_presence_frequency=False)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor                       # [B] int64

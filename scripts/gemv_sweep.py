@@ -1,6 +1,7 @@
 """Sweep GEMV launch configs on Qwen3-8B decode shapes the way decode runs them: a CUDA graph of back-to-back
 launches, each over a different weight copy (cold in L2), so neither launch overhead nor cache hits flatter a config.
-Usage (device): python3 scripts/gemv_sweep.py  -> a table of GB/s and % of read bandwidth per shape and config."""
+Usage (device): python3 scripts/gemv_sweep.py [ROWS]  -> GB/s and % of read bandwidth per shape and config (ROWS: the
+decode batch, default 1; the FMA loop serves one row only, so several rows sweep the DOT loop and cuBLAS)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def time_graph(fn_list) -> float:
 
 def main() -> None:
     dev = torch.device("cuda")
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     read = read_bandwidth(dev)
     print(f"read bandwidth {read / 1e9:.0f} GB/s")
     fma = [GemvConfig(False, n, k, w, 1) for n, k, w in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048),
@@ -46,10 +48,10 @@ def main() -> None:
     rows = []
     for name, (n, k, gated) in SHAPES.items():
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) / 64 for _ in range(COPIES)]
-        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+        x = torch.randn(batch, k, dtype=torch.bfloat16, device=dev)
         n_out = n // 2 if gated else n
         results = []
-        for cfg in fma + dot + [CUBLAS]:
+        for cfg in (fma if batch == 1 else []) + dot + [CUBLAS]:
             try:
                 t = time_graph([lambda w=w, c=cfg: launch_gemv(x, w, None, n_out, gated, c) for w in ws])
             except Exception as exc:  # noqa: BLE001 - configs that do not fit are skipped
@@ -59,7 +61,7 @@ def main() -> None:
         results.sort(key=lambda r: r[0])
         nbytes = n * k * 2
         for t, cfg in results[:6] + [r for r in results if r[1] == CUBLAS]:
-            rows.append(f"| {name} {n}x{k} | {cfg} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {100 * nbytes / t / read:.1f} |")
+            rows.append(f"| {name} {n}x{k} B={batch} | {cfg} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {100 * nbytes / t / read:.1f} |")
         del ws
         torch.cuda.empty_cache()
     print("| shape | config | us | GB/s | % read BW |\n| --- | --- | --- | --- | --- |")

@@ -33,12 +33,20 @@ class DecodeGraphs:
         self.model, self.device = model, device
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        n, self.max_blocks = self.max_batch, max_blocks_per_seq
+        # The graph's inputs live in two device buffers (one per dtype) whose pinned host twins the step fills in
+        # place: a step costs two asynchronous copies, not one upload per field. Rows: ids, positions, slots (int64);
+        # context lengths then block tables (int32).
+        self.host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
+        self.host_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self.np_i64, self.np_i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        self.dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.dev_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev_i64[0], self.dev_i64[1], self.dev_i64[2]
+        self.context_lens = self.dev_i32[:n]
+        self.block_tables = self.dev_i32[n:].view(n, max_blocks_per_seq)
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -70,19 +78,31 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replays the bucket for this batch; returns logits [B, V] (a view into the graph's output buffer)."""
-        batch = input_ids.shape[0]
+    def run(self, seqs: list, block_size: int) -> torch.Tensor:
+        """Replays the bucket for these decoding sequences; returns logits [B, V] (a view of the graph's output).
+
+        Each sequence contributes its newest token, at position num_tokens - 1. The host buffers are rewritten only
+        after the previous step's sampled ids reached the host (the engine's one sync per step), by which time the
+        copies that read them have completed.
+        """
+        batch = len(seqs)
         bucket = next(b for b in self.buckets if b >= batch)
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping)
-        self.context_lens[:batch].copy_(meta.context_lens)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(meta.block_tables)
-        if bucket > batch:  # padding rows: write no KV, read one slot
-            self.slot_mapping[batch:bucket].fill_(-1)
-            self.context_lens[batch:bucket].fill_(1)
-            self.block_tables[batch:bucket, 0].fill_(0)
+        ids, positions, slots = self.np_i64
+        n = self.max_batch
+        lens = self.np_i32[:n]
+        tables = self.np_i32[n:].reshape(n, self.max_blocks)
+        for i, seq in enumerate(seqs):
+            pos = seq.num_tokens - 1
+            ids[i], positions[i] = seq.token_ids[-1], pos
+            slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
+            lens[i] = seq.num_tokens
+            tables[i, :len(seq.block_table)] = seq.block_table
+        # Padding rows of the bucket write no KV (slot -1) and attend over one slot of block 0.
+        ids[batch:bucket], positions[batch:bucket], slots[batch:bucket] = 0, 0, -1
+        lens[batch:bucket] = 1
+        tables[batch:bucket, 0] = 0
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        used = n + bucket * self.max_blocks
+        self.dev_i32[:used].copy_(self.host_i32[:used], non_blocking=True)
         self.graphs[bucket].replay()
         return self.logits[bucket][:batch]

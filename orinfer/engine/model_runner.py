@@ -183,11 +183,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
-        input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
         sampling = self.sampling_batch(seqs)  # uploaded before the forward is queued, so nothing waits for it
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.run(input_ids, positions, meta)
+            logits = self.graphs.run(seqs, self.block_size)
         else:
+            input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
             hidden = self.model(input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[last_rows])
         return sample(logits, sampling)

@@ -67,3 +67,16 @@ def test_batched_prompts_match_alone(pair):
     outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 32), f"prompt {prompt}"
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    """A checkpoint split over several safetensors files with model.safetensors.index.json loads the same model."""
+    hf = build_hf_model("qwen3-gqa4-untied")
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    llm = LLM(tmp_path, dtype="float32", device="cpu", block_size=4, progress=False)
+    ids = PROMPTS[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(paged_logits(llm, ids, prefill_len=len(ids)), expected, atol=1e-4, rtol=0)

@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub, cmd_bench)
+    from orinfer.quant.cli import add_export_parser, add_quantize_parser
+
+    add_quantize_parser(sub)   # orinfer quantize IN OUT --method awq|rtn [--group-size] [--calib FILE]
+    add_export_parser(sub)     # orinfer export IN_DIR OUT.bin
     return parser
 
 

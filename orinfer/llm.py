@@ -13,6 +13,7 @@ from orinfer.engine.llm_engine import EngineParts, LLMEngine
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import get_ops
 from orinfer.loader import load_hf_model, read_generation_config
+from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.sampling_params import SamplingParams
 
@@ -52,13 +53,23 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, backend=backend, cuda_graph=cuda_graph,
                               fused_ffn=fused_ffn)
         model_dir = Path(model)
-        model_config = ModelConfig.from_hf(model_dir)
+        seed_bin = is_seed_bin(model_dir)  # the seed's single-file .bin (AWQ v5 / FP16 v6), else a HF directory
+        model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
         weight_dtype, act_dtype = resolve_dtype(dtype, dev, model_config.torch_dtype)
         ops = get_ops(backend, dev, fused_ffn=fused_ffn)
-        tok = Tokenizer.from_dir(tokenizer or model_dir) if tokenizer or (model_dir / "tokenizer.json").is_file() \
-            else None
-        net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
-        parts = EngineParts(net, model_config, tok, read_generation_config(model_dir), dev, act_dtype,
+        home = model_dir.parent if seed_bin else model_dir   # where tokenizer / generation_config are looked for
+        tok_file = Path(tokenizer) if tokenizer and Path(tokenizer).is_file() else None
+        if seed_bin and tok_file is not None:
+            home = tok_file.parent
+        if tok_file is not None:
+            tok = Tokenizer.from_dir(tok_file.parent, tok_file)
+        else:
+            tok = Tokenizer.from_dir(tokenizer or home) if tokenizer or (home / "tokenizer.json").is_file() else None
+        if seed_bin:
+            net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
+        else:
+            net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
+        parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype,
                             graph_safe=ops.name == "triton")
         self.engine = LLMEngine(parts, config)
         self.tokenizer = tok

@@ -12,6 +12,7 @@ import torch
 
 from orinfer.kernels.activation import fused_gate_up_silu, silu_and_mul
 from orinfer.kernels.attention import paged_attention, store_kv, varlen_attention
+from orinfer.kernels.awq import awq_fused_gate_up_silu, awq_linear
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.rotary import qk_norm_rope
@@ -36,4 +37,5 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         name="triton", linear=triton_linear, rms_norm=rms_norm, qk_norm_rope=qk_norm_rope,
         silu_and_mul=silu_and_mul, store_kv=store_kv, paged_attention=paged_attention,
         varlen_attention=varlen_attention, fused_gate_up_silu=fused_gate_up_silu if fused_ffn else None,
+        awq_linear=awq_linear, awq_fused_gate_up_silu=awq_fused_gate_up_silu if fused_ffn else None,
     )

@@ -36,7 +36,11 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if param.dtype == torch.int32:  # AWQ packed nibbles (qweight, qzeros): any bits are valid codes
+                param.random_(generator=gen)
+            elif name.endswith(".scales"):
+                param.fill_(std / 6)
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

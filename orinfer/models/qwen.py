@@ -15,6 +15,7 @@ from torch import nn
 from orinfer.config import ModelConfig
 from orinfer.errors import WeightsError
 from orinfer.layers.attention import Attention, AttentionMetadata
+from orinfer.layers.awq_linear import AWQLinear, AWQPackedLinear
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import Linear, PackedLinear
 from orinfer.layers.norm import RMSNorm
@@ -26,15 +27,30 @@ _PACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+_AWQ_TENSORS = (".qweight", ".qzeros", ".scales")
+
+
+def _linear(cfg: ModelConfig, in_features: int, out: int | dict[object, int], bias: bool, ops: Ops,
+            dtype: torch.dtype) -> nn.Module:
+    """Dense or AWQ (cfg.quantization) linear; `out` is a size, or shard id -> size for a packed layer."""
+    quant = cfg.quantization
+    if quant is None:
+        if isinstance(out, dict):
+            return PackedLinear(in_features, out, bias, ops, dtype)
+        return Linear(in_features, out, bias, ops, dtype)
+    group = quant.group_for(in_features)
+    if isinstance(out, dict):
+        return AWQPackedLinear(in_features, out, bias, ops, dtype, group)
+    return AWQLinear(in_features, out, bias, ops, dtype, group)
 
 
 class QwenAttentionBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                                     cfg.attention_bias, ops, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, ops, dtype)
+        self.qkv_proj = _linear(cfg, cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+                                cfg.attention_bias, ops, dtype)
+        self.o_proj = _linear(cfg, cfg.q_size, cfg.hidden_size, False, ops, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
@@ -53,11 +69,17 @@ class QwenMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size},
-                                         False, ops, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
+        self.gate_up_proj = _linear(cfg, cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size},
+                                    False, ops, dtype)
+        self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
     def forward(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, AWQPackedLinear):
+            fused = self.ops.awq_fused_gate_up_silu
+            if fused is not None and is_decode:
+                return self.down_proj(fused(x, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size))
+            return self.down_proj(self.ops.silu_and_mul(gate_up(x)))
         fused = self.ops.fused_gate_up_silu
         if fused is not None and is_decode:
             return self.down_proj(fused(x, self.gate_up_proj.weight))
@@ -135,6 +157,7 @@ class QwenForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = self._expected_keys()
         loaded: set[tuple[str, object]] = set()
+        quantized = self.config.quantization is not None
         for hf_name, tensor in tensors:
             target = self._param_for(hf_name)
             if target is None:
@@ -142,6 +165,12 @@ class QwenForCausalLM(nn.Module):
             name, shard = target
             param = params.get(name)
             if param is None:
+                if not quantized and hf_name.endswith(_AWQ_TENSORS):
+                    raise WeightsError(f"checkpoint holds AWQ tensor {hf_name} but config.json has no "
+                                       "quantization_config")
+                if quantized and hf_name.endswith(".weight") and name.replace(".weight", ".qweight") in params:
+                    raise WeightsError(f"checkpoint holds a dense {hf_name} where quantization_config says AWQ "
+                                       "(every decoder linear must have qweight/qzeros/scales)")
                 continue  # extra tensors in a checkpoint are harmless (HF ignores them too)
             param.weight_loader(param, tensor, shard, hf_name)
             loaded.add((name, shard))
@@ -155,7 +184,7 @@ class QwenForCausalLM(nn.Module):
         keys: set[tuple[str, object]] = set()
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(module, PackedLinear):
+            if isinstance(module, (PackedLinear, AWQPackedLinear)):
                 keys.update((name, shard) for shard in module.shard_offsets)
             else:
                 keys.add((name, None))
@@ -166,7 +195,12 @@ class QwenForCausalLM(nn.Module):
         for name, param in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 1)[0])
             prefix = "" if name.startswith("lm_head.") else "model."
-            if isinstance(module, PackedLinear):
+            if isinstance(module, AWQPackedLinear):  # shards are column slices: split along the output columns
+                for shard in module.shard_offsets:
+                    for ckpt, (packed, sid) in _PACKED.items():
+                        if sid == shard and f".{packed}." in name:
+                            yield prefix + name.replace(packed, ckpt), module.shard_view(param, shard)
+            elif isinstance(module, PackedLinear):
                 for shard, (offset, rows) in module.shard_offsets.items():
                     for ckpt, (packed, sid) in _PACKED.items():
                         if sid == shard and f".{packed}." in name:

@@ -1,0 +1,701 @@
+"""AWQ INT4 (W4A16): packing, kernels, quantizers, model parity with HF, the seed .bin format and the errors.
+
+Kernels run on a GPU, or under Triton's interpreter on the CPU (conftest.py); references are computed in fp64.
+Model tests run orinfer's torch backend in fp32 on the CPU against HF transformers loaded with the same
+(dequantised) weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import build_hf_model, save_hf_model
+from orinfer import LLM, SamplingParams
+from orinfer.config import EngineConfig, ModelConfig, QuantConfig
+from orinfer.engine.llm_engine import EngineParts
+from orinfer.errors import ConfigError, WeightsError
+from orinfer.kernels import awq as K
+from orinfer.layers.ops import TORCH_OPS
+from orinfer.loader.seed_bin import MAGIC, export_bin, load_bin_model, read_bin_config
+from orinfer.quant import perplexity, quantize_checkpoint
+from orinfer.quant.pack import pack_int4, unpack_int4
+from orinfer.quant.rtn import fake_quantize, quantize_rtn
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_kernels = pytest.mark.skipif(DEVICE.type == "cpu" and not INTERPRET, reason="no CUDA and no TRITON_INTERPRET")
+ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble p of an int32 holds column 8j + ORDER[p]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SMALL_KV = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, progress=False)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """NaN-filled floating allocations while a kernel test runs (an unwritten output element fails), default configs."""
+    torch.manual_seed(1234)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
+
+
+kernel_test = pytest.mark.usefixtures("poison")
+
+
+def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    t = {torch.float32: 2e-5, torch.float16: 4e-3}.get(dtype, 3e-2 if INTERPRET else 2e-2)
+    return dict(atol=t * scale, rtol=t * scale)
+
+
+def random_awq(k: int, n: int, g: int, device=DEVICE):
+    """Random qweight/qzeros (every bit pattern, negative int32 included) and fp16 scales (outputs stay ~1)."""
+    groups = k // (k if g == -1 else g)
+    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (groups, n // 8), dtype=torch.int32, device=device)
+    scales = (torch.rand(groups, n, device=device) * 0.02 + 0.004).half()
+    return qweight, qzeros, scales
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
+
+
+# --- packing ---------------------------------------------------------------------------------------------------------
+
+def _to_signed(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def test_pack_matches_the_definition():
+    vals = torch.randint(0, 16, (5, 24), dtype=torch.int32)
+    packed = pack_int4(vals)
+    assert packed.shape == (5, 3) and packed.dtype == torch.int32
+    for r in range(5):
+        for j in range(3):
+            word = sum(int(vals[r, 8 * j + ORDER[p]]) << (4 * p) for p in range(8))
+            assert int(packed[r, j]) == _to_signed(word)
+    # columns 0..7 holding 0..7: nibble p holds ORDER[p] -> hex digits (high to low) 7 5 3 1 6 4 2 0
+    assert int(pack_int4(torch.arange(8).reshape(1, 8))[0, 0]) == 0x75316420
+    # the seed's table: column 1 sits at bits 16..19, column 2 at bits 4..7
+    one_hot = torch.zeros(1, 8, dtype=torch.int32)
+    one_hot[0, 1] = 15
+    assert int(pack_int4(one_hot)[0, 0]) == 0xF << 16
+
+
+def test_unpack_matches_the_definition_and_round_trips():
+    packed = torch.randint(-2**31, 2**31 - 1, (4, 5), dtype=torch.int32)
+    vals = unpack_int4(packed)
+    assert vals.shape == (4, 40)
+    for r in range(4):
+        for col in range(40):
+            word = int(packed[r, col // 8]) & 0xFFFFFFFF
+            assert int(vals[r, col]) == (word >> (4 * ORDER.index(col % 8))) & 0xF
+    assert torch.equal(pack_int4(vals), packed)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(torch.zeros(2, 12, dtype=torch.int32))
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4(torch.full((1, 8), 16))
+
+
+def test_dequantize_ref_matches_the_definition():
+    k, n, g = 12, 16, 4
+    qweight, qzeros, scales = random_awq(k, n, g, device="cpu")
+    w = K.awq_dequantize_ref(qweight, qzeros, scales, g, dtype=torch.float64)
+    q, z = unpack_int4(qweight), unpack_int4(qzeros)
+    for kk in range(k):
+        for nn in range(n):
+            expect = (int(q[kk, nn]) - int(z[kk // g, nn])) * float(scales[kk // g, nn])
+            assert float(w[kk, nn]) == expect
+
+
+def test_rtn_formula_and_round_trip():
+    w = torch.randn(16, 64, dtype=torch.float64) * 0.1
+    ql = quantize_rtn(w, 32)
+    assert ql.qweight.shape == (64, 2) and ql.qzeros.shape == (2, 2) and ql.scales.shape == (2, 16)
+    deq = K.awq_dequantize_ref(ql.qweight, ql.qzeros, ql.scales, 32, dtype=torch.float64).t()
+    torch.testing.assert_close(deq.float(), fake_quantize(w, 32), atol=1e-6, rtol=0)
+    # max error of round-to-nearest is half a step per group
+    step = ql.scales.double().t().repeat_interleave(32, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+    # one group: s = (max - min) / 15 (range widened to include 0), z = round(-min / s)
+    wg = w[3, :32]
+    s = float(((wg.max().clamp(min=0) - wg.min().clamp(max=0)) / 15).half())
+    assert float(ql.scales[0, 3]) == s
+    assert int(unpack_int4(ql.qzeros)[0, 3]) == min(15, max(0, round(-float(wg.min().clamp(max=0)) / s)))
+
+
+# --- kernels (Triton; the interpreter on the CPU) ---------------------------------------------------------------
+
+def _check_linear(x, qweight, qzeros, scales, g, bias, cfg, scale=2.0):
+    got = K.awq_linear(x, qweight, qzeros, scales, g, bias, cfg=cfg)
+    ref = K.awq_linear_ref(x.double(), qweight, qzeros, scales, g, None if bias is None else bias.double())
+    assert got.dtype == x.dtype and got.shape == ref.shape
+    torch.testing.assert_close(got.double(), ref, **tol(x.dtype, scale))
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("g", [32, 48, -1, 40])
+def test_triton_dequantize(dtype, g):
+    k = {32: 96, 48: 96, -1: 72, 40: 120}[g]
+    qweight, qzeros, scales = random_awq(k, 40, g)
+    got = K.awq_dequantize(qweight, qzeros, scales, g, dtype=dtype)
+    ref = K.awq_dequantize_ref(qweight, qzeros, scales, g, dtype=dtype)
+    if dtype == torch.bfloat16 and INTERPRET:  # the interpreter rounds fp32 -> bf16 by truncation (<= 1 ulp)
+        torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(got, ref)
+
+
+GEMV_CFGS = {
+    "fma": K.DEFAULT_FMA, "fma-split3": K.AWQConfig("fma", 1, 64, 32, 3, 4, 1),
+    "mma16": K.DEFAULT_DECODE_MMA, "mma16-split2": K.AWQConfig("mma", 16, 64, 32, 2, 4, 1),
+    "gemm": K.DEFAULT_GEMM, "gemm-split2": K.AWQConfig("mma", 32, 64, 32, 2, 4, 1), "dequant": K.DEQUANT_MATMUL,
+}
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (1, "fma-split3"), (1, "mma16"), (3, "mma16"), (3, "mma16-split2"),
+                                      (17, "gemm"), (17, "gemm-split2"), (17, "dequant"), (3, None), (17, None)])
+def test_awq_linear(dtype, rows, cfg):
+    """K > group (5 groups), N = 72 (not a multiple of the column tile), with a bias."""
+    qweight, qzeros, scales = random_awq(160, 72, 32)
+    x, bias = randn(rows, 160, dtype=dtype), randn(72, dtype=dtype, scale=0.5)
+    _check_linear(x, qweight, qzeros, scales, 32, bias, None if cfg is None else GEMV_CFGS[cfg])
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("g,k", [(48, 96), (-1, 96), (40, 120), (128, 256)])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_awq_linear_group_sizes(g, k, rows):
+    """Group sizes whose power-of-two part is 16 or 32 (the K step shrinks to it), one group, and 40 (no power of
+    two >= 16 divides it: dequantise + matmul)."""
+    qweight, qzeros, scales = random_awq(k, 48, g)
+    _check_linear(randn(rows, k), qweight, qzeros, scales, g, None, None)
+
+
+@needs_kernels
+@kernel_test
+def test_awq_gemv_and_gemm_entry_points_and_leading_dims():
+    qweight, qzeros, scales = random_awq(64, 32, 32)
+    x = randn(2, 3, 64)
+    ref = K.awq_linear_ref(x.double(), qweight, qzeros, scales, 32)
+    for fn in (K.awq_gemv, K.awq_gemm, K.awq_linear):
+        got = fn(x, qweight, qzeros, scales, 32)
+        assert got.shape == (2, 3, 32)
+        torch.testing.assert_close(got.double(), ref, **tol(torch.float32, 2))
+    x17 = randn(17, 64)  # more than 16 rows through the GEMV entry point: dispatched to the GEMM
+    torch.testing.assert_close(K.awq_gemv(x17, qweight, qzeros, scales, 32).double(),
+                               K.awq_linear_ref(x17.double(), qweight, qzeros, scales, 32), **tol(torch.float32, 2))
+    assert K.awq_linear(randn(0, 64), qweight, qzeros, scales, 32).shape == (0, 32)
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (1, "fma-split3"), (3, "mma16"), (3, "mma16-split2"), (1, None),
+                                      (17, None)])
+def test_awq_fused_gate_up_silu(dtype, rows, cfg):
+    """Packed gate_up of I = 40 per half (gate columns 0..39, up 40..79); 17 rows fall back to GEMM + SwiGLU."""
+    qweight, qzeros, scales = random_awq(96, 80, 32)
+    x = randn(rows, 96, dtype=dtype, scale=2)
+    got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 32, cfg=None if cfg is None else GEMV_CFGS[cfg])
+    ref = K.awq_fused_gate_up_silu_ref(x.double(), qweight, qzeros, scales, 32)
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref, **tol(dtype, 3))
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (3, "mma16-split2"), (17, "gemm"), (17, "dequant")])
+def test_fp16_output_is_clamped_not_inf(rows, cfg):
+    """Outputs beyond fp16's range are clamped to +-65504 (the reference does the same), never inf."""
+    qweight = torch.full((64, 4), 0x77777777, dtype=torch.int32, device=DEVICE)   # q = 7 everywhere
+    qzeros = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)                  # z = 0
+    scales = torch.full((2, 32), 100.0, dtype=torch.float16, device=DEVICE)
+    x = torch.full((rows, 64), 200.0, dtype=torch.float16, device=DEVICE)
+    x[1::2] *= -1  # odd rows overflow negatively
+    got = K.awq_linear(x, qweight, qzeros, scales, 32, cfg=GEMV_CFGS[cfg])
+    ref = K.awq_linear_ref(x, qweight, qzeros, scales, 32)
+    assert torch.isfinite(got).all() and (got.abs() == 65504).all()
+    assert torch.equal(got, ref)
+
+
+def test_awq_shapes_are_checked():
+    qweight, qzeros, scales = random_awq(64, 32, 32, device="cpu")
+    with pytest.raises(ValueError, match="qzeros"):
+        K.awq_linear_ref(torch.randn(1, 64), qweight, qzeros[:1], scales, 32)
+    with pytest.raises(ValueError, match="scales"):
+        K.awq_linear_ref(torch.randn(1, 64), qweight, qzeros, scales[:, :16], 32)
+    with pytest.raises(ValueError, match="does not divide"):
+        K.awq_linear_ref(torch.randn(1, 64), qweight, qzeros, scales, 48)
+    with pytest.raises(ValueError, match="in_features"):
+        K.awq_linear_ref(torch.randn(1, 60), qweight, qzeros, scales, 32)
+
+
+# --- GPU-only: real shapes -----------------------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 512, 2048])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (12288, 4096)])
+def test_gpu_awq_linear_qwen3_8b_shapes(dtype, rows, k, n, monkeypatch):
+    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
+    qweight, qzeros, scales = random_awq(k, n, 128)
+    x = randn(rows, k, dtype=dtype)
+    ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
+    got = K.awq_linear(x, qweight, qzeros, scales, 128)
+    torch.testing.assert_close(got.float(), ref, **tol(dtype, 4))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_gpu_awq_fused_gate_up_qwen3_8b(dtype, rows, monkeypatch):
+    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
+    qweight, qzeros, scales = random_awq(4096, 2 * 12288, 128)
+    x = randn(rows, 4096, dtype=dtype)
+    ref = K.awq_fused_gate_up_silu_ref(x.float(), qweight, qzeros, scales, 128)
+    got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 128)
+    torch.testing.assert_close(got.float(), ref, **tol(dtype, 4))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_every_candidate_config_is_correct(dtype):
+    """Each config the tuner may pick computes the same thing (a wrong one would only show up when timed fastest)."""
+    qweight, qzeros, scales = random_awq(2048, 1536, 128)
+    for rows, cfgs in ((1, K.FMA_CONFIGS + K.DECODE_MMA_CONFIGS), (8, K.DECODE_MMA_CONFIGS),
+                       (300, K.GEMM_CONFIGS + [K.DEQUANT_MATMUL])):
+        x = randn(rows, 2048, dtype=dtype)
+        ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
+        for cfg in cfgs:
+            got = K.awq_linear(x, qweight, qzeros, scales, 128, cfg=cfg)
+            torch.testing.assert_close(got.float(), ref, **tol(dtype, 4), msg=lambda m, c=cfg: f"{c}: {m}")
+        if rows <= 16:
+            ref_g = K.awq_fused_gate_up_silu_ref(x.float(), qweight, qzeros, scales, 128)
+            for cfg in cfgs:
+                got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 128, cfg=cfg)
+                torch.testing.assert_close(got.float(), ref_g, **tol(dtype, 4), msg=lambda m, c=cfg: f"{c}: {m}")
+
+
+# --- a quantized model against HF transformers -------------------------------------------------------------------
+
+PROMPT = [5, 17, 42, 99, 3, 150, 7, 8, 61]
+HF_CASES = {"qwen3-gqa4-untied": 32, "qwen2-gqa2-untied": 16, "qwen3-mha-tied": 16}
+
+
+def hf_with_dequantized_weights(orig_dir, awq_dir):
+    """The ORIGINAL model loaded by HF, with every tensor replaced by what the AWQ checkpoint holds (linears
+    dequantised to fp32, the other tensors' fp16 values): HF cannot load AWQ without autoawq, this is the same model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(orig_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    group = json.loads((awq_dir / "config.json").read_text())["quantization_config"]["group_size"]
+    tensors = load_file(str(awq_dir / "model.safetensors"))
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            state[base + ".weight"] = K.awq_dequantize_ref(t, tensors[base + ".qzeros"], tensors[base + ".scales"],
+                                                           group, dtype=torch.float32).t()
+        elif not name.endswith((".qzeros", ".scales")):
+            state[name] = t.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model.eval()
+
+
+def hf_greedy_cached(model, prompt: list[int], steps: int) -> list[int]:
+    """HF greedy decoding through its own KV cache (uncached recomputation is needlessly slow on the CPU)."""
+    ids = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(steps):
+            ids.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids
+
+
+def paged_logits(llm: LLM, ids: list[int], prefill_len: int) -> torch.Tensor:
+    """Logits at every position: a prefill of the first prefill_len tokens, then decode steps (the real paged path)."""
+    from orinfer.engine.sequence import Sequence
+
+    engine, runner = llm.engine, llm.engine.runner
+    seq = Sequence("probe", ids[:prefill_len], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.block_manager.allocate(seq)
+    rows = []
+    try:
+        with torch.inference_mode():
+            input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=True)
+            rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
+            for token in ids[prefill_len:]:
+                seq.append_token(token)
+                engine.block_manager.append_slot(seq)
+                input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=False)
+                rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
+    finally:
+        engine.block_manager.free(seq)
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CASES))
+def rtn_pair(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp(request.param)
+    orig = save_hf_model(build_hf_model(request.param), root / "orig")
+    quantize_checkpoint(orig, root / "awq", method="rtn", group_size=HF_CASES[request.param], progress=False)
+    return orig, root / "awq"
+
+
+def test_rtn_model_logits_and_greedy_match_hf(rtn_pair):
+    orig, awq = rtn_pair
+    assert ModelConfig.from_hf(awq).quantization is not None
+    hf = hf_with_dequantized_weights(orig, awq)
+    llm = LLM(awq, **SMALL_KV)
+    ids = PROMPT + [7] * 5 + [1, 2, 3]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = paged_logits(llm, ids, prefill_len=len(PROMPT))
+    assert (got - expected).abs().max().item() < 1e-3
+    out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.token_ids == hf_greedy_cached(hf, PROMPT, 16)
+
+
+def test_quantized_checkpoint_layout(rtn_pair):
+    orig, awq = rtn_pair
+    raw = json.loads((awq / "config.json").read_text())
+    assert raw["quantization_config"]["quant_method"] == "awq" and raw["quantization_config"]["bits"] == 4
+    assert raw["quantization_config"]["version"] == "gemm" and raw["quantization_config"]["zero_point"] is True
+    tensors = load_file(str(awq / "model.safetensors"))
+    cfg = ModelConfig.from_hf(awq)
+    g = cfg.quantization.group_size
+    for i in range(cfg.num_hidden_layers):
+        for name, (fin, fout) in {"self_attn.q_proj": (cfg.hidden_size, cfg.q_size),
+                                  "self_attn.o_proj": (cfg.q_size, cfg.hidden_size),
+                                  "mlp.down_proj": (cfg.intermediate_size, cfg.hidden_size)}.items():
+            base = f"model.layers.{i}.{name}"
+            qweight, qzeros, scales = (tensors[f"{base}.{t}"] for t in ("qweight", "qzeros", "scales"))
+            assert qweight.shape == (fin, fout // 8) and qweight.dtype == torch.int32
+            assert qzeros.shape == (fin // g, fout // 8) and qzeros.dtype == torch.int32
+            assert scales.shape == (fin // g, fout) and scales.dtype == torch.float16
+            assert base + ".weight" not in tensors
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float16
+    # orinfer's model gives the same tensors back under the same names
+    llm = LLM(awq, **SMALL_KV)
+    ours = dict(llm.engine.runner.model.hf_state_dict())
+    for name in ("model.layers.0.self_attn.k_proj.qweight", "model.layers.0.self_attn.v_proj.scales",
+                 "model.layers.1.mlp.up_proj.qzeros", "model.layers.1.mlp.gate_proj.qweight"):
+        assert torch.equal(ours[name].cpu(), tensors[name].to(ours[name].dtype))
+
+
+def _triton_llm(path):
+    """The triton op table on the CPU (interpreter), which get_ops only offers on CUDA."""
+    from orinfer.layers.triton_ops import triton_ops
+    from orinfer.loader import load_hf_model
+
+    cfg = ModelConfig.from_hf(path)
+    model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, torch.device("cpu"), cfg, progress=False)
+    parts = EngineParts(model, cfg, None, {}, torch.device("cpu"), torch.float32)
+    return LLM.from_parts(parts, EngineConfig(block_size=4, num_kv_blocks=64))
+
+
+@needs_kernels
+def test_triton_backend_runs_the_awq_model_like_the_torch_backend(tmp_path, monkeypatch):
+    """The model through the Triton op table (AWQ GEMM for prefill, fused AWQ gate/up + GEMV for decode) gives the
+    torch backend's logits and tokens."""
+    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
+    orig = save_hf_model(build_hf_model("qwen3-gqa4-untied"), tmp_path / "orig")
+    awq = tmp_path / "awq"
+    quantize_checkpoint(orig, awq, method="rtn", group_size=32, progress=False)
+    ref, tri = LLM(awq, **SMALL_KV), _triton_llm(awq)
+    ids = PROMPT + [4, 9]
+    torch.testing.assert_close(paged_logits(tri, ids, len(PROMPT)), paged_logits(ref, ids, len(PROMPT)),
+                               atol=1e-4, rtol=1e-4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert tri.generate([PROMPT], params)[0].token_ids == ref.generate([PROMPT], params)[0].token_ids
+
+
+# --- AWQ search on the trained tiny model -----------------------------------------------------------------------------
+
+def test_awq_is_no_worse_than_rtn_on_held_out_text(tiny_dir, tmp_path):
+    from orinfer.tokenizer_train import bundled_corpus
+
+    text = bundled_corpus()
+    cut = int(len(text) * 0.85)
+    calib, held_out = text[:cut], text[cut:]
+    quantize_checkpoint(tiny_dir, tmp_path / "rtn", method="rtn", group_size=32, progress=False)
+    report = quantize_checkpoint(tiny_dir, tmp_path / "awq", method="awq", group_size=32, calib_text=calib,
+                                 progress=False)
+    ppl = {name: perplexity(LLM(path, **SMALL_KV), held_out)
+           for name, path in (("fp", tiny_dir), ("rtn", tmp_path / "rtn"), ("awq", tmp_path / "awq"))}
+    assert ppl["awq"] <= ppl["rtn"], ppl
+    assert ppl["rtn"] < 1.5 * ppl["fp"], ppl  # 4-bit with groups of 32 stays close to the original
+    # the search ran: 4 searches per layer, the best never worse than alpha = 0 (RTN), some alpha > 0 chosen
+    cfg = ModelConfig.from_hf(tiny_dir)
+    assert len(report["alphas"]) == 4 * cfg.num_hidden_layers
+    assert any(a > 0 for a in report["alphas"].values())
+    assert all(best <= at_zero for at_zero, best in report["losses"].values())
+    # the quantized model still continues the training text
+    llm = LLM(tmp_path / "awq", **SMALL_KV)
+    out = llm.generate("Alice was beginning to get very", SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.text.strip().startswith("tired")
+
+
+def test_quantize_cli(tmp_path, capsys):
+    import argparse
+
+    from orinfer.quant.cli import add_quantize_parser
+
+    orig = save_hf_model(build_hf_model("qwen3-mha-tied"), tmp_path / "orig")
+    parser = argparse.ArgumentParser()
+    add_quantize_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["quantize", str(orig), str(tmp_path / "q"), "--method", "rtn", "--group-size", "16"])
+    assert args.func(args) == 0
+    assert "wrote rtn INT4" in capsys.readouterr().out
+    assert ModelConfig.from_hf(tmp_path / "q").quantization.group_size == 16
+
+
+# --- the seed .bin format ------------------------------------------------------------------------------------------
+
+def _bin_llm(path, tokenizer=None):
+    model, cfg = load_bin_model(path, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"))
+    parts = EngineParts(model, cfg, tokenizer, {}, torch.device("cpu"), torch.float32)
+    return LLM.from_parts(parts, EngineConfig(block_size=4, num_kv_blocks=64))
+
+
+def test_bin_awq_export_loads_with_identical_tokens(tmp_path):
+    orig = save_hf_model(build_hf_model("qwen3-gqa4-untied"), tmp_path / "orig")
+    quantize_checkpoint(orig, tmp_path / "awq", method="rtn", group_size=32, progress=False)
+    info = export_bin(tmp_path / "awq", tmp_path / "model.bin")
+    assert info["version"] == 5 and (tmp_path / "model.bin").stat().st_size == info["bytes"]
+    want = LLM(tmp_path / "awq", **SMALL_KV).generate([PROMPT], GREEDY)[0].token_ids
+    assert _bin_llm(tmp_path / "model.bin").generate([PROMPT], GREEDY)[0].token_ids == want
+    # header fields at the seed's offsets
+    head = (tmp_path / "model.bin").read_bytes()[:256]
+    cfg = ModelConfig.from_hf(tmp_path / "awq")
+    assert struct.unpack_from("<Ii", head, 0) == (MAGIC, 5) and head[:4] == b"84ka"
+    assert struct.unpack_from("<7i", head, 8) == (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                                                  cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size,
+                                                  cfg.max_position_embeddings)
+    assert head[0x24] == 0 and struct.unpack_from("<ii", head, 0x25) == (cfg.head_dim, 32)
+    # region A starts right after the header with layer 0's input_layernorm
+    first = torch.frombuffer(bytearray((tmp_path / "model.bin").read_bytes()[256:256 + 2 * cfg.hidden_size]),
+                             dtype=torch.float16)
+    assert torch.equal(first, load_file(str(tmp_path / "awq" / "model.safetensors"))[
+        "model.layers.0.input_layernorm.weight"])
+
+
+def test_bin_fp16_variant_loads_with_identical_tokens(tmp_path):
+    hf = build_hf_model("qwen3-mha-tied").half()           # fp16 weights: the export is then lossless
+    save_hf_model(hf, tmp_path / "fp16")
+    info = export_bin(tmp_path / "fp16", tmp_path / "model16.bin")
+    assert info["version"] == 6
+    cfg = read_bin_config(tmp_path / "model16.bin")
+    assert cfg.quantization is None and cfg.tie_word_embeddings and cfg.rope_theta == 10000.0
+    want = LLM(tmp_path / "fp16", **SMALL_KV).generate([PROMPT], GREEDY)[0].token_ids
+    assert _bin_llm(tmp_path / "model16.bin").generate([PROMPT], GREEDY)[0].token_ids == want
+
+
+def test_bin_awq_from_the_tiny_model_with_tokenizer(tiny_dir, tmp_path):
+    quantize_checkpoint(tiny_dir, tmp_path / "q", method="rtn", group_size=32, progress=False)
+    export_bin(tmp_path / "q", tmp_path / "tiny.bin")
+    from orinfer.tokenizer import Tokenizer
+
+    llm = _bin_llm(tmp_path / "tiny.bin", Tokenizer.from_dir(tiny_dir))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = LLM(tmp_path / "q", **SMALL_KV).generate("Alice was beginning", params)[0]
+    got = llm.generate("Alice was beginning", params)[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+
+
+@pytest.mark.skipif("load_bin_model" not in inspect.getsource(__import__("orinfer.llm").llm),
+                    reason="LLM() does not route .bin files yet")
+def test_llm_opens_a_bin_file(tiny_dir, tmp_path):
+    quantize_checkpoint(tiny_dir, tmp_path / "q", method="rtn", group_size=32, progress=False)
+    export_bin(tmp_path / "q", tmp_path / "tiny.bin")
+    llm = LLM(tmp_path / "tiny.bin", tokenizer=tiny_dir / "tokenizer.json", **SMALL_KV)
+    want = LLM(tmp_path / "q", **SMALL_KV).generate("Alice was", GREEDY)[0].token_ids
+    assert llm.generate("Alice was", GREEDY)[0].token_ids == want
+
+
+def test_bin_errors(tmp_path):
+    orig = save_hf_model(build_hf_model("qwen3-mha-tied").half(), tmp_path / "orig")
+    export_bin(orig, tmp_path / "m.bin")
+    data = (tmp_path / "m.bin").read_bytes()
+    (tmp_path / "bad_magic.bin").write_bytes(b"XXXX" + data[4:])
+    with pytest.raises(WeightsError, match="bad magic"):
+        read_bin_config(tmp_path / "bad_magic.bin")
+    (tmp_path / "v9.bin").write_bytes(data[:4] + struct.pack("<i", 9) + data[8:])
+    with pytest.raises(WeightsError, match="version 9"):
+        read_bin_config(tmp_path / "v9.bin")
+    (tmp_path / "short.bin").write_bytes(data[:-10])
+    with pytest.raises(WeightsError, match="truncated"):
+        load_bin_model(tmp_path / "short.bin", TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"))
+    (tmp_path / "long.bin").write_bytes(data + b"\0" * 4)
+    with pytest.raises(WeightsError, match="trailing"):
+        load_bin_model(tmp_path / "long.bin", TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"))
+    qwen2 = save_hf_model(build_hf_model("qwen2-gqa4-tied"), tmp_path / "qwen2")
+    with pytest.raises(ConfigError, match="Qwen3 decoders only"):
+        export_bin(qwen2, tmp_path / "q2.bin")
+
+
+# --- errors: quantization config and checkpoint --------------------------------------------------------------------
+
+BASE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 211, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 24}
+GOOD_Q = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
+def _cfg(**quant):
+    return ModelConfig.from_dict({**BASE, "quantization_config": {**GOOD_Q, **quant}}, source="config.json")
+
+
+def test_good_quantization_config_round_trips():
+    cfg = _cfg()
+    assert cfg.quantization == QuantConfig(group_size=32)
+    assert ModelConfig.from_dict(cfg.to_hf_dict()).quantization == cfg.quantization
+    assert _cfg(version="GEMM", group_size=-1).quantization.group_for(96) == 96
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("quant_method", "gptq", "quant_method 'gptq' is not supported"),
+    ("quant_method", None, "quant_method None is not supported"),
+    ("bits", 8, "bits=8 is not supported"),
+    ("bits", 3, "bits=3 is not supported"),
+    ("zero_point", False, "zero_point=False is not supported"),
+    ("version", "gemv", "version 'gemv' is not supported"),
+    ("version", "marlin", "version 'marlin' is not supported"),
+    ("group_size", 0, "group_size=0 must be a positive integer"),
+    ("group_size", "128", "group_size='128' must be a positive integer"),
+    ("group_size", 48, "group_size=48 does not divide q_proj's in_features=64"),
+    ("modules_to_not_convert", ["model.layers.0.mlp.down_proj"], "modules_to_not_convert lists"),
+])
+def test_bad_quantization_config_is_a_clear_error(field, value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+        _cfg(**{field: value})
+    assert "config.json: quantization_config" in str(err.value)
+
+
+def test_quantization_config_must_be_an_object():
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        ModelConfig.from_dict({**BASE, "quantization_config": "awq"})
+
+
+def test_out_features_not_a_multiple_of_8_is_rejected():
+    with pytest.raises(ConfigError, match="k_proj's out_features=20 is not a multiple of 8"):
+        ModelConfig.from_dict({**BASE, "head_dim": 20, "quantization_config": GOOD_Q})
+
+
+def test_group_size_not_dividing_o_proj_in_features_is_rejected():
+    with pytest.raises(ConfigError, match="o_proj's in_features=72"):
+        ModelConfig.from_dict({**BASE, "head_dim": 18, "num_key_value_heads": 4,
+                               "quantization_config": {**GOOD_Q, "group_size": 16}})
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("awq-errors")
+    orig = save_hf_model(build_hf_model("qwen3-gqa4-untied"), root / "orig")
+    quantize_checkpoint(orig, root / "awq", method="rtn", group_size=32, progress=False)
+    return orig, root / "awq"
+
+
+def _edited_copy(src, dst, edit, config_edit=None):
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    raw = json.loads((src / "config.json").read_text())
+    if config_edit:
+        config_edit(raw)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_wrong_qweight_shape_is_a_clear_error(awq_dir, tmp_path):
+    name = "model.layers.1.self_attn.v_proj.qweight"
+
+    def edit(t):
+        t[name] = t[name][:, :-1].contiguous()
+
+    bad = _edited_copy(awq_dir[1], tmp_path / "bad", edit)
+    with pytest.raises(WeightsError, match=rf"{name}: expected shape \(64, 3\), checkpoint has \(64, 2\)"):
+        LLM(bad, **SMALL_KV)
+
+
+def test_wrong_scales_shape_is_a_clear_error(awq_dir, tmp_path):
+    name = "model.layers.0.mlp.down_proj.scales"
+
+    def edit(t):
+        t[name] = t[name][:1].contiguous()
+
+    with pytest.raises(WeightsError, match=rf"{name}: expected shape"):
+        LLM(_edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
+
+
+def test_float_qweight_is_a_clear_error(awq_dir, tmp_path):
+    name = "model.layers.0.mlp.up_proj.qweight"
+
+    def edit(t):
+        t[name] = t[name].float()
+
+    with pytest.raises(WeightsError, match=f"{name}: expected int32"):
+        LLM(_edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
+
+
+def test_missing_qzeros_is_a_clear_error(awq_dir, tmp_path):
+    def edit(t):
+        del t["model.layers.1.mlp.gate_proj.qzeros"]
+
+    with pytest.raises(WeightsError, match="missing 1 tensor.*model.layers.1.mlp.gate_proj.qzeros"):
+        LLM(_edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
+
+
+def test_awq_tensors_without_quantization_config_are_a_clear_error(awq_dir, tmp_path):
+    bad = _edited_copy(awq_dir[1], tmp_path / "bad", lambda t: None, lambda raw: raw.pop("quantization_config"))
+    with pytest.raises(WeightsError, match="AWQ tensor .* but config.json has no quantization_config"):
+        LLM(bad, **SMALL_KV)
+
+
+def test_dense_weights_with_awq_config_are_a_clear_error(awq_dir, tmp_path):
+    orig = awq_dir[0]
+    bad = _edited_copy(orig, tmp_path / "bad", lambda t: None,
+                       lambda raw: raw.__setitem__("quantization_config", GOOD_Q))
+    with pytest.raises(WeightsError, match=r"dense model\.layers\..*\.weight where quantization_config says AWQ"):
+        LLM(bad, **SMALL_KV)
+
+
+def test_quantize_checkpoint_errors(awq_dir, tmp_path):
+    orig, awq = awq_dir
+    with pytest.raises(ConfigError, match="already quantized"):
+        quantize_checkpoint(awq, tmp_path / "x", method="rtn", progress=False)
+    with pytest.raises(ConfigError, match="unknown quantization method 'gptq'"):
+        quantize_checkpoint(orig, tmp_path / "x", method="gptq", progress=False)
+    with pytest.raises(ConfigError, match="group_size=48 does not divide"):
+        quantize_checkpoint(orig, tmp_path / "x", method="rtn", group_size=48, progress=False)
+    with pytest.raises(ConfigError, match="must differ"):
+        quantize_checkpoint(orig, orig, method="rtn", group_size=32, progress=False)

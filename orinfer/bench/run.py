@@ -14,7 +14,7 @@ import torch
 
 from orinfer.bench.ceilings import measure_ceilings
 from orinfer.bench.engine_bench import bench_engine, build_synthetic_llm, decode_bytes_per_token, weight_bytes
-from orinfer.config import EngineConfig, ModelConfig, preset, resolve_dtype
+from orinfer.config import EngineConfig, ModelConfig, QuantConfig, preset, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--prompt-lens", default="512,2048")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--quant", choices=["awq"], default=None,
+                   help="random AWQ INT4 weights (group 128) of the preset's shapes instead of 16-bit ones")
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-fused-ffn", action="store_true")
@@ -46,6 +48,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     cfg = preset(args.synthetic) if args.synthetic else ModelConfig.from_hf(args.model)
     dtype, _ = resolve_dtype(args.dtype, device)
     name = args.synthetic or Path(args.model).name
+    if args.quant:
+        if not args.synthetic:
+            print("error: --quant applies to --synthetic presets (a -m directory carries its own quantization)",
+                  file=sys.stderr)
+            return 2
+        cfg.quantization = QuantConfig(group_size=128)
+        name = f"{name}-{args.quant}"
     result: dict = {"model": name, "dtype": str(dtype).removeprefix("torch."), "command": "orinfer " + " ".join(
         sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else ["bench"]),
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -88,7 +97,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     del llm, model
     gc.collect()
     torch.cuda.empty_cache()
-    if args.compare_hf:
+    if args.compare_hf and not args.quant:  # HF has no AWQ kernels without autoawq: its baseline is the fp16 run
         from orinfer.bench.hf_baseline import bench_hf
 
         torch.cuda.reset_peak_memory_stats(device)

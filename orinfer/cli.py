@@ -1,4 +1,4 @@
-"""Command line: `orinfer generate | chat | make-tiny | bench` (also `python -m orinfer ...`)."""
+"""Command line: `orinfer generate | chat | make-tiny | bench | quantize | export | serve` (also `python -m orinfer`)."""
 
 from __future__ import annotations
 
@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_quantize_parser(sub)   # orinfer quantize IN OUT --method awq|rtn [--group-size] [--calib FILE]
     add_export_parser(sub)     # orinfer export IN_DIR OUT.bin
+    from orinfer.server.cli import add_serve_parser  # FastAPI/uvicorn load only when `serve` runs
+
+    add_serve_parser(sub)      # orinfer serve -m DIR [--host] [--port] [--api-key] [--served-model-name]
     return parser
 
 

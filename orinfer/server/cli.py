@@ -1,0 +1,129 @@
+"""`orinfer serve -m DIR`: the OpenAI-compatible server (FastAPI + uvicorn), on 127.0.0.1:8000 by default.
+
+This module imports neither FastAPI nor uvicorn at import time, so `orinfer --help` works without the `serve` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("orinfer.serve")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from orinfer.cli import _add_model_args  # the same model options as `generate`
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("ORINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $ORINFER_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the -m value)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default 64)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                   help="split <think> output into reasoning_content (auto: when the tokenizer has the tags)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 beyond)")
+    p.add_argument("--max-header-bytes", type=int, default=64 * 1024, help="largest request head (431 beyond)")
+    p.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt)")
+    p.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the context length)")
+    p.add_argument("--max-pending", type=int, default=4096,
+                   help="sequences running or queued before new requests get 429")
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from orinfer.server.app import ServerLimits, build_app
+    except ImportError as exc:
+        print(f"error: `orinfer serve` needs FastAPI and uvicorn ({exc}); install them with "
+              "pip install 'orinfer[serve]'", file=sys.stderr)
+        return 2
+    from orinfer.llm import LLM
+
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+                          max_n=args.max_n, max_tokens=args.max_tokens_limit,
+                          max_pending_sequences=args.max_pending)
+    if not _is_loopback(args.host) and not args.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
+                    args.host)
+    llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, cuda_graph=not args.no_cuda_graph,
+              fused_ffn=not args.no_fused_ffn)
+    reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
+    app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
+                    reasoning=reasoning)
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level)).run()
+    return 0
+
+
+def uvicorn_config(app: Any, host: str, port: int, limits: Any, log_level: str = "info") -> Any:
+    """uvicorn settings of the server: h11 (so that the header-size limit applies), no Server header."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http="h11", log_level=log_level, timeout_keep_alive=30,
+                          timeout_graceful_shutdown=10, server_header=False,
+                          h11_max_incomplete_event_size=limits.max_header_bytes)
+
+
+class BackgroundServer:
+    """Serves an app with uvicorn in a daemon thread (tests, notebooks). Port 0 picks a free port; `url` is the
+    address it got. `stop()` (or leaving the `with` block) shuts the server and its engine loop down."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, limits: Any = None,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        from orinfer.server.app import ServerLimits
+
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, limits or ServerLimits(), log_level))
+        self.host = host
+        self.port = port
+        self._thread = threading.Thread(target=self.server.run, name="orinfer-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,326 @@
+"""One background thread owns the `LLMEngine`; HTTP requests talk to it through queues.
+
+- The event loop submits work with `EngineLoop.submit(group)`: the group (one HTTP request: n sequences, or one per
+  prompt and choice) goes into a thread-safe inbox. Only the engine thread calls the engine: `add_request`, `step`,
+  `take_delta`, `abort`, `release`.
+- The engine thread adds the group's sequences (all or none; a RequestError comes back as the `accepted` future's
+  exception), then steps the engine while anything is unfinished. After each step it hands each advanced sequence's new
+  text, token logprobs and finish reason to its group's asyncio.Queue with `loop.call_soon_threadsafe`.
+- Cancellation: `group.abort()` (a client disconnected, a handler was cancelled or failed) puts an abort command in the
+  inbox; the engine thread aborts the group's unfinished sequences before its next step, which frees their KV blocks.
+  Aborting a finished group is a no-op, so handlers call it unconditionally in `finally`.
+- When idle the thread blocks on the inbox (no spinning). If `step` raises, every in-flight request fails with an
+  internal error and its sequences are aborted; three failed steps in a row mark the engine dead (/health -> 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from orinfer.engine.llm_engine import LLMEngine
+from orinfer.engine.sequence import Sequence, TokenLogprob
+from orinfer.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (it failed, or the server is shutting down): no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was running; the request was aborted."""
+
+
+@dataclass
+class SeqUpdate:
+    """What one engine step produced for one sequence of a group."""
+
+    index: int                          # the choice index inside the group
+    text: str                           # new text (stop-string prefixes held back until they resolve)
+    logprobs: list[TokenLogprob]        # log-probabilities of the tokens generated since the last update
+    num_completion_tokens: int
+    finish_reason: str | None           # "stop" | "length" | "abort" when the sequence ended
+
+
+@dataclass
+class _Tracked:
+    group: "RequestGroup"
+    index: int
+    seq: Sequence
+    sent_logprobs: int = 0
+
+
+class RequestGroup:
+    """The event-loop side of one HTTP request: its sequences' prompts and params, and one queue for their updates."""
+
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        if len(prompts) != len(params) or not prompts:
+            raise ValueError("one SamplingParams per prompt, at least one")
+        self.request_id = request_id
+        self.prompts, self.params = prompts, params
+        self.seq_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[SeqUpdate | BaseException] = asyncio.Queue()
+        self.accepted: asyncio.Future[list[int]] = self.loop.create_future()
+        self._engine_loop: EngineLoop | None = None
+        self._remaining = len(prompts)
+        self._aborted = False
+
+    @property
+    def done(self) -> bool:
+        return self._remaining == 0
+
+    def abort(self) -> None:
+        """Stops the group's unfinished sequences (idempotent; a no-op once all finished)."""
+        if self._aborted or self._remaining == 0 or self._engine_loop is None:
+            return
+        self._aborted = True
+        self._engine_loop._abort(self)
+
+    async def updates(self) -> AsyncIterator[SeqUpdate]:
+        """Yields updates until every sequence finished; raises what the engine thread reported."""
+        while self._remaining > 0:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self._remaining = 0
+                raise item
+            if item.finish_reason is not None:
+                self._remaining -= 1
+            yield item
+
+    # --- called on the event loop by the engine thread (through call_soon_threadsafe) -------------------------------
+
+    def _resolve(self, result: list[int] | BaseException) -> None:
+        if self.accepted.done():
+            return
+        if isinstance(result, BaseException):
+            self._remaining = 0
+            self.accepted.set_exception(result)
+        else:
+            self.accepted.set_result(result)
+
+
+def _deliver(items: list[tuple[RequestGroup, SeqUpdate]]) -> None:
+    for group, update in items:
+        group.queue.put_nowait(update)
+
+
+class EngineLoop:
+    """The engine thread. `start()` once; `stop()` aborts what runs and joins the thread."""
+
+    def __init__(self, engine: LLMEngine, metrics: Any | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._pending = 0                   # sequences submitted but not yet added by the engine thread
+        self._pending_lock = threading.Lock()
+        self._stats: dict[str, float] = {}
+        self._publish_stats()
+
+    # --- event-loop side --------------------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stopping
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop was already started")
+        self._thread = threading.Thread(target=self._run, name="orinfer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s", timeout)
+
+    def submit(self, group: RequestGroup) -> None:
+        """Queues a group; await `group.accepted` for the prompt lengths (or the engine's RequestError)."""
+        if not self.alive:
+            raise EngineDeadError(self.dead_message())
+        group._engine_loop = self
+        # Mark a rejection as retrieved even if the handler is gone by then (no "never retrieved" warnings).
+        group.accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
+        with self._pending_lock:
+            self._pending += len(group.prompts)
+        self._inbox.put(("add", group))
+
+    def load(self) -> int:
+        """Sequences in the engine or on their way to it (for admission control)."""
+        return len(self._tracked) + self._pending
+
+    def _abort(self, group: RequestGroup) -> None:
+        self._inbox.put(("abort", group))
+
+    def stats(self) -> dict[str, float]:
+        """The latest snapshot published by the engine thread (running, waiting, free_blocks, num_blocks, alive)."""
+        return {**self._stats, "alive": 1.0 if self.alive else 0.0}
+
+    def dead_message(self) -> str:
+        if self._stopping:
+            return "the server is shutting down"
+        if self.error is not None:
+            return f"the engine stopped after an internal error ({type(self.error).__name__})"
+        return "the engine loop is not running"
+
+    # --- engine thread ----------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while True:
+                if self._drain(block=not self.engine.has_unfinished()):
+                    break
+                if self.engine.has_unfinished():
+                    try:
+                        self._step()
+                        failures = 0
+                    except Exception as exc:  # noqa: BLE001 - anything from the model: fail the requests, go on
+                        failures += 1
+                        log.exception("engine step failed (%d in a row)", failures)
+                        self._fail_all(EngineStepError(f"internal engine error: {type(exc).__name__}"))
+                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                            raise
+                self._publish_stats()
+        except BaseException as exc:  # noqa: BLE001 - the loop is dead: say so to everyone waiting
+            self.error = exc
+            log.critical("the engine loop died: %r", exc)
+            self._fail_all(EngineDeadError(self.dead_message()))
+        else:
+            self._fail_all(EngineDeadError("the server is shutting down"))
+        finally:
+            self._drain_after_death()
+            self._publish_stats()
+
+    def _drain(self, block: bool) -> bool:
+        """Runs the queued commands; returns True when asked to stop."""
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            kind, group = cmd
+            if kind == "stop":
+                return True
+            if kind == "add":
+                self._add(group)
+            elif kind == "abort":
+                self._abort_group(group, "abort")
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+
+    def _add(self, group: RequestGroup) -> None:
+        with self._pending_lock:
+            self._pending -= len(group.prompts)
+        added: list[Sequence] = []
+        try:
+            for seq_id, ids, params in zip(group.seq_ids, group.prompts, group.params):
+                added.append(self.engine.add_request(ids, params, seq_id))
+        except Exception as exc:  # noqa: BLE001 - RequestError (-> 400) or anything else (-> 500), never fatal
+            for seq in added:
+                self.engine.abort(seq.request_id)
+            self._to_loop(group, group._resolve, exc)
+            return
+        for i, seq in enumerate(added):
+            self._tracked[seq.request_id] = _Tracked(group, i, seq)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        self._to_loop(group, group._resolve, [seq.num_prompt_tokens for seq in added])
+
+    def _abort_group(self, group: RequestGroup, reason: str) -> None:
+        for seq_id in group.seq_ids:
+            tracked = self._tracked.pop(seq_id, None)
+            if tracked is None:
+                continue  # finished already (and released), or never added
+            self.engine.abort(seq_id)
+            self.engine.release(seq_id)
+            self._observe(tracked.seq, reason)
+
+    def _step(self) -> None:
+        # One wake-up of each event loop per step (not one per sequence): call_soon_threadsafe writes to a pipe.
+        batches: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[RequestGroup, SeqUpdate]]]] = {}
+        for seq in self.engine.step():
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is None:
+                continue
+            text = self.engine.take_delta(seq)
+            lps = seq.logprobs[tracked.sent_logprobs:] if seq.logprobs else []
+            tracked.sent_logprobs += len(lps)
+            reason = seq.finish_reason if seq.is_finished else None
+            if reason is not None:
+                del self._tracked[seq.request_id]
+                self.engine.release(seq.request_id)
+                self._observe(seq, reason)
+            elif not text and not lps:
+                continue
+            group = tracked.group
+            update = SeqUpdate(tracked.index, text, lps, seq.num_completion_tokens, reason)
+            batches.setdefault(id(group.loop), (group.loop, []))[1].append((group, update))
+        for loop, items in batches.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed (server shut down): nobody is waiting
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Aborts every in-flight sequence and tells each group (once) why."""
+        groups = {id(t.group): t.group for t in self._tracked.values()}
+        for group in groups.values():
+            try:
+                self._abort_group(group, "error")
+            except Exception:  # noqa: BLE001 - the engine may be broken; still tell the client
+                log.exception("abort failed")
+            self._to_loop(group, group.queue.put_nowait, error)
+        self._tracked.clear()
+
+    def _drain_after_death(self) -> None:
+        """Rejects groups still in the inbox once the loop is gone."""
+        while True:
+            try:
+                kind, group = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with self._pending_lock:
+                    self._pending -= len(group.prompts)
+                self._to_loop(group, group._resolve, EngineDeadError(self.dead_message()))
+
+    def _observe(self, seq: Sequence, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_sequence(reason, seq.num_completion_tokens, seq.arrival_time, seq.first_token_time,
+                                          seq.finish_time or time.perf_counter())
+
+    @staticmethod
+    def _to_loop(group: RequestGroup, fn: Any, arg: Any) -> None:
+        try:
+            group.loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the event loop is closed (server shut down): nobody is waiting
+            pass
+
+    def _publish_stats(self) -> None:
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        self._stats = {"running": float(len(sched.running)), "waiting": float(len(sched.waiting)),
+                       "free_blocks": float(bm.num_free_blocks), "num_blocks": float(bm.num_blocks),
+                       "tracked": float(len(self._tracked))}

@@ -27,6 +27,7 @@ from orinfer.loader.seed_bin import MAGIC, export_bin, load_bin_model, read_bin_
 from orinfer.quant import perplexity, quantize_checkpoint
 from orinfer.quant.pack import pack_int4, unpack_int4
 from orinfer.quant.rtn import fake_quantize, quantize_rtn
+from test_hf_parity import paged_logits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -338,28 +339,6 @@ def hf_greedy_cached(model, prompt: list[int], steps: int) -> list[int]:
             ids.append(int(out.logits[0, -1].argmax()))
             out = model(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
     return ids
-
-
-def paged_logits(llm: LLM, ids: list[int], prefill_len: int) -> torch.Tensor:
-    """Logits at every position: a prefill of the first prefill_len tokens, then decode steps (the real paged path)."""
-    from orinfer.engine.sequence import Sequence
-
-    engine, runner = llm.engine, llm.engine.runner
-    seq = Sequence("probe", ids[:prefill_len], SamplingParams(max_tokens=1, temperature=0.0))
-    engine.block_manager.allocate(seq)
-    rows = []
-    try:
-        with torch.inference_mode():
-            input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=True)
-            rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
-            for token in ids[prefill_len:]:
-                seq.append_token(token)
-                engine.block_manager.append_slot(seq)
-                input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=False)
-                rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
-    finally:
-        engine.block_manager.free(seq)
-    return torch.cat(rows)
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CASES))

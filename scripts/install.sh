@@ -29,7 +29,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 
 if [ "$extra" = "test" ]; then
-  "${pip[@]}" -e ".[test]"
+  "${pip[@]}" -c scripts/test-constraints.txt -e ".[test]"
 else
   "${pip[@]}" -e .
 fi

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from orinfer.errors import ConfigError, WeightsError
-from orinfer.layers.linear import default_weight_loader
+from orinfer.layers.linear import default_weight_loader, shard_offsets
 from orinfer.layers.ops import Ops
 
 QUANT_PARAMS = ("qweight", "qzeros", "scales")
@@ -77,11 +77,7 @@ class AWQPackedLinear(AWQLinear):
             if cols % 8:
                 raise ConfigError(f"AWQ shard {shard!r} has out_features {cols}, not a multiple of 8")
         super().__init__(in_features, sum(shard_sizes.values()), bias, ops, dtype, group_size)
-        self.shard_offsets: dict[object, tuple[int, int]] = {}
-        offset = 0
-        for shard, cols in shard_sizes.items():
-            self.shard_offsets[shard] = (offset, cols)
-            offset += cols
+        self.shard_offsets = shard_offsets(shard_sizes)
         for p in self.parameters():
             p.weight_loader = self._load_shard
 

@@ -40,17 +40,23 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight, self.bias)
 
 
+def shard_offsets(shard_sizes: dict[object, int]) -> dict[object, tuple[int, int]]:
+    """shard id -> (first output row, rows) for matrices stacked in `shard_sizes` order."""
+    offsets: dict[object, tuple[int, int]] = {}
+    offset = 0
+    for shard, rows in shard_sizes.items():
+        offsets[shard] = (offset, rows)
+        offset += rows
+    return offsets
+
+
 class PackedLinear(Linear):
     """Several checkpoint matrices stacked along the output dimension. `shard_sizes` maps shard id -> rows."""
 
     def __init__(self, in_features: int, shard_sizes: dict[object, int], bias: bool, ops: Ops,
                  dtype: torch.dtype) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias, ops, dtype)
-        self.shard_offsets: dict[object, tuple[int, int]] = {}
-        offset = 0
-        for shard, rows in shard_sizes.items():
-            self.shard_offsets[shard] = (offset, rows)
-            offset += rows
+        self.shard_offsets = shard_offsets(shard_sizes)
         for p in self.parameters():
             p.weight_loader = self._load_shard
 

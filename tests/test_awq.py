@@ -167,8 +167,10 @@ def test_triton_dequantize(dtype, g):
 
 GEMV_CFGS = {
     "fma": K.DEFAULT_FMA, "fma-split3": K.AWQConfig("fma", 1, 64, 32, 3, 4, 1),
+    "fma-unroll": K.AWQConfig("fma", 1, 64, 8, 0, 4, 1, 4),
     "mma16": K.DEFAULT_DECODE_MMA, "mma16-split2": K.AWQConfig("mma", 16, 64, 32, 2, 4, 1),
     "gemm": K.DEFAULT_GEMM, "gemm-split2": K.AWQConfig("mma", 32, 64, 32, 2, 4, 1), "dequant": K.DEQUANT_MATMUL,
+    "nmma16": K.AWQConfig("nmma", 16, 64, 32, 0, 4, 1), "nmma16-split2": K.AWQConfig("nmma", 16, 128, 32, 2, 4, 1),
 }
 
 
@@ -176,7 +178,10 @@ GEMV_CFGS = {
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cfg", [(1, "fma"), (1, "fma-split3"), (1, "mma16"), (3, "mma16"), (3, "mma16-split2"),
-                                      (17, "gemm"), (17, "gemm-split2"), (17, "dequant"), (3, None), (17, None)])
+                                      (17, "gemm"), (17, "gemm-split2"), (17, "dequant"), (3, None), (17, None),
+                                      (1, "nmma16"), (3, "nmma16"),
+                                      (1, "fma-unroll"),
+                                      (3, "nmma16-split2"), (17, "nmma16")])
 def test_awq_linear(dtype, rows, cfg):
     """K > group (5 groups), N = 72 (not a multiple of the column tile), with a bias."""
     qweight, qzeros, scales = random_awq(160, 72, 32)
@@ -215,7 +220,8 @@ def test_awq_gemv_and_gemm_entry_points_and_leading_dims():
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cfg", [(1, "fma"), (1, "fma-split3"), (3, "mma16"), (3, "mma16-split2"), (1, None),
-                                      (17, None)])
+                                      (17, None), (3, "nmma16"), (1, "fma-unroll"),
+                                      (3, "nmma16-split2")])
 def test_awq_fused_gate_up_silu(dtype, rows, cfg):
     """Packed gate_up of I = 40 per half (gate columns 0..39, up 40..79); 17 rows fall back to GEMM + SwiGLU."""
     qweight, qzeros, scales = random_awq(96, 80, 32)
@@ -228,7 +234,8 @@ def test_awq_fused_gate_up_silu(dtype, rows, cfg):
 
 @needs_kernels
 @kernel_test
-@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (3, "mma16-split2"), (17, "gemm"), (17, "dequant")])
+@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (3, "mma16-split2"), (17, "gemm"), (17, "dequant"), (1, "fma-unroll"),
+                                      (3, "nmma16-split2")])
 def test_fp16_output_is_clamped_not_inf(rows, cfg):
     """Outputs beyond fp16's range are clamped to +-65504 (the reference does the same), never inf."""
     qweight = torch.full((64, 4), 0x77777777, dtype=torch.int32, device=DEVICE)   # q = 7 everywhere
@@ -256,6 +263,9 @@ def test_awq_shapes_are_checked():
 
 # --- GPU-only: real shapes -----------------------------------------------------------------------------------------
 
+NIBBLE_MMA = [K.AWQConfig("nmma", 16, bn, bk, sk, w, st) for bn, bk, sk, w, st in
+              [(64, 32, 0, 4, 1), (128, 64, 0, 4, 2), (256, 128, 1, 8, 3), (128, 128, 3, 4, 2)]]
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -265,7 +275,12 @@ def test_gpu_awq_linear_qwen3_8b_shapes(dtype, rows, k, n, monkeypatch):
     monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
     qweight, qzeros, scales = random_awq(k, n, 128)
     x = randn(rows, k, dtype=dtype)
-    ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
+    if rows > K.MAX_GEMV_ROWS:
+        # The GEMM paths (fused tensor-core GEMM, dequantise + cuBLAS) round the dequantised weight to the activation
+        # dtype before the tensor-core dot, as every W4A16 GEMM does: the reference must round it the same way.
+        ref = x.float() @ K.awq_dequantize_ref(qweight, qzeros, scales, 128, dtype=dtype).float()
+    else:
+        ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
     got = K.awq_linear(x, qweight, qzeros, scales, 128)
     torch.testing.assert_close(got.float(), ref, **tol(dtype, 4))
 
@@ -289,7 +304,7 @@ def test_gpu_awq_fused_gate_up_qwen3_8b(dtype, rows, monkeypatch):
 def test_gpu_every_candidate_config_is_correct(dtype):
     """Each config the tuner may pick computes the same thing (a wrong one would only show up when timed fastest)."""
     qweight, qzeros, scales = random_awq(2048, 1536, 128)
-    for rows, cfgs in ((1, K.FMA_CONFIGS + K.DECODE_MMA_CONFIGS), (8, K.DECODE_MMA_CONFIGS),
+    for rows, cfgs in ((1, K.FMA_CONFIGS + K.DECODE_MMA_CONFIGS + NIBBLE_MMA), (8, K.DECODE_MMA_CONFIGS + NIBBLE_MMA),
                        (300, K.GEMM_CONFIGS + [K.DEQUANT_MATMUL])):
         x = randn(rows, 2048, dtype=dtype)
         ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)

@@ -158,10 +158,18 @@ def _epilogue(g, u, bias, out_ty: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: t
 
 
 @triton.jit
+def _fma_step(acc, xk, w, z, s, shifts):
+    """acc [BLOCK_K, BLOCK_C, 8] += x[k] * (q - z) * s for one int32 tile w [BLOCK_K, BLOCK_C] of one group."""
+    wf = (_nibbles_as_float(w[:, :, None], shifts[None, None, :])
+          - _nibbles_as_float(z[:, None], shifts[None, :])[None, :, :]) * s[None, :, :]
+    return acc + xk[:, None, None] * wf
+
+
+@triton.jit
 def _awq_fma_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, b_ptr, out_ptr, part_ptr,
                     N_OUT, K, G, K_SPLIT, stride_qw, stride_qz, stride_sc, UP8,
                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr, CLAMP16: tl.constexpr,
-                    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     pid_n = tl.program_id(0)
@@ -176,23 +184,22 @@ def _awq_fma_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, b_ptr, out_ptr, part_ptr,
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc_g = tl.zeros([BLOCK_K, BLOCK_C, 8], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_K, BLOCK_C, 8], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        grp = k0 // G                                          # BLOCK_K divides G: one group per tile
-        rows = k0 + offs_k
-        xk = tl.load(x_ptr + rows).to(tl.float32)[:, None, None]
-        w = tl.load(qw_ptr + rows[:, None] * stride_qw + c_ld[None, :], eviction_policy="evict_first")
+    # UNROLL tiles of BLOCK_K rows per step, all in one group (the wrapper keeps BLOCK_K * UNROLL dividing G): their
+    # loads are issued together, so more bytes are in flight per program without a larger accumulator.
+    for k0 in range(k_lo, k_hi, BLOCK_K * UNROLL):
+        grp = k0 // G
         z = tl.load(qz_ptr + grp * stride_qz + c_ld)
         s = tl.load(sc_ptr + grp * stride_sc + cols).to(tl.float32)
-        wf = (_nibbles_as_float(w[:, :, None], shifts[None, None, :])
-              - _nibbles_as_float(z[:, None], shifts[None, :])[None, :, :]) * s[None, :, :]
-        acc_g += xk * wf
         if GATED:
-            w = tl.load(qw_ptr + rows[:, None] * stride_qw + (c_ld + UP8)[None, :], eviction_policy="evict_first")
-            z = tl.load(qz_ptr + grp * stride_qz + c_ld + UP8)
-            s = tl.load(sc_ptr + grp * stride_sc + cols + UP8 * 8).to(tl.float32)
-            wf = (_nibbles_as_float(w[:, :, None], shifts[None, None, :])
-                  - _nibbles_as_float(z[:, None], shifts[None, :])[None, :, :]) * s[None, :, :]
-            acc_u += xk * wf
+            z_u = tl.load(qz_ptr + grp * stride_qz + c_ld + UP8)
+            s_u = tl.load(sc_ptr + grp * stride_sc + cols + UP8 * 8).to(tl.float32)
+        for r in tl.static_range(UNROLL):
+            rows = k0 + r * BLOCK_K + offs_k
+            xk = tl.load(x_ptr + rows).to(tl.float32)
+            w_ptrs = qw_ptr + rows[:, None] * stride_qw + c_ld[None, :]
+            acc_g = _fma_step(acc_g, xk, tl.load(w_ptrs, eviction_policy="evict_first"), z, s, shifts)
+            if GATED:
+                acc_u = _fma_step(acc_u, xk, tl.load(w_ptrs + UP8, eviction_policy="evict_first"), z_u, s_u, shifts)
     if PDL:
         gdc_launch_dependents()
     g = tl.sum(acc_g, axis=0)
@@ -340,27 +347,33 @@ def _awq_dequant_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, K, N8, G, stride_qw, st
 # --- launch configs ------------------------------------------------------------------------------------------------
 
 class AWQConfig(NamedTuple):
-    kind: str         # "fma" (one row, CUDA cores), "mma" (tensor-core tiles), "dequant" (dequantise + cuBLAS)
+    kind: str         # "fma" (one row, CUDA cores), "mma" (tensor-core tiles), "dequant" (dequantise + cuBLAS),
+                      # "nmma": awq_decode.py's exact-weight tensor-core kernel for 2..16 rows
     block_m: int
     block_n: int      # output columns per program (a multiple of 64 for "mma", of 8 for "fma"; a power of two)
     block_k: int      # rows per K step; capped to the largest power of two dividing the group size
     split_k: int      # 0: chosen from the SM count so the grid fills the GPU; 1: no split
     num_warps: int
     num_stages: int
+    unroll: int = 1   # "fma": K tiles loaded per step (more bytes in flight for the same accumulator)
 
 
 DEQUANT_MATMUL = AWQConfig("dequant", 0, 0, 0, 1, 0, 0)
-# Untimed defaults (interpreter, ORINFER_AUTOTUNE=0, graph capture of a shape never seen): guesses for Hopper.
-DEFAULT_FMA = AWQConfig("fma", 1, 128, 32, 0, 4, 1)
-DEFAULT_DECODE_MMA = AWQConfig("mma", 16, 64, 64, 0, 4, 3)
+# Decode (1..16 rows) uses fixed configs measured on the H200 with cold weights in graph replay (run 12-16,
+# scripts/awq_sweep.py): every AWQ weight of Qwen3-8B fits in the 50 MB L2, so timing candidates in place (hot L2)
+# would pick configs that lose in a real decode step.
+DEFAULT_FMA = AWQConfig("fma", 1, 256, 16, 0, 4, 1, 4)
+DEFAULT_DECODE_MMA = AWQConfig("nmma", 16, 256, 64, 0, 4, 3)
+# Untimed defaults for larger batches (interpreter, ORINFER_AUTOTUNE=0, graph capture of a shape never seen).
 DEFAULT_GEMM = AWQConfig("mma", 64, 128, 64, 1, 4, 3)
 DEFAULT_GEMM_LARGE = AWQConfig("mma", 128, 128, 64, 1, 8, 3)
 # Rows from which an untimed large GEMM dequantises into a temporary and calls cuBLAS (16-bit activations only).
 DEQUANT_MIN_ROWS = int(os.environ.get("ORINFER_AWQ_DEQUANT_ROWS", "1024"))
-FMA_CONFIGS = [AWQConfig("fma", 1, bn, bk, 0, w, 1) for bn, bk, w in
-               [(128, 32, 4), (64, 32, 2), (256, 16, 4), (128, 64, 8), (256, 32, 8), (64, 64, 4)]]
-DECODE_MMA_CONFIGS = [AWQConfig("mma", 16, bn, bk, 0, 4, st) for bn, bk, st in
-                      [(64, 64, 3), (64, 128, 3), (128, 64, 3), (128, 128, 2), (64, 32, 4)]]
+# Alternatives kept for the sweep script and the GPU tests (each must compute the same thing).
+FMA_CONFIGS = [AWQConfig("fma", 1, bn, bk, sk, 4, 1, u) for bn, bk, sk, u in
+               [(256, 16, 0, 4), (128, 16, 16, 4), (256, 16, 0, 1), (128, 32, 0, 1)]]
+DECODE_MMA_CONFIGS = [AWQConfig(kind, 16, bn, bk, 0, 4, st) for kind, bn, bk, st in
+                      [("nmma", 256, 64, 3), ("nmma", 256, 128, 3), ("mma", 64, 64, 3), ("mma", 128, 64, 3)]]
 GEMM_CONFIGS = [AWQConfig("mma", bm, bn, bk, 1, w, st) for bm, bn, bk, w, st in
                 [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 128, 4, 3),
                  (128, 64, 64, 4, 4), (32, 128, 128, 4, 3)]]
@@ -418,11 +431,15 @@ def _launch(x2: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     pdl = use_pdl(x2)
     if cfg.kind == "fma":
         if m != 1:
-            raise ValueError("the FMA kernel computes one row; use an 'mma' config for several rows")
+            raise ValueError("the FMA kernels compute one row; use an 'mma' config for several rows")
         tiles = triton.cdiv(n_out, cfg.block_n)
     else:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_out, cfg.block_n)
-    split, k_split = _split_plan(k, block_k, tiles, cfg.split_k, x2.device)
+    unroll = 1
+    if cfg.kind == "fma":
+        while unroll < cfg.unroll and g % (block_k * unroll * 2) == 0:
+            unroll *= 2
+    split, k_split = _split_plan(k, block_k * unroll, tiles, cfg.split_k, x2.device)
     part = out
     if split > 1:
         part = torch.empty(split, m, (2 if gated else 1) * n_out, dtype=torch.float32, device=x2.device)
@@ -432,7 +449,14 @@ def _launch(x2: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     if cfg.kind == "fma":
         _awq_fma_kernel[(tiles, split)](
             x2, qweight, qzeros, scales, b, out, part, n_out, k, g, k_split, qweight.stride(0), qzeros.stride(0),
-            scales.stride(0), up8, BLOCK_C=cfg.block_n // 8, BLOCK_K=block_k, **common)
+            scales.stride(0), up8, BLOCK_C=cfg.block_n // 8, BLOCK_K=block_k, UNROLL=unroll, **common)
+    elif cfg.kind == "nmma":
+        from orinfer.kernels.awq_decode import _nibble_mma_kernel
+        dot_f32 = x2.dtype == torch.float32 or interpreting()
+        _nibble_mma_kernel[(triton.cdiv(n_out, cfg.block_n), split, triton.cdiv(m, cfg.block_m))](
+            x2, qweight, qzeros, scales, b, out, part, m, n_out, k, g, k_split, x2.stride(0), qweight.stride(0),
+            qzeros.stride(0), scales.stride(0), up8, DOT_F32=dot_f32, BLOCK_M=cfg.block_m,
+            BLOCK_C=cfg.block_n // 8, BLOCK_K=block_k, **common)
     else:
         dot_f32 = x2.dtype == torch.float32 or interpreting()
         _awq_mm_kernel[(tiles, split)](
@@ -483,15 +507,17 @@ def _run(x, qweight, qzeros, scales, group_size, bias, gated, cfg):
         key = (min(bucket, 1 << 14), k, n_out, g, gated, bias is not None, x.dtype, scales.dtype, str(x.device))
         sixteen = x.dtype != torch.float32
         if m == 1:
-            candidates, default = FMA_CONFIGS + DECODE_MMA_CONFIGS, DEFAULT_FMA
+            candidates, default = [], DEFAULT_FMA
         elif m <= MAX_GEMV_ROWS:
-            candidates, default = DECODE_MMA_CONFIGS, DEFAULT_DECODE_MMA
+            candidates, default = [], DEFAULT_DECODE_MMA
         else:
             candidates = GEMM_CONFIGS + ([DEQUANT_MATMUL] if sixteen else [])
             default = (DEQUANT_MATMUL if sixteen and m >= DEQUANT_MIN_ROWS
                        else DEFAULT_GEMM_LARGE if m >= 256 else DEFAULT_GEMM)
         candidates = [c for c in candidates if _fits(c, g)]
-        if not candidates:  # no power of two >= 16 divides the group size: dequantise + matmul
+        if m <= MAX_GEMV_ROWS:
+            cfg = default if _fits(default, g) else DEQUANT_MATMUL
+        elif not candidates:  # no power of two >= 16 divides the group size: dequantise + matmul
             cfg = DEQUANT_MATMUL
         else:
             cfg = TUNER.pick(key, candidates, default, x.device,

@@ -1,4 +1,5 @@
-"""Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes.
+"""Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes (and the
+Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`).
 
 Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 # Qwen3-8B
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 12288, 32, 8, 128, 151936
 EPS = 1e-6
+# Qwen3-VL-8B's vision tower: a 1024x768 image is 64x48 = 3072 patches of width 1152, 16 heads of 72, MLP 4304;
+# the mergers see 768 rows of 4*1152 after the 2x2 merge.
+VIS_PATCHES, VIS_HIDDEN, VIS_INTER, VIS_HEADS, VIS_HEAD_DIM, VIS_MERGE = 3072, 1152, 4304, 16, 72, 4
 
 
 class _Timer:
@@ -178,7 +182,57 @@ def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, 
     add("store_kv", f"T={t} Hk={KV_HEADS} D={HEAD_DIM}", 4 * t * kv_size * esize,
         lambda: attention.store_kv(k_new, v_new, k_cache, v_cache, slots),
         lambda: attention.store_kv_ref(k_new, v_new, k_cache, v_cache, slots))
+    _vision_rows(add, randn, dev, esize)
     return rows
+
+
+def _vision_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> None:
+    """The vision tower's kernels against the torch sequences they replace (torch's own fused F.layer_norm for the
+    norm; the add + GELU and add + add pairs; the reference split/rotate/transpose; SDPA per image + the transpose
+    back to token-major), at Qwen3-VL-8B shapes. Attention rows add TFLOP/s (4*Dh*H*sum(L^2) flops)."""
+    from orinfer.kernels import vision  # imports triton
+
+    n, d, heads, head_dim = VIS_PATCHES, VIS_HIDDEN, VIS_HEADS, VIS_HEAD_DIM
+    for rows, dim, what in ((n, d, "block norm"), (n // VIS_MERGE, VIS_MERGE * d, "post-shuffle merger norm")):
+        x, w, b = randn(rows, dim), randn(dim, scale=0.1).add_(1), randn(dim, scale=0.1)
+        add(f"vision layer_norm ({what})", f"N={rows} D={dim}", (2 * rows * dim + 2 * dim) * esize,
+            lambda: vision.layer_norm(x, w, b, EPS), lambda: F.layer_norm(x, (dim,), w, b, EPS))
+    for rows, dim, approx in ((n, VIS_INTER, "tanh"), (n // VIS_MERGE, VIS_MERGE * d, "none")):
+        x, b = randn(rows, dim), randn(dim)
+        add(f"vision bias_gelu ({approx})", f"N={rows} D={dim}", (2 * rows * dim + dim) * esize,
+            lambda: vision.bias_gelu(x, b, approx), lambda: F.gelu(x + b, approximate=approx))
+    x, b, r = randn(n, d), randn(d), randn(n, d)
+    add("vision bias_residual", f"N={n} D={d}", (3 * n * d + d) * esize,
+        lambda: vision.bias_residual(x, b, r), lambda: r + (x + b))
+    qkv = randn(n, 3 * heads * head_dim)
+    angles = torch.rand(n, head_dim // 2, device=dev) * 64
+    cos, sin = angles.cos(), angles.sin()  # fp32, as the tower computes them
+    add("vision qkv_split_rope", f"N={n} H={heads} Dh={head_dim}",
+        6 * n * heads * head_dim * esize + 2 * n * (head_dim // 2) * 4,
+        lambda: vision.qkv_split_rope(qkv, cos, sin, heads),
+        lambda: vision.qkv_split_rope_ref(qkv, cos, sin, heads))
+    scale = head_dim ** -0.5
+    d_lo, d_hi = vision.head_split(head_dim)
+    for lengths in ([n], [n // 3] * 3):
+        tokens = sum(lengths)
+        q, k, v = (randn(heads, tokens, head_dim) for _ in range(3))
+        bounds = [0]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        out = torch.empty(tokens, heads * head_dim, dtype=q.dtype, device=dev)
+
+        def sdpa_per_image(q=q, k=k, v=v, bounds=bounds, out=out):
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                o = F.scaled_dot_product_attention(q[None, :, lo:hi], k[None, :, lo:hi], v[None, :, lo:hi], scale=scale)
+                out[lo:hi] = o[0].transpose(0, 1).reshape(hi - lo, heads * head_dim)
+            return out
+
+        add("vision attention (non-causal, per image)", f"L={'+'.join(map(str, lengths))} H={heads} Dh={head_dim}",
+            4 * tokens * heads * head_dim * esize,
+            lambda: vision.vision_attention(q, k, v, cu, max(lengths), scale), sdpa_per_image,
+            flops=4 * head_dim * heads * sum(length * length for length in lengths),
+            config=f"Dh {d_lo}+{d_hi}" if d_hi else f"Dh {d_lo}")
 
 
 def markdown(rows: list[dict]) -> str:
@@ -205,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = run_kernel_bench(args.device, getattr(torch, args.dtype), args.iters)
     name = torch.cuda.get_device_name(torch.device(args.device))
-    print(f"# Kernel micro-benchmark on {name} ({args.dtype}, Qwen3-8B shapes)\n")
+    print(f"# Kernel micro-benchmark on {name} ({args.dtype}, Qwen3-8B and Qwen3-VL-8B vision shapes)\n")
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,6 +19,8 @@ from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_
 from orinfer.kernels.awq import awq_fused_gate_up_silu_ref, awq_linear_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
+from orinfer.kernels.vision import (bias_gelu_ref, bias_residual_ref, layer_norm_ref, qkv_split_rope_ref,
+                                    vision_attention_ref)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,6 +47,12 @@ class Ops:
     # awq_fused_gate_up_silu(x, qweight, qzeros, scales, group_size) for decode (None: awq_linear + silu_and_mul).
     awq_linear: Callable | None = None
     awq_fused_gate_up_silu: Callable | None = None
+    # The Qwen3-VL vision tower's ops (kernels/vision.py documents each signature).
+    layer_norm: Callable = layer_norm_ref
+    bias_gelu: Callable = bias_gelu_ref
+    bias_residual: Callable = bias_residual_ref
+    qkv_split_rope: Callable = qkv_split_rope_ref
+    vision_attention: Callable = vision_attention_ref
 
 
 TORCH_OPS = Ops(

@@ -16,6 +16,7 @@ from orinfer.kernels.awq import awq_fused_gate_up_silu, awq_linear
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.rotary import qk_norm_rope
+from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
 from orinfer.layers.ops import Ops, linear_ref
 
 GEMV_MAX_ROWS = 8
@@ -38,4 +39,6 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         silu_and_mul=silu_and_mul, store_kv=store_kv, paged_attention=paged_attention,
         varlen_attention=varlen_attention, fused_gate_up_silu=fused_gate_up_silu if fused_ffn else None,
         awq_linear=awq_linear, awq_fused_gate_up_silu=awq_fused_gate_up_silu if fused_ffn else None,
+        layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual, qkv_split_rope=qkv_split_rope,
+        vision_attention=vision_attention,
     )

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -166,7 +167,7 @@ def markdown(report: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
@@ -180,15 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--out", default=None, help="write the report as JSON here (and a .md table beside it)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def write_report(report: dict, out: str | Path) -> None:
+    """The JSON report at `out` and its markdown table (with the command) beside it."""
+    out = Path(out)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"`{report['command']}`\n\n{markdown(report)}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     report = asyncio.run(main_async(args))
-    table = markdown(report)
-    print(table)
+    print(markdown(report))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-        with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(f"`{report['command']}`\n\n{table}\n")
+        write_report(report, args.out)
     return 1 if any(lv["failed"] for lv in report["levels"]) else 0
 
 

@@ -22,6 +22,7 @@ from orinfer.config import EngineConfig, ModelConfig, QuantConfig
 from orinfer.engine.llm_engine import EngineParts
 from orinfer.errors import ConfigError, WeightsError
 from orinfer.kernels import awq as K
+from orinfer.kernels.activation import silu_and_mul_ref
 from orinfer.layers.ops import TORCH_OPS
 from orinfer.loader.seed_bin import MAGIC, export_bin, load_bin_model, read_bin_config
 from orinfer.quant import perplexity, quantize_checkpoint
@@ -304,18 +305,32 @@ def test_gpu_awq_fused_gate_up_qwen3_8b(dtype, rows, monkeypatch):
 def test_gpu_every_candidate_config_is_correct(dtype):
     """Each config the tuner may pick computes the same thing (a wrong one would only show up when timed fastest)."""
     qweight, qzeros, scales = random_awq(2048, 1536, 128)
+    # Kernels that round the dequantised weight to the activation dtype before a tensor-core dot ("mma": the generic
+    # tile kernel, "dequant": dequantise + cuBLAS) are checked against a reference that rounds it the same way;
+    # the FMA and "nmma" kernels use exact weights and are checked against the fp32 reference.
+    w_rounded = K.awq_dequantize_ref(qweight, qzeros, scales, 128, dtype=dtype).float()
     for rows, cfgs in ((1, K.FMA_CONFIGS + K.DECODE_MMA_CONFIGS + NIBBLE_MMA), (8, K.DECODE_MMA_CONFIGS + NIBBLE_MMA),
                        (300, K.GEMM_CONFIGS + [K.DEQUANT_MATMUL])):
         x = randn(rows, 2048, dtype=dtype)
-        ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
+        exact = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
+        rounded = x.float() @ w_rounded
         for cfg in cfgs:
+            ref = rounded if cfg.kind in ("mma", "dequant") else exact
             got = K.awq_linear(x, qweight, qzeros, scales, 128, cfg=cfg)
             torch.testing.assert_close(got.float(), ref, **tol(dtype, 4), msg=lambda m, c=cfg: f"{c}: {m}")
         if rows <= 16:
-            ref_g = K.awq_fused_gate_up_silu_ref(x.float(), qweight, qzeros, scales, 128)
+            exact_g = K.awq_fused_gate_up_silu_ref(x.float(), qweight, qzeros, scales, 128)
+            rounded_g = silu_and_mul_ref(_round(rounded, dtype))
             for cfg in cfgs:
+                ref_g = rounded_g if cfg.kind in ("mma", "dequant") else exact_g
                 got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 128, cfg=cfg)
-                torch.testing.assert_close(got.float(), ref_g, **tol(dtype, 4), msg=lambda m, c=cfg: f"{c}: {m}")
+                torch.testing.assert_close(got.float(), ref_g.float(), **tol(dtype, 4),
+                                           msg=lambda m, c=cfg: f"{c}: {m}")
+
+
+def _round(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM's fp32 output rounded to the activation dtype as the kernels store it (fp16: clamped first)."""
+    return (y.clamp(-K.FP16_MAX, K.FP16_MAX) if dtype == torch.float16 else y).to(dtype)
 
 
 # --- a quantized model against HF transformers -------------------------------------------------------------------

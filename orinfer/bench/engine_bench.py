@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import statistics
 
 import torch
@@ -60,13 +62,14 @@ def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes
 
 
 def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend: str,
-                        engine_config: EngineConfig, fused_ffn: bool = True) -> LLM:
+                        engine_config: EngineConfig, fused_ffn: bool = True, tokenizer: Any | None = None) -> LLM:
+    """An LLM over random weights of `cfg`'s shapes (no tokenizer unless one is given: token-id prompts only)."""
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
 
     ops = get_ops(backend, device, fused_ffn=fused_ffn)
     model = random_model(cfg, ops, dtype, dtype, device)
-    parts = EngineParts(model, cfg, None, {}, device, dtype, graph_safe=ops.name == "triton")
+    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, graph_safe=ops.name == "triton")
     return LLM.from_parts(parts, engine_config)
 
 

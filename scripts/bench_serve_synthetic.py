@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Serving benchmark without a checkpoint: `orinfer serve`'s app over random Qwen3-8B weights, loaded in-process.
+
+    python3 scripts/bench_serve_synthetic.py --synthetic qwen3-8b --concurrency 1 8 64 --max-tokens 128 \
+        --out benchmarks/serve-qwen3-8b.json
+
+Random weights emit random token ids, so the tokenizer is a synthetic word-level one covering the whole vocabulary
+(token i <-> the word "w<i>"; unknown words -> w0): every id detokenizes to text, so streamed deltas, TTFT and
+TPOT are measured on the real HTTP + SSE path. The server binds to loopback on a free port; the load generator is
+scripts/bench_serve.py (same process, its own event loop), requests use `ignore_eos` so each produces exactly
+--max-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import torch
+
+import bench_serve  # same folder: the load generator and report writer
+from orinfer.bench.engine_bench import build_synthetic_llm
+from orinfer.config import EngineConfig, preset, resolve_dtype
+from orinfer.server.app import ServerLimits, build_app
+from orinfer.server.cli import BackgroundServer
+from orinfer.tokenizer import Tokenizer
+
+
+def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
+    """A whitespace word-level tokenizer whose vocabulary is exactly the model's: "w0" ... "w<vocab-1>"."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    backend = BackendTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return Tokenizer(backend, {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--synthetic", default="qwen3-8b")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--device", default="cuda")
+    args, rest = p.parse_known_args(argv)
+    device = torch.device(args.device)
+    cfg = preset(args.synthetic)
+    dtype, _ = resolve_dtype(args.dtype, device, cfg.torch_dtype)
+    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    llm = build_synthetic_llm(cfg, dtype, device, "auto", engine_config, tokenizer=synthetic_tokenizer(cfg.vocab_size))
+    app = build_app(llm, args.synthetic, limits=ServerLimits(max_pending_sequences=4096), reasoning=False)
+    server = BackgroundServer(app).start(timeout=600)
+    try:
+        load_args = bench_serve.parse_args(["--url", server.url, *rest])
+        report = asyncio.run(bench_serve.main_async(load_args))
+    finally:
+        server.stop()
+    report["command"] = "python3 scripts/bench_serve_synthetic.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["server"] = {"model": f"synthetic {args.synthetic} ({dtype})", "max_num_seqs": args.max_num_seqs,
+                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    print(bench_serve.markdown(report))
+    if load_args.out:
+        bench_serve.write_report(report, Path(load_args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,7 +42,7 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
                max_model_len=args.max_model_len, cuda_graph=not args.no_cuda_graph,
-               fused_ffn=not args.no_fused_ffn)
+               fused_ffn=not args.no_fused_ffn, max_pixels=getattr(args, "max_pixels", None))
 
 
 def _sampling(args: argparse.Namespace):
@@ -57,6 +57,8 @@ def _sampling(args: argparse.Namespace):
 def _timing_line(out) -> str:
     m = out.metrics
     parts = [f"prompt {m.num_prompt_tokens} tokens", f"generated {m.num_generated_tokens} tokens"]
+    if m.vision_encode_ms is not None:
+        parts.append(f"vision encode {m.vision_encode_ms:.1f} ms")
     if m.prefill_tok_s:
         parts.append(f"prefill {m.prefill_tok_s:.1f} tok/s")
     if m.decode_tok_s:
@@ -79,9 +81,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)  # validate before the (slow) model load
     llm = _load(args)
     prompt = args.prompt
-    if args.chat:
-        prompt = llm.render_chat([{"role": "user", "content": prompt}],
-                                 enable_thinking=False if args.no_think else None)
+    thinking = False if args.no_think else None
+    if args.image:
+        # Images need their placeholders, which the chat template writes: an image prompt is always a chat turn.
+        parts = [{"type": "image", "image": path} for path in args.image] + [{"type": "text", "text": prompt}]
+        prompt = llm.chat_prompt([{"role": "user", "content": parts}], enable_thinking=thinking)
+    elif args.chat:
+        prompt = llm.render_chat([{"role": "user", "content": prompt}], enable_thinking=thinking)
     _stream_to_stdout(llm, prompt, params)
     return 0
 
@@ -145,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     gen.add_argument("-p", "--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--image", action="append", default=None, metavar="PATH",
+                     help="an image for a vision-language model (repeatable; implies --chat)")
+    gen.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                     help="resize images to at most N pixels (default: the model's preprocessor_config)")
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -156,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a small locally trained Qwen model (no hub needed)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen2"])
+    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen2", "qwen3-vl"],
+                      help="qwen3-vl: the qwen3 language model behind a small random vision tower")
     tiny.add_argument("--train-steps", type=int, default=160, help="AdamW steps on the bundled text (0: random)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)

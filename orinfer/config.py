@@ -16,93 +16,21 @@ from typing import Any
 import torch
 
 from orinfer.errors import ConfigError
+from orinfer.quant_config import QuantConfig
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "QuantConfig", "ModelConfig", "EngineConfig", "PRESETS",
+           "preset", "resolve_dtype"]
 
 # Architectures the registry can build. Kept here (not in models/) so the config can reject a model before any
 # weight is touched, with a message that lists what is supported.
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
+VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """Weight quantization from config.json's `quantization_config`. Only AWQ's W4A16 "gemm" layout is supported:
-    4-bit weights in groups of `group_size` input channels, a 4-bit zero point and an fp16 scale per group and
-    output channel (per linear: qweight [in, out/8] int32, qzeros [in/group, out/8] int32, scales [in/group, out]).
-    group_size -1 means one group over all input channels. Embeddings, norms and lm_head stay 16-bit."""
-
-    method: str = "awq"
-    bits: int = 4
-    group_size: int = 128
-    zero_point: bool = True
-    version: str = "gemm"
-    modules_to_not_convert: tuple[str, ...] = ()
-
-    def group_for(self, in_features: int) -> int:
-        """The group size of a linear with `in_features` inputs (-1: a single group)."""
-        return in_features if self.group_size == -1 else self.group_size
-
-    @classmethod
-    def from_hf(cls, raw: Any, source: str = "config") -> "QuantConfig":
-        """Parses and validates a `quantization_config` dict; raises ConfigError naming the unsupported value."""
-        where = f"{source}: quantization_config"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
-        method = raw.get("quant_method")
-        if not isinstance(method, str) or method.lower() != "awq":
-            raise ConfigError(f"{where}: quant_method {method!r} is not supported; orinfer loads AWQ checkpoints "
-                              "(quant_method 'awq', bits 4, zero_point true, version 'gemm')")
-        bits = raw.get("bits", raw.get("w_bit", 4))
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits != 4:
-            raise ConfigError(f"{where}: bits={bits!r} is not supported; AWQ in orinfer is 4-bit only")
-        group = raw.get("group_size", raw.get("q_group_size", 128))
-        if isinstance(group, bool) or not isinstance(group, int) or (group <= 0 and group != -1):
-            raise ConfigError(f"{where}: group_size={group!r} must be a positive integer (or -1: one group)")
-        zero_point = raw.get("zero_point", True)
-        if zero_point is not True:
-            raise ConfigError(f"{where}: zero_point={zero_point!r} is not supported; orinfer needs zero_point true "
-                              "(asymmetric AWQ)")
-        version = raw.get("version", "gemm")
-        if not isinstance(version, str) or version.lower() != "gemm":
-            raise ConfigError(f"{where}: version {version!r} is not supported; orinfer reads AWQ's 'gemm' packing "
-                              "(qweight [in, out/8])")
-        skip = raw.get("modules_to_not_convert") or ()
-        if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip):
-            raise ConfigError(f"{where}: modules_to_not_convert must be a list of module names")
-        return cls(method="awq", bits=4, group_size=group, zero_point=True, version="gemm",
-                   modules_to_not_convert=tuple(skip))
-
-    def check_model(self, cfg: "ModelConfig", source: str = "config") -> None:
-        """Checks that every decoder linear can be packed: in_features divisible by the group size, out_features
-        (of every packed shard) a multiple of 8; and that no decoder linear is left unquantized."""
-        where = f"{source}: quantization_config"
-        linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        for name in self.modules_to_not_convert:
-            if name.rsplit(".", 1)[-1] in linears:
-                raise ConfigError(f"{where}: modules_to_not_convert lists {name!r}; orinfer needs every decoder "
-                                  "linear quantized")
-        shapes = {  # name: (in_features, out_features)
-            "q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
-            "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-            "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-            "down_proj": (cfg.intermediate_size, cfg.hidden_size),
-        }
-        for name, (fin, fout) in shapes.items():
-            if fin % self.group_for(fin):
-                raise ConfigError(f"{where}: group_size={self.group_size} does not divide {name}'s in_features={fin}")
-            if fout % 8:
-                raise ConfigError(f"{where}: {name}'s out_features={fout} is not a multiple of 8, which AWQ's "
-                                  "int32 packing needs")
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The `quantization_config` entry AutoAWQ writes (and HF transformers / vLLM read)."""
-        return {"quant_method": self.method, "bits": self.bits, "group_size": self.group_size,
-                "zero_point": self.zero_point, "version": self.version,
-                "modules_to_not_convert": list(self.modules_to_not_convert) or None}
 
 
 @dataclass
@@ -127,6 +55,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     quantization: QuantConfig | None = None  # AWQ INT4 weights (config.json's quantization_config), else None
+    # Qwen3-VL only: the raw vision_config dict (the vision tower parses it), the placeholder token ids, and the
+    # M-RoPE split of the rotary frequencies over the (t, h, w) axes. None for text-only models.
+    vision_config: dict[str, Any] | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    mrope_section: tuple[int, int, int] | None = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        """True for vision-language checkpoints (a vision tower in front of the decoder)."""
+        return self.vision_config is not None
 
     @property
     def q_size(self) -> int:
@@ -157,8 +98,12 @@ class ModelConfig:
             named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
             raise ConfigError(
                 f"{source}: unsupported architecture {named}; orinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
-        # Qwen3-style checkpoints may nest the text config; Qwen2/3 causal LMs keep it flat.
+        # Qwen3-VL nests the decoder's fields in text_config; Qwen2/3 causal LMs keep them flat.
         text = raw.get("text_config", raw)
+        if arch == VL_ARCHITECTURE and not isinstance(raw.get("text_config"), dict):
+            raise ConfigError(f"{source}: {arch} needs a 'text_config' object")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{source}: text_config must be a JSON object")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in text]
         if missing:
@@ -188,16 +133,18 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            rope_theta=float(_rope_theta(text)),
+            rope_theta=float(_rope_theta(text, 500_000.0 if arch == VL_ARCHITECTURE else 10_000.0)),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             # Qwen2 always has q/k/v bias (its config has no flag); Qwen3 has `attention_bias` (false in practice).
             attention_bias=arch == "Qwen2ForCausalLM" or bool(text.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"),
+            qk_norm=arch in ("Qwen3ForCausalLM", VL_ARCHITECTURE),
+            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
+                            or "bfloat16"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             quantization=quant,
+            **(_vl_fields(raw, text, head_dim, source) if arch == VL_ARCHITECTURE else {}),
         )
         if quant is not None:
             quant.check_model(cfg, source)
@@ -221,7 +168,7 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that HF transformers (and orinfer) read back as this config."""
-        model_type = "qwen3" if self.architecture == "Qwen3ForCausalLM" else "qwen2"
+        model_type = "qwen2" if self.architecture == "Qwen2ForCausalLM" else "qwen3"
         out = {
             "architectures": [self.architecture], "model_type": model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -238,13 +185,65 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if self.quantization is not None:
             out["quantization_config"] = self.quantization.to_hf_dict()
+        if self.is_multimodal:
+            return self._vl_hf_dict(out)
+        return out
+
+    def _vl_hf_dict(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """Qwen3-VL's layout: decoder fields under text_config (rope settings in rope_parameters, as transformers 5
+        writes them), the vision_config as given, ids and the tie flag at the top."""
+        text = {k: v for k, v in flat.items()
+                if k not in ("architectures", "model_type", "rope_theta", "tie_word_embeddings", "use_sliding_window",
+                             "quantization_config")}
+        text["model_type"] = "qwen3_vl_text"
+        text["attention_bias"] = self.attention_bias
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                   "mrope_section": list(self.mrope_section or (24, 20, 20)), "mrope_interleaved": True}
+        out: dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": "qwen3_vl", "text_config": text,
+            "vision_config": dict(self.vision_config or {}), "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id, "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id, "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype, "eos_token_id": flat["eos_token_id"],
+        }
+        if "quantization_config" in flat:
+            out["quantization_config"] = flat["quantization_config"]
         return out
 
 
-def _rope_theta(text: dict[str, Any]) -> float:
+def _rope_theta(text: dict[str, Any], default: float = 10_000.0) -> float:
     # transformers 5 moved rope_theta into rope_parameters; older configs keep it top level.
     params = text.get("rope_parameters") or {}
-    return params.get("rope_theta", text.get("rope_theta", 10000.0))
+    return params.get("rope_theta", text.get("rope_theta", default))
+
+
+def _vl_fields(raw: dict[str, Any], text: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
+    """The Qwen3-VL extras of ModelConfig: vision_config, placeholder ids and the M-RoPE section.
+
+    The section lives in text_config's rope_scaling (checkpoints written by transformers 4.57) or rope_parameters
+    (transformers 5); like HF, rope_scaling wins when both exist, and [24, 20, 20] is the default. Qwen3-VL always
+    interleaves the axes over the frequencies (HF ignores `mrope_interleaved`), so that flag is not kept.
+    """
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ConfigError(f"{source}: Qwen3VLForConditionalGeneration needs a 'vision_config' object")
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    section = rope.get("mrope_section", [24, 20, 20]) if isinstance(rope, dict) else [24, 20, 20]
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)):
+        raise ConfigError(f"{source}: mrope_section must be three non-negative integers, got {section!r}")
+    if sum(section) > head_dim // 2:
+        raise ConfigError(f"{source}: mrope_section {list(section)} covers {sum(section)} rotary frequencies; "
+                          f"head_dim {head_dim} has only {head_dim // 2}")
+    ids = {}
+    defaults = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+                "vision_end_token_id": 151653}  # HF's Qwen3VLConfig defaults
+    for key, default in defaults.items():
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+        ids[key] = value
+    return dict(vision_config=dict(vision), mrope_section=tuple(section), **ids)
 
 
 def _check_rope(text: dict[str, Any], source: str) -> None:
@@ -270,6 +269,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=False, eos_token_id=[151645, 151643]),
+    # Qwen/Qwen3-VL-8B-Instruct's decoder (text_config) and M-RoPE split; the vision tower is SigLIP-2 shaped
+    # (27 blocks of width 1152, 16 heads, DeepStack taps after blocks 8, 16 and 24, merger out 4096).
+    "qwen3-vl-8b": dict(architecture=VL_ARCHITECTURE, vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        max_position_embeddings=262144, rope_theta=5_000_000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, eos_token_id=[151645, 151643], mrope_section=(24, 20, 20),
+                        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                        vision_end_token_id=151653,
+                        vision_config=dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh",
+                                           intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096,
+                                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])),
 }
 
 
@@ -280,7 +291,9 @@ def preset(name: str) -> ModelConfig:
     fields = dict(PRESETS[name])
     arch = fields["architecture"]
     fields.setdefault("attention_bias", arch == "Qwen2ForCausalLM")
-    fields.setdefault("qk_norm", arch == "Qwen3ForCausalLM")
+    fields.setdefault("qk_norm", arch in ("Qwen3ForCausalLM", VL_ARCHITECTURE))
+    if fields.get("vision_config") is not None:
+        fields["vision_config"] = dict(fields["vision_config"])  # callers may edit theirs: never share the preset's
     return ModelConfig(**fields)
 
 

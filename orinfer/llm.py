@@ -10,16 +10,20 @@ import torch
 
 from orinfer.config import EngineConfig, ModelConfig, resolve_dtype
 from orinfer.engine.llm_engine import EngineParts, LLMEngine
+from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import get_ops
 from orinfer.loader import load_hf_model, read_generation_config
 from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
+from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Seq[int]
+# A string, token ids, or {"prompt"/"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}} (see
+# orinfer/prompt_inputs.py).
+Prompt = str | Seq[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -41,7 +45,9 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, block_size: int = 16,
                  gpu_memory_utilization: float = 0.90, kv_cache_bytes: int | None = None,
                  num_kv_blocks: int | None = None, cuda_graph: bool = True, fused_ffn: bool = True,
-                 seed: int | None = None, progress: bool = True) -> None:
+                 seed: int | None = None, progress: bool = True, max_pixels: int | None = None) -> None:
+        """`max_pixels` (vision-language models): cap on a resized image's pixel count, replacing the
+        preprocessor_config's max_pixels; a request may still set its own (mm_processor_kwargs)."""
         from orinfer.tokenizer import Tokenizer  # local: keeps `import orinfer` light
 
         if seed is not None:
@@ -70,7 +76,13 @@ class LLM:
         else:
             net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
         parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype,
-                            graph_safe=ops.name == "triton")
+                            graph_safe=ops.name == "triton",
+                            image_processor=_image_processor(home, max_pixels) if model_config.is_multimodal else None)
+        if model_config.is_multimodal and tok is not None:
+            from orinfer.tokenizer import builtin_chat_template
+
+            if tok.set_default_chat_template(builtin_chat_template("qwen3_vl")):
+                log.info("%s has no chat template: using orinfer's Qwen3-VL template", home)
         self.engine = LLMEngine(parts, config)
         self.tokenizer = tok
         self.device = dev
@@ -98,7 +110,7 @@ class LLM:
         seqs = []
         try:
             for prompt, p in zip(batch, plist):
-                seqs.append(self.engine.add_request(prompt, p))
+                seqs.append(self._add(prompt, p))
             self._run(len(seqs), use_tqdm)
         except BaseException:
             for seq in seqs:  # leave nothing half-run in the engine (e.g. after Ctrl-C or a bad prompt)
@@ -108,6 +120,12 @@ class LLM:
         for seq in seqs:
             self.engine.release(seq.request_id)
         return outputs
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+        """Queues one prompt of any accepted form (text, token ids, dict with images)."""
+        request = parse_prompt(prompt)
+        return self.engine.add_request(request.prompt, params, images=request.images or None,
+                                       max_pixels=request.max_pixels)
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         from tqdm.auto import tqdm
@@ -122,11 +140,22 @@ class LLM:
              enable_thinking: bool | None = None, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
              ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template and generates the assistant's reply."""
+        """Renders each conversation with the model's chat template and generates the assistant's reply.
+
+        A message's content may be a list of OpenAI-style parts (text, image_url, image): see prompt_inputs.py."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
+        prompts = [self.chat_prompt(c, enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
                                     tools=tools, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, params)
+
+    def chat_prompt(self, messages: list[Message], **kwargs: Any) -> Prompt:
+        """The generate() prompt of a conversation: the rendered text, with its images when it has any."""
+        multimodal = self.engine.parts.model_config.is_multimodal
+        rendered, images = split_chat(messages, multimodal)
+        text = self.render_chat(rendered, **kwargs)
+        if not images:
+            return text
+        return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def render_chat(self, messages: list[Message], **kwargs: Any) -> str:
         if self.tokenizer is None:
@@ -137,7 +166,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas as they are decoded (never half a character, never part of a stop string)."""
-        seq = self.engine.add_request(prompt, params)
+        seq = self._add(prompt, params)
         try:
             while not seq.is_finished:
                 self.engine.step()
@@ -153,8 +182,21 @@ class LLM:
         self.last_output = RequestOutput.of(seq)
 
 
+def _image_processor(model_dir: Path, max_pixels: int | None) -> Any:
+    """The model directory's image preprocessing (preprocessor_config.json), with `max_pixels` if given."""
+    from orinfer.multimodal import ImageProcessor, ImageProcessorConfig  # PIL and numpy: only for VL models
+
+    config = ImageProcessorConfig.from_dir(model_dir)
+    if max_pixels is not None:
+        try:
+            config = config.with_max_pixels(max_pixels)
+        except RequestError as exc:
+            raise ConfigError(str(exc)) from None
+    return ImageProcessor(config)
+
+
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     items = list(prompts)
     if not items:

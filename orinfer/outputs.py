@@ -14,21 +14,27 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_generated_tokens: int
     ttft_s: float | None          # arrival -> first generated token
-    prefill_tok_s: float | None   # prompt tokens / time of the prefill step(s) that ran them
+    prefill_tok_s: float | None   # prompt tokens / time of the prefill step(s) that ran them, vision tower excluded
     decode_tok_s: float | None    # tokens after the first / time from the first token to the last
     e2e_s: float | None           # arrival -> finish
     num_preemptions: int = 0
+    vision_encode_ms: float | None = None  # time in the vision tower (requests with images), else None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-        prefill = seq.num_prompt_tokens / seq.prefill_seconds if seq.prefill_seconds > 0 else None
+        # The vision tower runs inside the prefill step but is reported on its own (as the seed does): the prefill
+        # rate is the decoder's.
+        decoder_prefill = seq.prefill_seconds - seq.vision_seconds
+        prefill = seq.num_prompt_tokens / decoder_prefill if decoder_prefill > 0 else None
         decode = None
         if seq.finish_time is not None and seq.first_token_time is not None and seq.num_completion_tokens > 1:
             span = seq.finish_time - seq.first_token_time
             decode = (seq.num_completion_tokens - 1) / span if span > 0 else None
         e2e = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
-        return cls(seq.num_prompt_tokens, seq.num_completion_tokens, ttft, prefill, decode, e2e, seq.num_preemptions)
+        vision = seq.vision_seconds * 1000 if seq.mm is not None else None
+        return cls(seq.num_prompt_tokens, seq.num_completion_tokens, ttft, prefill, decode, e2e, seq.num_preemptions,
+                   vision)
 
 
 @dataclass

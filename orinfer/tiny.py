@@ -23,7 +23,7 @@ from orinfer.tokenizer_train import bundled_corpus, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-ARCHES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3-vl": "Qwen3VLForConditionalGeneration"}
 
 
 def tiny_config(arch: str, vocab_size: int, eos_ids: list[int]) -> ModelConfig:
@@ -78,24 +78,33 @@ def train_on_text(model: torch.nn.Module, tokens: torch.Tensor, steps: int, seq_
 
 def make_tiny(out_dir: str | Path, arch: str = "qwen3", train_steps: int = 160, vocab_size: int = 1024,
               seed: int = 0, progress: bool = True) -> Path:
-    """Writes a trained tiny model to `out_dir` (created if needed) and returns its path."""
+    """Writes a trained tiny model to `out_dir` (created if needed) and returns its path.
+
+    "qwen3-vl" trains the same language model as "qwen3" (same seed: same weights) and puts a random vision tower
+    in front of it (orinfer/tiny_vl.py)."""
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = bundled_corpus()
-    tokenizer = train_tokenizer([text], vocab_size, out, arch=arch)
+    text_arch = "qwen3" if arch == "qwen3-vl" else arch
+    tokenizer = train_tokenizer([text], vocab_size, out, arch=text_arch)
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    config = tiny_config(arch, tokenizer.vocab_size, eos)
+    config = tiny_config(text_arch, tokenizer.vocab_size, eos)
     torch.manual_seed(seed)
     model = random_model(config, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"), seed=seed, std=0.05)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.int64)
     if train_steps > 0:
         with torch.enable_grad():
             train_on_text(model, tokens, train_steps, seed=seed, progress=progress)
-    save_file({name: t.contiguous() for name, t in model.hf_state_dict()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    if arch == "qwen3-vl":
+        from orinfer.tiny_vl import write_vl_model
+
+        config = write_vl_model(out, config, model, tokenizer, seed=seed)
+    else:
+        save_file({name: t.contiguous() for name, t in model.hf_state_dict()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     # Qwen3's published sampling defaults, so the generation_config path is exercised like a real checkpoint.
     generation = {"bos_token_id": tokenizer.token_to_id("<|endoftext|>"), "eos_token_id": eos,
                   "pad_token_id": tokenizer.token_to_id("<|endoftext|>"), "do_sample": True,

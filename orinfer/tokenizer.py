@@ -139,6 +139,18 @@ def _load_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
     return {}
 
 
+def builtin_chat_template(name: str) -> str:
+    """One of the chat templates shipped in orinfer/data ("qwen3", "qwen2", "qwen3_vl"), without the file's
+    trailing newline (the published template strings have none)."""
+    from importlib import resources
+
+    try:
+        source = resources.files("orinfer").joinpath("data").joinpath(f"{name}_chat_template.jinja")
+        return source.read_text(encoding="utf-8").rstrip("\n")
+    except (FileNotFoundError, OSError) as exc:
+        raise TokenizerError(f"no built-in chat template named {name!r}") from exc
+
+
 class Tokenizer:
     """A Hugging Face tokenizer (tokenizer.json + tokenizer_config.json) without transformers."""
 
@@ -178,6 +190,14 @@ class Tokenizer:
         config_path = model_dir / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
         return cls(backend, config, _load_chat_templates(model_dir, config))
+
+    def set_default_chat_template(self, source: str) -> bool:
+        """Uses `source` as the chat template if the model directory brought none; returns whether it did."""
+        if self.chat_template is not None:
+            return False
+        self._templates["default"] = source
+        self.chat_template = source
+        return True
 
     def _special_id(self, key: str) -> int | None:
         token = self.special_tokens.get(key)

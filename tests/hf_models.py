@@ -59,3 +59,71 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+# --- Qwen3-VL ---------------------------------------------------------------------------------------------------------
+
+# Token ids of the vision markers in the tiny VL models (the top of a 300-token vocabulary).
+VL_IDS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=288, vision_end_token_id=289)
+# Two shapes: untied head with DeepStack into the first 2 of 3 decoder layers; tied head with DeepStack into every
+# layer (so the last feature lands right before the final norm). head_dim 16: 8 rotary frequencies split 3/3/2.
+VL_CONFIGS = {
+    "vl-untied": dict(text=dict(num_hidden_layers=3, tie=False), deepstack=[0, 1], depth=3),
+    "vl-tied-deepstack-all": dict(text=dict(num_hidden_layers=3, tie=True), deepstack=[0, 1, 2], depth=4),
+}
+
+
+def build_hf_vl_model(kind: str = "vl-untied", vocab_size: int = 300, seed: int = 0):
+    """An HF Qwen3VLForConditionalGeneration from a tiny random Qwen3VLConfig, every parameter randomized (norm
+    weights 1 + 0.2*randn, biases 0.1*randn) so that no error can hide behind identity-initialised layers."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    spec = VL_CONFIGS[kind]
+    text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                num_hidden_layers=spec["text"]["num_hidden_layers"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=spec["depth"], hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64, deepstack_visual_indexes=spec["deepstack"], patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["text"]["tie"],
+                           **VL_IDS)
+    for c in (config, config.text_config, config.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module = name.rsplit(".", 2)[-2]
+            if "norm" in module and name.endswith(".weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif "embed_tokens" in name or "pos_embed" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:  # fan-in scaling; the patch embedding's Conv3d kernel is [out, C, T, P, P]
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param[0].numel()))
+    return model
+
+
+def hf_vl_logits(model, ids: list[int], pixel_values: torch.Tensor | None = None,
+                 grids: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """HF's logits [L, V] for a prompt with expanded image placeholders (M-RoPE from HF's own get_rope_index)."""
+    inp = torch.tensor([ids])
+    kwargs = {}
+    if pixel_values is not None:
+        kwargs = dict(pixel_values=pixel_values, image_grid_thw=torch.tensor(grids),
+                      mm_token_type_ids=(inp == model.config.image_token_id).int())
+    with torch.no_grad():
+        return model(input_ids=inp, **kwargs).logits[0]
+
+
+def hf_vl_greedy(model, ids: list[int], steps: int, pixel_values: torch.Tensor | None = None,
+                 grids: list[tuple[int, int, int]] | None = None) -> list[int]:
+    """Greedy continuation by full recomputation, images included at every step."""
+    out = list(ids)
+    for _ in range(steps):
+        out.append(int(hf_vl_logits(model, out, pixel_values, grids)[-1].argmax()))
+    return out[len(ids):]

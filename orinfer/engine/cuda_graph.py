@@ -81,9 +81,10 @@ class DecodeGraphs:
     def run(self, seqs: list, block_size: int) -> torch.Tensor:
         """Replays the bucket for these decoding sequences; returns logits [B, V] (a view of the graph's output).
 
-        Each sequence contributes its newest token, at position num_tokens - 1. The host buffers are rewritten only
-        after the previous step's sampled ids reached the host (the engine's one sync per step), by which time the
-        copies that read them have completed.
+        Each sequence contributes its newest token, at position num_tokens - 1 (plus its M-RoPE delta: a Qwen3-VL
+        sequence with images decodes with plain RoPE at shifted positions, so the same graphs serve it). The host
+        buffers are rewritten only after the previous step's sampled ids reached the host (the engine's one sync per
+        step), by which time the copies that read them have completed.
         """
         batch = len(seqs)
         bucket = next(b for b in self.buckets if b >= batch)
@@ -93,7 +94,7 @@ class DecodeGraphs:
         tables = self.np_i32[n:].reshape(n, self.max_blocks)
         for i, seq in enumerate(seqs):
             pos = seq.num_tokens - 1
-            ids[i], positions[i] = seq.token_ids[-1], pos
+            ids[i], positions[i] = seq.token_ids[-1], pos + seq.rope_delta  # M-RoPE: shifted, same on all axes
             slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
             lens[i] = seq.num_tokens
             tables[i, :len(seq.block_table)] = seq.block_table

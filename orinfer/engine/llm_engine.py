@@ -19,6 +19,7 @@ from torch import nn
 from orinfer.config import EngineConfig, ModelConfig
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.model_runner import ModelRunner
+from orinfer.engine.multimodal import prepare_images
 from orinfer.engine.scheduler import Scheduler
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.errors import RequestError
@@ -39,6 +40,7 @@ class EngineParts:
     device: torch.device
     act_dtype: torch.dtype
     graph_safe: bool = False              # the backend's decode path has no host syncs (CUDA graphs allowed)
+    image_processor: Any | None = None    # orinfer.multimodal.ImageProcessor for vision-language models
 
 
 class LLMEngine:
@@ -50,11 +52,20 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
-                                  graph_safe=parts.graph_safe)
+                                  graph_safe=parts.graph_safe, vision_warmup_patches=self._largest_image_patches())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self._request_ids = itertools.count()
+        # Whether image sources may be local paths / file:// URLs (a server serving remote clients turns this off).
+        self.allow_local_files = True
+
+    def _largest_image_patches(self) -> int:
+        """Patches of an image at the preprocessor's max_pixels (0 for text models): the GPU memory probe's image."""
+        proc = self.parts.image_processor
+        if proc is None or not self.parts.model_config.is_multimodal:
+            return 0
+        return proc.config.max_pixels // (proc.config.patch_size ** 2)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set(self.parts.model_config.eos_token_id)
@@ -68,12 +79,25 @@ class LLMEngine:
     # --- requests ---------------------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
-        """Validates and queues one request; raises RequestError with the reason when it cannot be served."""
+                    request_id: str | None = None, *, images: Seq[Any] | None = None,
+                    max_pixels: int | None = None) -> Sequence:
+        """Validates and queues one request; raises RequestError with the reason when it cannot be served.
+
+        `images` (vision-language models): one source per <|image_pad|> placeholder of the prompt, in order -
+        a path, data: URL, bytes or PIL image. Each placeholder is expanded to the image's visual tokens before the
+        length checks. `max_pixels` caps the resized image size for this request (default: preprocessor config).
+        """
         params = (params or SamplingParams()).with_defaults(self.generation_config)
         text, ids = self._encode(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
+        mm = None
+        mcfg = self.parts.model_config
+        if mcfg.is_multimodal:
+            ids, mm = prepare_images(ids, list(images or ()), self.parts.image_processor, mcfg,
+                                     max_pixels=max_pixels, allow_local_files=self.allow_local_files)
+        elif images:
+            raise RequestError(f"this model ({mcfg.architecture}) takes no images")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len}, "
                                "which leaves no room to generate")
@@ -93,7 +117,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.parts.device).manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, prompt=text, generator=generator)
+        seq = Sequence(request_id, ids, params, prompt=text, generator=generator, mm=mm)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.new_detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
         self.sequences[request_id] = seq

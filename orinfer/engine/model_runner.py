@@ -1,12 +1,15 @@
 """Runs one engine step on the model: builds the flat batch, owns the KV-cache pool, samples the next tokens.
 
 The runner knows no concrete model: it needs `forward(input_ids, positions, meta)`, `compute_logits(hidden)` and
-`attention_layers()` (each gets a `k_cache`/`v_cache` pair bound to it).
+`attention_layers()` (each gets a `k_cache`/`v_cache` pair bound to it). A model that sets `supports_multimodal`
+also gets, for prefills of sequences with images, a `MultimodalBatch` as a fourth argument, after its
+`encode_images(batch)` ran (timed here: the request's vision-encode time).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
@@ -15,6 +18,7 @@ from orinfer.config import EngineConfig, ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.sequence import Sequence
 from orinfer.layers.attention import AttentionMetadata
+from orinfer.layers.mrope import MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -24,8 +28,12 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineConfig,
-                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int, graph_safe: bool = False) -> None:
+                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int, graph_safe: bool = False,
+                 vision_warmup_patches: int = 0) -> None:
+        """`vision_warmup_patches`: patches of the largest image a request may bring; the GPU memory probe encodes
+        one that large (models with `warmup_images`), so the KV cache leaves room for the vision tower."""
         self.model, self.model_config, self.config = model, model_config, engine_config
+        self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
         self.num_blocks = self._plan_num_blocks()
@@ -89,6 +97,8 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta)
         self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
         del hidden
+        if self.vision_warmup_patches and hasattr(self.model, "warmup_images"):
+            self.model.warmup_images(self.vision_warmup_patches)
 
     def _allocate_kv_cache(self) -> None:
         cfg = self.model_config
@@ -124,7 +134,10 @@ class ModelRunner:
             # Prefill (also the recompute of a preempted sequence) runs every token; decode only the newest.
             first = 0 if is_prefill else seq.num_tokens - 1
             ids.extend(seq.token_ids[first:])
-            positions.extend(range(first, seq.num_tokens))
+            # Decode of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted position.
+            # (Its prefill positions come from the MultimodalBatch instead.)
+            shift = 0 if is_prefill else seq.rope_delta
+            positions.extend(range(first + shift, seq.num_tokens + shift))
             slots.extend(self._slot(seq, p) for p in range(first, seq.num_tokens))
             starts.append(len(ids))
         lens = [s.num_tokens for s in seqs]
@@ -139,6 +152,45 @@ class ModelRunner:
         )
         last_rows = self._upload([s - 1 for s in starts[1:]], torch.int64)
         return self._upload(ids, torch.int64), self._upload(positions, torch.int64), meta, last_rows
+
+    def prepare_multimodal(self, seqs: list[Sequence]) -> MultimodalBatch | None:
+        """The visual inputs of a prefill batch, or None when the model takes none or no sequence has images."""
+        if not getattr(self.model, "supports_multimodal", False) or all(s.mm is None for s in seqs):
+            return None
+        positions, pixels, grids, rows = [], [], [], []
+        offset = 0
+        for seq in seqs:
+            n = seq.num_tokens
+            if seq.mm is None:
+                positions.append(torch.arange(n).expand(3, n))  # text: the same position on every axis
+            else:
+                positions.append(seq.mm.positions(n))
+                pixels.append(seq.mm.pixel_values)
+                grids.extend(seq.mm.grid_thw)
+                rows.append(seq.mm.placeholder_index + offset)
+            offset += n
+        return MultimodalBatch(
+            positions=self._to_device(torch.cat(positions, dim=1)),
+            pixel_values=self._to_device(torch.cat(pixels)), grid_thw=grids,
+            visual_rows=self._to_device(torch.cat(rows)))
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.contiguous().pin_memory().to(self.device, non_blocking=True)
+
+    def _encode_images(self, seqs: list[Sequence], mm: MultimodalBatch) -> None:
+        """Runs the vision tower once for the whole batch; each sequence is charged its share of the time (by
+        patches), since one tower call serves all of them."""
+        start = time.perf_counter()
+        self.model.encode_images(mm)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a prefill with images: one sync to time the tower honestly
+        elapsed = time.perf_counter() - start
+        patches = sum(s.mm.num_patches for s in seqs if s.mm is not None)
+        for seq in seqs:
+            if seq.mm is not None:
+                seq.vision_seconds += elapsed * seq.mm.num_patches / patches
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list to the device without blocking the host: pinned staging + an asynchronous copy (a plain
@@ -188,7 +240,12 @@ class ModelRunner:
             logits = self.graphs.run(seqs, self.block_size)
         else:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
-            hidden = self.model(input_ids, positions, meta)
+            mm = self.prepare_multimodal(seqs) if is_prefill else None
+            if mm is None:
+                hidden = self.model(input_ids, positions, meta)
+            else:
+                self._encode_images(seqs, mm)
+                hidden = self.model(input_ids, positions, meta, mm)
             logits = self.model.compute_logits(hidden[last_rows])
         return sample(logits, sampling)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orinfer.engine.multimodal import MultimodalInputs
 from orinfer.sampling_params import SamplingParams
 
 
@@ -32,7 +33,8 @@ class Sequence:
     """One prompt and its continuation. `block_table` lists the KV-cache blocks holding its tokens, in order."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, generator: torch.Generator | None = None) -> None:
+                 prompt: str | None = None, generator: torch.Generator | None = None,
+                 mm: MultimodalInputs | None = None) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt = prompt
@@ -54,6 +56,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.prefill_seconds = 0.0
         self.detokenizer = None        # set by the engine
+        self.mm = mm                   # images of the prompt (Qwen3-VL), None for text
+        self.vision_seconds = 0.0      # time in the vision tower (again after a preemption's recompute)
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +70,12 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def rope_delta(self) -> int:
+        """Offset of this sequence's rotary position from its token index after the prompt (M-RoPE: images take
+        fewer positions than tokens); 0 for text."""
+        return 0 if self.mm is None else self.mm.delta
 
     @property
     def last_token_id(self) -> int:

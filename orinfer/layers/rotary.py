@@ -1,4 +1,6 @@
-"""Rotary embedding module: owns the fp32 cos/sin table and applies (QK-norm +) RoPE through the backend."""
+"""Rotary embedding module: owns the fp32 cos/sin table and applies (QK-norm +) RoPE through the backend.
+
+Qwen3-VL's three-axis variant (M-RoPE) reuses this module with a per-token table: see layers/mrope.py."""
 
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", rope_cos_sin_cache(head_dim, max_position, base), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(QK-norm +) RoPE of q and k at `positions`, rows of `cos_sin` (default: this module's table).
+
+        A caller-made table serves M-RoPE: one row per token ([T, D], see layers/mrope.py) with positions arange(T).
+        """
         return self.ops.qk_norm_rope(
-            q, k, positions, self.cos_sin, self.head_dim,
+            q, k, positions, self.cos_sin if cos_sin is None else cos_sin, self.head_dim,
             None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
             q_norm.eps if q_norm is not None else 1e-6)

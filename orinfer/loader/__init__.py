@@ -40,7 +40,7 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
                 param.random_(generator=gen)
             elif name.endswith(".scales"):
                 param.fill_(std / 6)
-            elif name.endswith("norm.weight"):
+            elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm / LayerNorm scales
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

@@ -7,7 +7,7 @@ blocks, tied or untied lm_head - is shared. Checkpoint names are HF's; q/k/v and
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -56,10 +56,11 @@ class QwenAttentionBlock(nn.Module):
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
         self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ops)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size], dim=-1)
-        q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm)
+        q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -95,19 +96,28 @@ class QwenDecoderLayer(nn.Module):
         self.mlp = QwenMLP(cfg, ops, dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
+        A None residual means `hidden` already is the full stream (first layer, or after an `after_layer` hook)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(positions, hidden, meta, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden, is_decode=not meta.is_prefill), residual
 
 
+# after_layer(layer index, MLP output, residual) -> (hidden, residual): see QwenForCausalLM.forward.
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
 class QwenForCausalLM(nn.Module):
     """The full model. `forward` returns final hidden states; `compute_logits` applies the head to chosen rows."""
+
+    # Prefix of the decoder's tensors in checkpoints (Qwen3-VL nests the decoder under "model.language_model.").
+    hf_prefix = "model."
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -121,11 +131,26 @@ class QwenForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
+                inputs_embeds: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+                after_layer: LayerHook | None = None) -> torch.Tensor:
+        """Final hidden states [T, H] of the flat batch.
+
+        The keywords serve multimodal wrappers (Qwen3-VL) and cost the text path nothing: `inputs_embeds` replaces
+        the token embedding, `cos_sin` a per-token RoPE table (positions then index its rows), and `after_layer`
+        may rewrite the stream after each layer; it may return a None residual with the full stream as hidden.
+        """
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        if after_layer is None:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, meta, cos_sin)
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden, residual = layer(positions, hidden, residual, meta, cos_sin)
+                hidden, residual = after_layer(index, hidden, residual)
+        if residual is None:
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -142,7 +167,7 @@ class QwenForCausalLM(nn.Module):
 
     def _param_for(self, hf_name: str) -> tuple[str, object] | None:
         """Maps an HF checkpoint name to (our parameter name, shard id), or None for tensors we do not use."""
-        name = hf_name.removeprefix("model.")
+        name = hf_name.removeprefix(self.hf_prefix)
         if name.startswith("lm_head.") and self.config.tie_word_embeddings:
             return None  # tied: the head is the embedding matrix
         if "rotary_emb" in name:
@@ -176,7 +201,7 @@ class QwenForCausalLM(nn.Module):
             loaded.add((name, shard))
         missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in expected - loaded)
         if missing:
-            shown = ", ".join(_hf_name(m) for m in missing[:6])
+            shown = ", ".join(_hf_name(m, self.hf_prefix) for m in missing[:6])
             more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
             raise WeightsError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
 
@@ -194,7 +219,7 @@ class QwenForCausalLM(nn.Module):
         """The weights under HF names, packed matrices split back (inverse of load_weights); for saving models."""
         for name, param in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 1)[0])
-            prefix = "" if name.startswith("lm_head.") else "model."
+            prefix = "" if name.startswith("lm_head.") else self.hf_prefix
             if isinstance(module, AWQPackedLinear):  # shards are column slices: split along the output columns
                 for shard in module.shard_offsets:
                     for ckpt, (packed, sid) in _PACKED.items():
@@ -209,11 +234,11 @@ class QwenForCausalLM(nn.Module):
                 yield prefix + name, param.data
 
 
-def _hf_name(ours: str) -> str:
+def _hf_name(ours: str, prefix: str = "model.") -> str:
     """Our parameter name (with optional [shard]) back to the HF checkpoint name, for error messages."""
     base, _, shard = ours.partition("[")
     shard = shard.rstrip("]")
     for ckpt, (packed, sid) in _PACKED.items():
         if f".{packed}." in base and str(sid) == shard:
             base = base.replace(packed, ckpt)
-    return base if base.startswith("lm_head.") else "model." + base
+    return base if base.startswith("lm_head.") else prefix + base

@@ -2,27 +2,38 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
 from orinfer.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from orinfer.errors import ConfigError
 from orinfer.layers.ops import Ops
-from orinfer.models.qwen import QwenForCausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "Qwen2ForCausalLM": QwenForCausalLM,
-    "Qwen3ForCausalLM": QwenForCausalLM,
+# architecture -> "module:Class". Imported on first use, so that `import orinfer` does not pay for (or depend on)
+# the vision tower of a family the user never loads.
+MODEL_CLASSES: dict[str, str] = {
+    "Qwen2ForCausalLM": "orinfer.models.qwen:QwenForCausalLM",
+    "Qwen3ForCausalLM": "orinfer.models.qwen:QwenForCausalLM",
+    "Qwen3VLForConditionalGeneration": "orinfer.models.qwen3_vl:Qwen3VLForConditionalGeneration",
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The nn.Module class that implements `architecture`; ConfigError if none does."""
+    target = MODEL_CLASSES.get(architecture)
+    if target is None:
+        raise ConfigError(f"unsupported architecture {architecture}; supported: {', '.join(MODEL_CLASSES)}")
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_model(cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype,
                 device: torch.device) -> nn.Module:
     """Instantiates the model for `cfg.architecture` with uninitialised weights directly on `device`."""
-    cls = MODEL_CLASSES.get(cfg.architecture)
-    if cls is None:
-        raise ConfigError(f"unsupported architecture {cfg.architecture}; supported: {', '.join(MODEL_CLASSES)}")
+    cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, ops, weight_dtype, act_dtype)
     return model.eval()

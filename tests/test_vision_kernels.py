@@ -343,7 +343,23 @@ def test_triton_backend_uses_the_vision_kernels():
     ops = triton_ops()
     assert ops.layer_norm is vision.layer_norm and ops.bias_gelu is vision.bias_gelu
     assert ops.bias_residual is vision.bias_residual and ops.qkv_split_rope is vision.qkv_split_rope
-    assert ops.vision_attention is vision.vision_attention
+    from orinfer.layers.triton_ops import segment_flash_attention
+    assert ops.vision_attention is segment_flash_attention  # SDPA flash per image in 16-bit, the Triton kernel in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_flash_attention_matches_reference(dtype):
+    """The triton backend's vision attention (flash SDPA per segment for 16-bit, the Triton kernel for fp32) keeps
+    every token within its image, like the reference."""
+    from orinfer.layers.triton_ops import segment_flash_attention
+
+    heads, head_dim, bounds = 2, 40, [0, 5, 6, 19]
+    q, k, v = (torch.randn(heads, bounds[-1], head_dim, device=DEVICE).to(dtype) for _ in range(3))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    got = segment_flash_attention(q, k, v, cu, 13, head_dim ** -0.5)
+    ref = vision.vision_attention_ref(q.double(), k.double(), v.double(), cu, 13, head_dim ** -0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
 
 
 # --- Qwen3-VL-8B shapes: GPU only ---------------------------------------------------------------------------------

@@ -194,8 +194,8 @@ def test_mixed_batch_and_preemption_keep_tokens(vl_pair, tmp_path):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="no CUDA and no TRITON_INTERPRET")
 def test_triton_backend_greedy_matches_torch(vl_pair, tmp_path):
-    """The triton op table (vision kernels included), run by Triton's CPU interpreter, gives the torch backend's
-    greedy tokens for an image prompt."""
+    """The triton op table (vision kernels included; Triton's CPU interpreter without a GPU, CUDA with graphs on
+    one) gives the torch backend's greedy tokens for an image prompt."""
     from orinfer.config import ModelConfig
     from orinfer.engine.llm_engine import EngineParts
     from orinfer.layers.triton_ops import triton_ops
@@ -205,9 +205,11 @@ def test_triton_backend_greedy_matches_torch(vl_pair, tmp_path):
     path = tmp_path / "vl"
     hf.save_pretrained(path, safe_serialization=True)
     cfg = ModelConfig.from_hf(path)
-    model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, torch.device("cpu"), cfg, progress=False)
+    # Under the interpreter the kernels run on CPU tensors; on a GPU machine on CUDA, with CUDA-graph decode.
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, dev, cfg, progress=False)
     parts = llm.engine.parts
-    tri = LLM.from_parts(EngineParts(model, cfg, None, {}, torch.device("cpu"), torch.float32,
+    tri = LLM.from_parts(EngineParts(model, cfg, None, {}, dev, torch.float32, graph_safe=dev.type == "cuda",
                                      image_processor=parts.image_processor), llm.engine.config)
     prompt = {"prompt_token_ids": [5, VS, IMG, VE, 17], "multi_modal_data": {"image": images([(64, 64)], seed=2)}}
     params = SamplingParams(max_tokens=8, **GREEDY)

@@ -34,6 +34,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-fused-ffn", action="store_true")
+    p.add_argument("--image-size", default=None, metavar="WxH",
+                   help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     p.set_defaults(func=func)
 
@@ -61,6 +63,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         "date": datetime.date.today().isoformat()}
     result["ceilings"] = measure_ceilings(device, dtype)
     log.info("ceilings: %s", result["ceilings"])
+    if args.image_size:
+        if not cfg.is_multimodal:
+            print(f"error: --image-size needs a vision-language model; {name} has no vision tower", file=sys.stderr)
+            return 2
+        result["vision"] = _bench_vision(cfg, args, dtype, device, result["ceilings"]["matmul_TFLOPs"])
 
     max_len = max(prompt_lens + [128 + args.decode_tokens]) + 16
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (128 + args.decode_tokens + 32)
@@ -87,7 +94,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "roofline_tok_s": read / per_token,
         "kv_cache_GiB": llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block() / 2**30,
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
-        "backend": model.layers[0].mlp.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
+        "backend": next(m.ops.name for m in model.modules() if hasattr(m, "ops")), "cuda_graph": llm.engine.runner.graphs is not None,
     }
     if b1:
         b1["GBps"] = b1["tok_s"] * per_token / 1e9
@@ -105,6 +112,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     write_report(result, Path(args.out))
     print(markdown(result))
     return 0
+
+
+def _bench_vision(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype, device: torch.device,
+                  matmul_tflops: float) -> dict:
+    from orinfer.bench.vision_bench import bench_vision
+    from orinfer.layers.ops import get_ops
+    from orinfer.models.qwen3_vl_vision import VisionConfig
+
+    width, _, height = args.image_size.lower().partition("x")
+    return bench_vision(VisionConfig.from_hf(cfg.vision_config), int(width), int(height), dtype, device,
+                        get_ops(args.backend, device), matmul_tflops, compare_hf=True)
 
 
 def markdown(r: dict) -> str:
@@ -131,6 +149,9 @@ def markdown(r: dict) -> str:
                  f"{o['peak_GiB']:.1f} GiB | peak {hf['peak_gib']:.1f} GiB |" if hf else
                  f"| weights / KV cache / peak GPU memory | {o['weights_GiB']:.1f} / {o['kv_cache_GiB']:.1f} / "
                  f"{o['peak_GiB']:.1f} GiB | - |")
+    if "vision" in r:
+        from orinfer.bench.vision_bench import vision_markdown
+        lines.extend(vision_markdown(r["vision"]))
     return "\n".join(lines) + "\n"
 
 

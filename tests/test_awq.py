@@ -28,6 +28,7 @@ from orinfer.loader.seed_bin import MAGIC, export_bin, load_bin_model, read_bin_
 from orinfer.quant import perplexity, quantize_checkpoint
 from orinfer.quant.pack import pack_int4, unpack_int4
 from orinfer.quant.rtn import fake_quantize, quantize_rtn
+from kernel_checks import poison_allocations, randn
 from test_hf_parity import paged_logits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -43,14 +44,7 @@ SMALL_KV = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, p
 @pytest.fixture
 def poison(monkeypatch):
     """NaN-filled floating allocations while a kernel test runs (an unwritten output element fails), default configs."""
-    torch.manual_seed(1234)
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    poison_allocations(monkeypatch)
     monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
 
 
@@ -69,10 +63,6 @@ def random_awq(k: int, n: int, g: int, device=DEVICE):
     qzeros = torch.randint(-2**31, 2**31 - 1, (groups, n // 8), dtype=torch.int32, device=device)
     scales = (torch.rand(groups, n, device=device) * 0.02 + 0.004).half()
     return qweight, qzeros, scales
-
-
-def randn(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
 
 
 # --- packing ---------------------------------------------------------------------------------------------------------

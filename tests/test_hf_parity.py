@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -22,17 +24,20 @@ def pair(request, tmp_path_factory):
     return hf, llm
 
 
-def paged_logits(llm: LLM, ids: list[int], prefill_len: int) -> torch.Tensor:
+def paged_logits(llm: LLM, ids: list[int], prefill_len: int, mm: Any = None) -> torch.Tensor:
     """Logits for every position of `ids`, through the real paged path: a prefill of the first `prefill_len` tokens
-    (all rows' logits), then one decode step per remaining token."""
+    (all rows' logits; with `mm`, a Qwen3-VL MultimodalInputs, the images go through the runner's batch), then one
+    decode step per remaining token."""
     engine, runner = llm.engine, llm.engine.runner
-    seq = Sequence("probe", ids[:prefill_len], SamplingParams(max_tokens=1, temperature=0.0))
+    seq = Sequence("probe", ids[:prefill_len], SamplingParams(max_tokens=1, temperature=0.0), mm=mm)
     engine.block_manager.allocate(seq)
     rows = []
     try:
         with torch.inference_mode():
             input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=True)
-            rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
+            batch = runner.prepare_multimodal([seq])
+            extra = () if batch is None else (batch,)
+            rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta, *extra)))
             for token in ids[prefill_len:]:
                 seq.append_token(token)
                 engine.block_manager.append_slot(seq)

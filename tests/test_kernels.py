@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from kernel_checks import poison_allocations, randn
 from orinfer.kernels import activation, attention, gemv, norm, rotary
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -37,26 +38,10 @@ def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
     return dict(atol=t * scale, rtol=t * scale)
 
 
-def randn(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
-
-
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Fresh seed per test, and NaN-filled (floating) allocations while the test runs."""
-    torch.manual_seed(1234)
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_empty_like(*args, **kwargs):
-        t = empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    poison_allocations(monkeypatch)
     # Default GEMV configs (the GPU tests check every candidate explicitly; timing them per test shape is slow).
     monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
 

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from kernel_checks import poison_allocations, randn
 from orinfer.kernels import vision
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,26 +53,10 @@ def ulp_close(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 2.0) -
     torch.testing.assert_close(actual, expected, atol=ulps * eps, rtol=ulps * eps)
 
 
-def randn(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
-
-
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Fresh seed per test, and NaN-filled (floating) allocations while the test runs."""
-    torch.manual_seed(1234)
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_empty_like(*args, **kwargs):
-        t = empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    poison_allocations(monkeypatch)
 
 
 def doubles(*tensors):

@@ -17,8 +17,8 @@ from PIL import Image
 from hf_models import VL_CONFIGS, VL_IDS, build_hf_vl_model, hf_vl_greedy, hf_vl_logits
 from orinfer import LLM, SamplingParams
 from orinfer.engine.multimodal import MultimodalInputs, expand_placeholders
-from orinfer.engine.sequence import Sequence
 from orinfer.layers.mrope import mrope_cos_sin, mrope_frequency_axes, mrope_positions
+from test_hf_parity import paged_logits
 
 pytest.importorskip("transformers")
 
@@ -56,25 +56,7 @@ def random_inputs(prompt: list[int], grids: list[tuple[int, int, int]], seed: in
 def paged_vl_logits(llm: LLM, ids: list[int], mm: MultimodalInputs | None, extra: list[int]) -> torch.Tensor:
     """Logits of every position: a prefill of `ids` (images through the runner's MultimodalBatch), then one decode
     step per token of `extra`, all through the paged KV cache."""
-    engine, runner = llm.engine, llm.engine.runner
-    seq = Sequence("probe", ids, SamplingParams(max_tokens=1), mm=mm)
-    engine.block_manager.allocate(seq)
-    rows = []
-    try:
-        with torch.inference_mode():
-            input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=True)
-            batch = runner.prepare_multimodal([seq])
-            hidden = runner.model(input_ids, positions, meta, batch) if batch else runner.model(input_ids, positions,
-                                                                                                  meta)
-            rows.append(runner.model.compute_logits(hidden))
-            for token in extra:
-                seq.append_token(token)
-                engine.block_manager.append_slot(seq)
-                input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=False)
-                rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
-    finally:
-        engine.block_manager.free(seq)
-    return torch.cat(rows)
+    return paged_logits(llm, ids + extra, len(ids), mm)
 
 
 def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:

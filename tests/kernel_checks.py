@@ -1,0 +1,31 @@
+"""Helpers shared by the kernel test files: random inputs drawn in fp64, and NaN-poisoned allocations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """Normal values drawn in fp64 on DEVICE, scaled, then rounded once to `dtype`."""
+    return (torch.randn(*shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
+
+
+def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh seed, and NaN-filled floating torch.empty / torch.empty_like while the test runs: an output element
+    a kernel forgets to write then fails the comparison instead of passing on leftover memory."""
+    torch.manual_seed(1234)
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*args, **kwargs):
+        t = empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)

@@ -283,20 +283,29 @@ def _awq_mm_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, b_ptr, out_ptr, part_ptr,
                 acc_u = tl.dot(xv, wt.to(xv.dtype), acc_u)
     if PDL:
         gdc_launch_dependents()
-    mask = (offs_m < M)[:, None] & (offs_n < N_OUT)[None, :]
+    _store_tile(acc_g, acc_u, offs_m.to(tl.int64), offs_n, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, stride_om,
+                HAS_BIAS, GATED, SPLIT, CLAMP16)
+
+
+@triton.jit
+def _store_tile(g, u, rows, cols, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, stride_om,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr, CLAMP16: tl.constexpr):
+    """fp32 sums g (and u) [R, C] of output rows `rows` [R] (int64) and columns `cols` [C]: into the split-K
+    workspace [SPLIT_K, M, (2)N] when split, else through the epilogue into out (row stride stride_om)."""
+    mask = (rows < M)[:, None] & (cols < N_OUT)[None, :]
     if SPLIT:
         width = 2 * N_OUT if GATED else N_OUT
-        base = part_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * width + offs_n[None, :]
-        tl.store(base, acc_g, mask=mask)
+        base = part_ptr + (pid_k * M + rows)[:, None] * width + cols[None, :]
+        tl.store(base, g, mask=mask)
         if GATED:
-            tl.store(base + N_OUT, acc_u, mask=mask)
+            tl.store(base + N_OUT, u, mask=mask)
     else:
         bias = 0.0
         if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n, mask=offs_n < N_OUT, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(b_ptr + cols, mask=cols < N_OUT, other=0.0).to(tl.float32)[None, :]
         out_ty = out_ptr.dtype.element_ty
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, _epilogue(acc_g, acc_u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=mask)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+                 _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=mask)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from orinfer.kernels.awq import _epilogue
+from orinfer.kernels.awq import _store_tile
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -55,29 +55,6 @@ def _scale_of(sc_row_ptr, c_ld, P: tl.constexpr, COL: tl.constexpr):
     elif P % 4 == 3:
         s = s * 0.000244140625
     return s
-
-
-@triton.jit
-def _store_nibble(g, u, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M,
-                  COL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-                  CLAMP16: tl.constexpr):
-    """Writes one nibble's columns (8c + COL) of rows `row` ([R] int64; g, u [R, C]): fp32 partials when split,
-    else the finished values."""
-    cols = offs_c * 8 + COL
-    mask = (row < M)[:, None] & (offs_c < N_OUT // 8)[None, :]
-    if SPLIT:
-        width = 2 * N_OUT if GATED else N_OUT
-        base = part_ptr + (pid_k * M + row)[:, None] * width + cols[None, :]
-        tl.store(base, g, mask=mask)
-        if GATED:
-            tl.store(base + N_OUT, u, mask=mask)
-    else:
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + cols, mask=offs_c < N_OUT // 8, other=0.0).to(tl.float32)[None, :]
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + row[:, None] * N_OUT + cols[None, :],
-                 _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=mask)
 
 
 @triton.jit
@@ -150,11 +127,19 @@ def _nibble_mma_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, b_ptr, out_ptr, part_ptr,
     if PDL:
         gdc_launch_dependents()
     row = offs_m.to(tl.int64)
-    _store_nibble(g0, u0, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 0, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g1, u1, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 2, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g2, u2, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 4, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g3, u3, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 6, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g4, u4, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 1, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g5, u5, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 3, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g6, u6, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 5, HAS_BIAS, GATED, SPLIT, CLAMP16)
-    _store_nibble(g7, u7, row, out_ptr, part_ptr, b_ptr, pid_k, offs_c, N_OUT, M, 7, HAS_BIAS, GATED, SPLIT, CLAMP16)
+    _store_tile(g0, u0, row, offs_c * 8 + 0, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g1, u1, row, offs_c * 8 + 2, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g2, u2, row, offs_c * 8 + 4, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g3, u3, row, offs_c * 8 + 6, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g4, u4, row, offs_c * 8 + 1, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g5, u5, row, offs_c * 8 + 3, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g6, u6, row, offs_c * 8 + 5, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)
+    _store_tile(g7, u7, row, offs_c * 8 + 7, out_ptr, part_ptr, b_ptr, pid_k, M, N_OUT, N_OUT, HAS_BIAS, GATED, SPLIT,
+                CLAMP16)

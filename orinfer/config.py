@@ -334,6 +334,10 @@ class EngineConfig:
     backend: str = "auto"                  # "torch" | "triton" | "auto" (triton on CUDA, torch on CPU)
     cuda_graph: bool = True                # replay decode steps as CUDA graphs (triton backend)
     fused_ffn: bool = True                 # fused gate/up + SwiGLU decode kernel (triton backend)
+    # Launch decode step N+1 (inputs: step N's ids, on the device) before waiting for step N, so the device never
+    # idles during the host's per-step work. Same tokens either way; on by default on the CPU too (no speed-up
+    # there, but it keeps one code path, tested on every backend).
+    async_scheduling: bool = True
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -36,10 +36,11 @@ class DecodeGraphs:
         n, self.max_blocks = self.max_batch, max_blocks_per_seq
         # The graph's inputs live in two device buffers (one per dtype) whose pinned host twins the step fills in
         # place: a step costs two asynchronous copies, not one upload per field. Rows: ids, positions, slots (int64);
-        # context lengths then block tables (int32).
-        self.host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
-        self.host_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
-        self.np_i64, self.np_i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        # context lengths then block tables (int32). The host twins come in two sets used in turn: with the engine's
+        # lookahead, step N+1 is prepared while step N's copies may not have run yet (the host last waited for step
+        # N-1), so it must not rewrite the set they read. An event after each set's copies guards the reuse.
+        self.staging = [_Staging(n, max_blocks_per_seq) for _ in range(2)]
+        self.turn = 0
         self.dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
         self.dev_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.dev_i64[0], self.dev_i64[1], self.dev_i64[2]
@@ -78,20 +79,23 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, seqs: list, block_size: int) -> torch.Tensor:
+    def run(self, seqs: list, block_size: int, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the bucket for these decoding sequences; returns logits [B, V] (a view of the graph's output).
 
         Each sequence contributes its newest token, at position num_tokens - 1 (plus its M-RoPE delta: a Qwen3-VL
-        sequence with images decodes with plain RoPE at shifted positions, so the same graphs serve it). The host
-        buffers are rewritten only after the previous step's sampled ids reached the host (the engine's one sync per
-        step), by which time the copies that read them have completed.
+        sequence with images decodes with plain RoPE at shifted positions, so the same graphs serve it).
+        `device_ids` [B] (lookahead): the input ids, already on the device (the previous step's samples, whose
+        host copies do not exist yet); they are copied over the ids row on the device.
         """
         batch = len(seqs)
         bucket = next(b for b in self.buckets if b >= batch)
-        ids, positions, slots = self.np_i64
+        stage = self.staging[self.turn]
+        self.turn ^= 1
+        stage.copied.synchronize()  # the copies that last read this set (two steps ago): long done in practice
+        ids, positions, slots = stage.np_i64
         n = self.max_batch
-        lens = self.np_i32[:n]
-        tables = self.np_i32[n:].reshape(n, self.max_blocks)
+        lens = stage.np_i32[:n]
+        tables = stage.np_i32[n:].reshape(n, self.max_blocks)
         for i, seq in enumerate(seqs):
             pos = seq.num_tokens - 1
             ids[i], positions[i] = seq.token_ids[-1], pos + seq.rope_delta  # M-RoPE: shifted, same on all axes
@@ -102,8 +106,21 @@ class DecodeGraphs:
         ids[batch:bucket], positions[batch:bucket], slots[batch:bucket] = 0, 0, -1
         lens[batch:bucket] = 1
         tables[batch:bucket, 0] = 0
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_i64.copy_(stage.i64, non_blocking=True)
         used = n + bucket * self.max_blocks
-        self.dev_i32[:used].copy_(self.host_i32[:used], non_blocking=True)
+        self.dev_i32[:used].copy_(stage.i32[:used], non_blocking=True)
+        stage.copied.record()
+        if device_ids is not None:
+            self.input_ids[:batch].copy_(device_ids)  # queued after the upload above, so it wins
         self.graphs[bucket].replay()
         return self.logits[bucket][:batch]
+
+
+class _Staging:
+    """One set of pinned host buffers for the graph inputs (see DecodeGraphs.__init__)."""
+
+    def __init__(self, n: int, max_blocks: int) -> None:
+        self.i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
+        self.i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.np_i64, self.np_i32 = self.i64.numpy(), self.i32.numpy()
+        self.copied = torch.cuda.Event()  # recorded after the copies that read this set

@@ -3,6 +3,10 @@
 `add_request` validates a request and queues it; `step` runs one scheduler decision (a prefill or a decode batch)
 and returns the sequences that advanced; `abort` drops a request and frees its blocks at once. Callers (LLM, the
 server) drive `step` in a loop.
+
+Lookahead (EngineConfig.async_scheduling, see in_flight.py): in the steady state of decoding, `step` launches the
+next decode step before it waits for the current one, so a decode step is usually in flight between two calls.
+Anything that needs the host to know every token first (a prefill to admit, a preemption, penalties) drains it.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ from torch import nn
 
 from orinfer.config import EngineConfig, ModelConfig
 from orinfer.engine.block_manager import BlockManager
+from orinfer.engine.in_flight import HostSample, InFlightStep
 from orinfer.engine.model_runner import ModelRunner
 from orinfer.engine.multimodal import prepare_images
 from orinfer.engine.scheduler import Scheduler
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.errors import RequestError
-from orinfer.layers.sampler import SamplerOutput
 from orinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
+        self.lookahead = config.async_scheduling
+        self.in_flight: InFlightStep | None = None  # a launched step not yet processed (lookahead)
+        self.num_lookahead_steps = 0                 # steps launched behind one still in flight
         self._request_ids = itertools.count()
         # Whether image sources may be local paths / file:// URLs (a server serving remote clients turns this off).
         self.allow_local_files = True
@@ -152,40 +159,91 @@ class LLMEngine:
         self.sequences.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step in flight counts even if all its sequences were aborted: one more step() collects it.
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # --- the loop ---------------------------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Runs one batch; returns the sequences that got a token (finished ones included)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return []
+        """Processes one batch; returns the sequences that got a token (finished ones included).
+
+        The batch is the step left in flight by the previous call, if any, else a newly scheduled one. Before waiting
+        for its tokens, the next decode step is launched behind it when that is safe (`_launch_lookahead`)."""
+        current = self.in_flight
+        if current is None:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                return []
+            current = self.in_flight = self._launch(seqs, is_prefill)
+        # (in_flight is replaced only once the next step is launched: if launching raises, `current` stays there
+        # for the next call to collect, so no sequence keeps a pending token that nothing will resolve.)
+        self.in_flight = self._launch_lookahead(current)
+        return self._resolve(current)
+
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, after: InFlightStep | None = None,
+                rows: list[int] | None = None) -> InFlightStep:
+        """Queues a step on the device; each sequence gets a pending token. `after`/`rows`: lookahead inputs."""
         start = time.perf_counter()
         for seq in seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
-        out = self.runner.execute(seqs, is_prefill)
-        token_ids = out.token_ids.tolist()  # the one host sync of a step: timings are read after it
-        now = time.perf_counter()
-        if is_prefill:
-            for seq in seqs:
-                seq.prefill_seconds += now - start
-        self._process(seqs, token_ids, out, now)
-        return seqs
+        prev_ids = after.device_ids if after is not None else None
+        out = self.runner.execute(seqs, is_prefill, prev_ids, rows)
+        for seq in seqs:
+            seq.num_pending += 1
+        return InFlightStep(seqs, is_prefill, start, out)
 
-    def _process(self, seqs: list[Sequence], token_ids: list[int], out: SamplerOutput, now: float) -> None:
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
-            seq.append_token(token)
+    def _launch_lookahead(self, current: InFlightStep) -> InFlightStep | None:
+        """The next decode step, launched while `current` (a decode step) is in flight; None (drain) whenever the
+        plain next step could differ: a prefill to admit, a preemption, or a batch that reads host token ids."""
+        if not self.lookahead or current.is_prefill:
+            return None
+        running = list(self.scheduler.running)
+        if any(self._reads_host_tokens(seq) for seq in running):
+            return None
+        # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
+        # then what the plain step would run. One that stops on a token or string may still be in it: its extra
+        # row is skipped at resolve (its KV write goes to its own, freed blocks; later users are queued behind it).
+        batch = [seq for seq in running if not self._ends_by_length(seq)]
+        rows = current.rows_of(batch)
+        if not batch or rows is None or not self.scheduler.reserve_lookahead(batch):
+            return None
+        self.num_lookahead_steps += 1
+        return self._launch(batch, False, current, rows)
+
+    @staticmethod
+    def _reads_host_tokens(seq: Sequence) -> bool:
+        """Whether sampling for this sequence uploads its token history (penalties), which lookahead cannot know."""
+        p = seq.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""
+        return seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
+    def _resolve(self, step: InFlightStep) -> list[Sequence]:
+        """Waits for a step's tokens and processes them; sequences that finished or were aborted since its launch
+        are skipped. Timings are read after the wait: they cover the device work."""
+        sample = step.wait()
+        now = time.perf_counter()
+        live = [(i, seq) for i, seq in enumerate(step.seqs) if not seq.is_finished]
+        if step.is_prefill:
+            for _, seq in live:
+                seq.prefill_seconds += now - step.start
+        self._process(live, sample, now)
+        return [seq for _, seq in live]
+
+    def _process(self, live: list[tuple[int, Sequence]], sample: HostSample, now: float) -> None:
+        """Row i of `sample` is the token of the sequence paired with i."""
+        for i, seq in live:
+            token = sample.token_ids[i]
+            seq.resolve_pending(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if logprobs is not None and seq.params.logprobs is not None:
+            if sample.logprobs is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                top = list(zip(top_ids[i][:k], top_lp[i][:k])) if top_ids is not None else []
-                seq.logprobs.append(TokenLogprob(token, logprobs[i], top))
+                top = list(zip(sample.top_ids[i][:k], sample.top_logprobs[i][:k])) if sample.top_ids is not None else []
+                seq.logprobs.append(TokenLogprob(token, sample.logprobs[i], top))
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
@@ -207,7 +265,7 @@ class LLMEngine:
             seq.output_text += seq.detokenizer.push(token)
             if p.stop and self._apply_stop_strings(seq, before):
                 return "stop_str"
-        if generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:  # known tokens: not pending ones
             return "length"
         return None
 

@@ -131,9 +131,11 @@ class ModelRunner:
         slots: list[int] = []
         starts = [0]
         for seq in seqs:
-            # Prefill (also the recompute of a preempted sequence) runs every token; decode only the newest.
+            # Prefill (also the recompute of a preempted sequence) runs every token; decode only the newest. A
+            # lookahead decode's newest token is still on the device (pending): its id here is a stand-in that
+            # execute() replaces with the device ids.
             first = 0 if is_prefill else seq.num_tokens - 1
-            ids.extend(seq.token_ids[first:])
+            ids.extend(seq.token_ids if is_prefill else seq.token_ids[-1:])
             # Decode of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted position.
             # (Its prefill positions come from the MultimodalBatch instead.)
             shift = 0 if is_prefill else seq.rope_delta
@@ -234,12 +236,24 @@ class ModelRunner:
     # --- step -------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+    def execute(self, seqs: list[Sequence], is_prefill: bool, prev_ids: torch.Tensor | None = None,
+                rows: list[int] | None = None) -> SamplerOutput:
+        """Queues one step; returns its samples, on the device (nothing here waits for the device).
+
+        Lookahead decode: the input id of seqs[i] is prev_ids[rows[i]], the previous step's sample, read on the
+        device while that step may still be running (stream order makes it wait), never through the host."""
         sampling = self.sampling_batch(seqs)  # uploaded before the forward is queued, so nothing waits for it
+        device_ids = None
+        if prev_ids is not None:
+            assert not is_prefill and rows is not None and len(rows) == len(seqs)
+            same = rows == list(range(len(prev_ids)))  # the steady state: the same batch again
+            device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.run(seqs, self.block_size)
+            logits = self.graphs.run(seqs, self.block_size, device_ids)
         else:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+            if device_ids is not None:
+                input_ids = device_ids
             mm = self.prepare_multimodal(seqs) if is_prefill else None
             if mm is None:
                 hidden = self.model(input_ids, positions, meta)

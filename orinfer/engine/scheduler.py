@@ -4,6 +4,9 @@ Policy (as in vLLM's v0 scheduler): if sequences are waiting and fit, run a pref
 token budget and free blocks allow; otherwise run one decode step for every running sequence. New requests therefore
 join between decode steps of others. When the cache is full, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + output so far) later.
+
+`reserve_lookahead` serves the engine's lookahead (a decode step launched while the previous one is still on the
+device): it only extends block tables, and declines whenever the plain decode step would do anything more.
 """
 
 from __future__ import annotations
@@ -69,7 +72,25 @@ class Scheduler:
         self.running.extend(batch)
         return batch
 
+    def reserve_lookahead(self, batch: list[Sequence]) -> bool:
+        """Gives each running sequence of `batch` a slot for its next token, unless `schedule` would now admit a
+        waiting sequence (a prefill) or the free blocks cannot cover them all (a preemption): then it changes nothing
+        and returns False. `running` is left as is: the batch is the running sequences (in order) minus those the
+        engine knows will finish. (A queue that cannot be admitted now does not stop the lookahead: a sequence that
+        finishes when the in-flight step resolves frees room one step later than without lookahead.)"""
+        if self.waiting and len(self.running) < self.config.max_num_seqs \
+                and self.block_manager.can_allocate(self.waiting[0]):
+            return False
+        missing = sum(s.blocks_needed(self.block_manager.block_size) - len(s.block_table) for s in batch)
+        if missing > self.block_manager.num_free_blocks:
+            return False
+        for seq in batch:
+            self.block_manager.append_slot(seq)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
+        # The engine schedules only with no step in flight, so every token of a running sequence is known here.
+        assert not seq.num_pending, "preempting a sequence whose newest token is still on the device"
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.block_manager.free(seq)
@@ -78,6 +99,9 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence and frees its blocks."""
         seq.status = SequenceStatus.FINISHED
+        # A token still in flight (lookahead) is dropped. Its step writes KV into the blocks freed here, but any
+        # later user of them is queued on the device behind that step, so its writes win.
+        seq.num_pending = 0
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)

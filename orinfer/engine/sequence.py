@@ -38,8 +38,12 @@ class Sequence:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt = prompt
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)   # known tokens only (on the host)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens sampled by launched steps whose ids are still on the device (0 or 1; 2 briefly inside a lookahead
+        # step): they count in num_tokens, so positions, slots and blocks of the next step are right before the ids
+        # reach the host, but not in token_ids / num_completion_tokens, which callers read.
+        self.num_pending = 0
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
@@ -61,7 +65,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens including the pending ones: what the KV cache holds or a launched step will write."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_completion_tokens(self) -> int:
@@ -90,4 +95,10 @@ class Sequence:
         return (n + block_size - 1) // block_size
 
     def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The oldest pending token's id reached the host."""
+        assert self.num_pending > 0, "no token pending"
+        self.num_pending -= 1
         self.token_ids.append(token_id)

@@ -1,0 +1,67 @@
+"""A launched engine step whose sampled ids are still on the device (the engine's one-step lookahead).
+
+Lookahead ("async scheduling"): while the device runs decode step N, the host launches step N+1, whose input ids are
+step N's sampled ids gathered on the device; only then does it wait for step N's ids and process them (append, stop
+checks, detokenize). The device then never idles between decode steps for the host's per-step work.
+
+The ids reach the host through copies queued right behind the step's sampler, into pinned memory, with an event
+recorded after them: waiting on that event waits for step N only. A plain `.tolist()` at resolve time would be queued
+behind step N+1 as well and wait for it, which would undo the overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from orinfer.engine.sequence import Sequence
+from orinfer.layers.sampler import SamplerOutput
+
+
+@dataclasses.dataclass
+class HostSample:
+    """A step's sampler output as host lists (None where the step computed no log-probabilities)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[float]] | None
+    top_ids: list[list[int]] | None
+
+
+class InFlightStep:
+    """One launched step: its batch (row i samples for seqs[i]), when it was launched, its device outputs."""
+
+    def __init__(self, seqs: list[Sequence], is_prefill: bool, start: float, out: SamplerOutput) -> None:
+        self.seqs, self.is_prefill, self.start = seqs, is_prefill, start
+        self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
+        self._host = SamplerOutput(**{f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)})
+        self._event = None
+        if out.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def rows_of(self, batch: list[Sequence]) -> list[int] | None:
+        """For each sequence of `batch`, its row in this step; None when one of them was not in this step (its
+        input id is not among this step's samples)."""
+        index = {id(seq): i for i, seq in enumerate(self.seqs)}
+        rows = [index.get(id(seq)) for seq in batch]
+        return None if any(r is None for r in rows) else rows
+
+    def wait(self) -> HostSample:
+        """Blocks until this step's outputs are on the host (not longer: later steps may still run)."""
+        if self._event is not None:
+            self._event.synchronize()
+        h = self._host
+
+        def lists(t: torch.Tensor | None) -> list | None:
+            return None if t is None else t.tolist()
+
+        return HostSample(h.token_ids.tolist(), lists(h.logprobs), lists(h.top_logprobs), lists(h.top_ids))
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or not t.is_cuda:
+        return t
+    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return dst.copy_(t, non_blocking=True)

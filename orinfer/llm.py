@@ -45,9 +45,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, block_size: int = 16,
                  gpu_memory_utilization: float = 0.90, kv_cache_bytes: int | None = None,
                  num_kv_blocks: int | None = None, cuda_graph: bool = True, fused_ffn: bool = True,
-                 seed: int | None = None, progress: bool = True, max_pixels: int | None = None) -> None:
+                 async_scheduling: bool = True,
+                 seed: int | None = None, progress: bool = True, max_pixels: int | None = None,
+                 pre_dequant: bool = False) -> None:
         """`max_pixels` (vision-language models): cap on a resized image's pixel count, replacing the
-        preprocessor_config's max_pixels; a request may still set its own (mm_processor_kwargs)."""
+        preprocessor_config's max_pixels; a request may still set its own (mm_processor_kwargs).
+
+        `pre_dequant` (AWQ models only; the seed's V6 mode): after loading, keep a dense copy of every AWQ weight in
+        the activation dtype, so prefills (more than 16 rows) run cuBLAS on it while decode keeps the INT4 kernels:
+        about 2 bytes per weight more memory for faster prefill. A ConfigError for models that are not AWQ."""
         from orinfer.tokenizer import Tokenizer  # local: keeps `import orinfer` light
 
         if seed is not None:
@@ -57,10 +63,13 @@ class LLM:
                               block_size=block_size, max_model_len=max_model_len,
                               gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
                               num_kv_blocks=num_kv_blocks, backend=backend, cuda_graph=cuda_graph,
-                              fused_ffn=fused_ffn)
+                              fused_ffn=fused_ffn, async_scheduling=async_scheduling)
         model_dir = Path(model)
         seed_bin = is_seed_bin(model_dir)  # the seed's single-file .bin (AWQ v5 / FP16 v6), else a HF directory
         model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
+        if pre_dequant and model_config.quantization is None:
+            raise ConfigError(f"pre_dequant (--pre-dequant) applies to AWQ INT4 models; {model_dir} is not quantized "
+                              "(its weights are already 16-bit)")
         weight_dtype, act_dtype = resolve_dtype(dtype, dev, model_config.torch_dtype)
         ops = get_ops(backend, dev, fused_ffn=fused_ffn)
         home = model_dir.parent if seed_bin else model_dir   # where tokenizer / generation_config are looked for
@@ -75,6 +84,10 @@ class LLM:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
             net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
+        if pre_dequant:
+            from orinfer.layers.awq_linear import pre_dequantize_model
+
+            pre_dequantize_model(net, act_dtype)
         parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype,
                             graph_safe=ops.name == "triton",
                             image_processor=_image_processor(home, max_pixels) if model_config.is_multimodal else None)

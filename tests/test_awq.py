@@ -132,112 +132,7 @@ def test_rtn_formula_and_round_trip():
     assert int(unpack_int4(ql.qzeros)[0, 3]) == min(15, max(0, round(-float(wg.min().clamp(max=0)) / s)))
 
 
-# --- kernels (Triton; the interpreter on the CPU) ---------------------------------------------------------------
-
-def _check_linear(x, qweight, qzeros, scales, g, bias, cfg, scale=2.0):
-    got = K.awq_linear(x, qweight, qzeros, scales, g, bias, cfg=cfg)
-    ref = K.awq_linear_ref(x.double(), qweight, qzeros, scales, g, None if bias is None else bias.double())
-    assert got.dtype == x.dtype and got.shape == ref.shape
-    torch.testing.assert_close(got.double(), ref, **tol(x.dtype, scale))
-
-
-@needs_kernels
-@kernel_test
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("g", [32, 48, -1, 40])
-def test_triton_dequantize(dtype, g):
-    k = {32: 96, 48: 96, -1: 72, 40: 120}[g]
-    qweight, qzeros, scales = random_awq(k, 40, g)
-    got = K.awq_dequantize(qweight, qzeros, scales, g, dtype=dtype)
-    ref = K.awq_dequantize_ref(qweight, qzeros, scales, g, dtype=dtype)
-    if dtype == torch.bfloat16 and INTERPRET:  # the interpreter rounds fp32 -> bf16 by truncation (<= 1 ulp)
-        torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
-    else:
-        assert torch.equal(got, ref)
-
-
-GEMV_CFGS = {
-    "fma": K.DEFAULT_FMA, "fma-split3": K.AWQConfig("fma", 1, 64, 32, 3, 4, 1),
-    "fma-unroll": K.AWQConfig("fma", 1, 64, 8, 0, 4, 1, 4),
-    "mma16": K.DEFAULT_DECODE_MMA, "mma16-split2": K.AWQConfig("mma", 16, 64, 32, 2, 4, 1),
-    "gemm": K.DEFAULT_GEMM, "gemm-split2": K.AWQConfig("mma", 32, 64, 32, 2, 4, 1), "dequant": K.DEQUANT_MATMUL,
-    "nmma16": K.AWQConfig("nmma", 16, 64, 32, 0, 4, 1), "nmma16-split2": K.AWQConfig("nmma", 16, 128, 32, 2, 4, 1),
-}
-
-
-@needs_kernels
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (1, "fma-split3"), (1, "mma16"), (3, "mma16"), (3, "mma16-split2"),
-                                      (17, "gemm"), (17, "gemm-split2"), (17, "dequant"), (3, None), (17, None),
-                                      (1, "nmma16"), (3, "nmma16"),
-                                      (1, "fma-unroll"),
-                                      (3, "nmma16-split2"), (17, "nmma16")])
-def test_awq_linear(dtype, rows, cfg):
-    """K > group (5 groups), N = 72 (not a multiple of the column tile), with a bias."""
-    qweight, qzeros, scales = random_awq(160, 72, 32)
-    x, bias = randn(rows, 160, dtype=dtype), randn(72, dtype=dtype, scale=0.5)
-    _check_linear(x, qweight, qzeros, scales, 32, bias, None if cfg is None else GEMV_CFGS[cfg])
-
-
-@needs_kernels
-@kernel_test
-@pytest.mark.parametrize("g,k", [(48, 96), (-1, 96), (40, 120), (128, 256)])
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_awq_linear_group_sizes(g, k, rows):
-    """Group sizes whose power-of-two part is 16 or 32 (the K step shrinks to it), one group, and 40 (no power of
-    two >= 16 divides it: dequantise + matmul)."""
-    qweight, qzeros, scales = random_awq(k, 48, g)
-    _check_linear(randn(rows, k), qweight, qzeros, scales, g, None, None)
-
-
-@needs_kernels
-@kernel_test
-def test_awq_gemv_and_gemm_entry_points_and_leading_dims():
-    qweight, qzeros, scales = random_awq(64, 32, 32)
-    x = randn(2, 3, 64)
-    ref = K.awq_linear_ref(x.double(), qweight, qzeros, scales, 32)
-    for fn in (K.awq_gemv, K.awq_gemm, K.awq_linear):
-        got = fn(x, qweight, qzeros, scales, 32)
-        assert got.shape == (2, 3, 32)
-        torch.testing.assert_close(got.double(), ref, **tol(torch.float32, 2))
-    x17 = randn(17, 64)  # more than 16 rows through the GEMV entry point: dispatched to the GEMM
-    torch.testing.assert_close(K.awq_gemv(x17, qweight, qzeros, scales, 32).double(),
-                               K.awq_linear_ref(x17.double(), qweight, qzeros, scales, 32), **tol(torch.float32, 2))
-    assert K.awq_linear(randn(0, 64), qweight, qzeros, scales, 32).shape == (0, 32)
-
-
-@needs_kernels
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (1, "fma-split3"), (3, "mma16"), (3, "mma16-split2"), (1, None),
-                                      (17, None), (3, "nmma16"), (1, "fma-unroll"),
-                                      (3, "nmma16-split2")])
-def test_awq_fused_gate_up_silu(dtype, rows, cfg):
-    """Packed gate_up of I = 40 per half (gate columns 0..39, up 40..79); 17 rows fall back to GEMM + SwiGLU."""
-    qweight, qzeros, scales = random_awq(96, 80, 32)
-    x = randn(rows, 96, dtype=dtype, scale=2)
-    got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 32, cfg=None if cfg is None else GEMV_CFGS[cfg])
-    ref = K.awq_fused_gate_up_silu_ref(x.double(), qweight, qzeros, scales, 32)
-    assert got.shape == (rows, 40) and got.dtype == dtype
-    torch.testing.assert_close(got.double(), ref, **tol(dtype, 3))
-
-
-@needs_kernels
-@kernel_test
-@pytest.mark.parametrize("rows,cfg", [(1, "fma"), (3, "mma16-split2"), (17, "gemm"), (17, "dequant"), (1, "fma-unroll"),
-                                      (3, "nmma16-split2")])
-def test_fp16_output_is_clamped_not_inf(rows, cfg):
-    """Outputs beyond fp16's range are clamped to +-65504 (the reference does the same), never inf."""
-    qweight = torch.full((64, 4), 0x77777777, dtype=torch.int32, device=DEVICE)   # q = 7 everywhere
-    qzeros = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)                  # z = 0
-    scales = torch.full((2, 32), 100.0, dtype=torch.float16, device=DEVICE)
-    x = torch.full((rows, 64), 200.0, dtype=torch.float16, device=DEVICE)
-    x[1::2] *= -1  # odd rows overflow negatively
-    got = K.awq_linear(x, qweight, qzeros, scales, 32, cfg=GEMV_CFGS[cfg])
-    ref = K.awq_linear_ref(x, qweight, qzeros, scales, 32)
-    assert torch.isfinite(got).all() and (got.abs() == 65504).all()
-    assert torch.equal(got, ref)
+# The INT4 kernels (W4 layout, repacked at load) are tested in tests/test_w4.py.
 
 
 def test_awq_shapes_are_checked():
@@ -250,77 +145,6 @@ def test_awq_shapes_are_checked():
         K.awq_linear_ref(torch.randn(1, 64), qweight, qzeros, scales, 48)
     with pytest.raises(ValueError, match="in_features"):
         K.awq_linear_ref(torch.randn(1, 60), qweight, qzeros, scales, 32)
-
-
-# --- GPU-only: real shapes -----------------------------------------------------------------------------------------
-
-NIBBLE_MMA = [K.AWQConfig("nmma", 16, bn, bk, sk, w, st) for bn, bk, sk, w, st in
-              [(64, 32, 0, 4, 1), (128, 64, 0, 4, 2), (256, 128, 1, 8, 3), (128, 128, 3, 4, 2)]]
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 4, 16, 64, 512, 2048])
-@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (12288, 4096)])
-def test_gpu_awq_linear_qwen3_8b_shapes(dtype, rows, k, n, monkeypatch):
-    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
-    qweight, qzeros, scales = random_awq(k, n, 128)
-    x = randn(rows, k, dtype=dtype)
-    if rows > K.MAX_GEMV_ROWS:
-        # The GEMM paths (fused tensor-core GEMM, dequantise + cuBLAS) round the dequantised weight to the activation
-        # dtype before the tensor-core dot, as every W4A16 GEMM does: the reference must round it the same way.
-        ref = x.float() @ K.awq_dequantize_ref(qweight, qzeros, scales, 128, dtype=dtype).float()
-    else:
-        ref = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
-    got = K.awq_linear(x, qweight, qzeros, scales, 128)
-    torch.testing.assert_close(got.float(), ref, **tol(dtype, 4))
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 8, 16])
-def test_gpu_awq_fused_gate_up_qwen3_8b(dtype, rows, monkeypatch):
-    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
-    qweight, qzeros, scales = random_awq(4096, 2 * 12288, 128)
-    x = randn(rows, 4096, dtype=dtype)
-    ref = K.awq_fused_gate_up_silu_ref(x.float(), qweight, qzeros, scales, 128)
-    got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 128)
-    torch.testing.assert_close(got.float(), ref, **tol(dtype, 4))
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_every_candidate_config_is_correct(dtype):
-    """Each config the tuner may pick computes the same thing (a wrong one would only show up when timed fastest)."""
-    qweight, qzeros, scales = random_awq(2048, 1536, 128)
-    # Kernels that round the dequantised weight to the activation dtype before a tensor-core dot ("mma": the generic
-    # tile kernel, "dequant": dequantise + cuBLAS) are checked against a reference that rounds it the same way;
-    # the FMA and "nmma" kernels use exact weights and are checked against the fp32 reference.
-    w_rounded = K.awq_dequantize_ref(qweight, qzeros, scales, 128, dtype=dtype).float()
-    for rows, cfgs in ((1, K.FMA_CONFIGS + K.DECODE_MMA_CONFIGS + NIBBLE_MMA), (8, K.DECODE_MMA_CONFIGS + NIBBLE_MMA),
-                       (300, K.GEMM_CONFIGS + [K.DEQUANT_MATMUL])):
-        x = randn(rows, 2048, dtype=dtype)
-        exact = K.awq_linear_ref(x.float(), qweight, qzeros, scales, 128)
-        rounded = x.float() @ w_rounded
-        for cfg in cfgs:
-            ref = rounded if cfg.kind in ("mma", "dequant") else exact
-            got = K.awq_linear(x, qweight, qzeros, scales, 128, cfg=cfg)
-            torch.testing.assert_close(got.float(), ref, **tol(dtype, 4), msg=lambda m, c=cfg: f"{c}: {m}")
-        if rows <= 16:
-            exact_g = K.awq_fused_gate_up_silu_ref(x.float(), qweight, qzeros, scales, 128)
-            rounded_g = silu_and_mul_ref(_round(rounded, dtype))
-            for cfg in cfgs:
-                ref_g = rounded_g if cfg.kind in ("mma", "dequant") else exact_g
-                got = K.awq_fused_gate_up_silu(x, qweight, qzeros, scales, 128, cfg=cfg)
-                torch.testing.assert_close(got.float(), ref_g.float(), **tol(dtype, 4),
-                                           msg=lambda m, c=cfg: f"{c}: {m}")
-
-
-def _round(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The GEMM's fp32 output rounded to the activation dtype as the kernels store it (fp16: clamped first)."""
-    return (y.clamp(-K.FP16_MAX, K.FP16_MAX) if dtype == torch.float16 else y).to(dtype)
 
 
 # --- a quantized model against HF transformers -------------------------------------------------------------------
@@ -698,3 +522,102 @@ def test_quantize_checkpoint_errors(awq_dir, tmp_path):
         quantize_checkpoint(orig, tmp_path / "x", method="rtn", group_size=48, progress=False)
     with pytest.raises(ConfigError, match="must differ"):
         quantize_checkpoint(orig, orig, method="rtn", group_size=32, progress=False)
+
+
+# --- --pre-dequant (the seed's V6 mode: a 16-bit copy for prefill) ------------------------------------------------
+
+LONG_PROMPT = PROMPT * 3  # 27 tokens: the prefill has more than PRE_DEQUANT_ROWS rows, so it uses the dense copy
+
+
+def _awq_layers(llm):
+    from orinfer.layers.awq_linear import AWQLinear
+
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, AWQLinear)]
+
+
+@pytest.mark.parametrize("case", ["qwen3-gqa4-untied", "qwen2-gqa2-untied"])  # qwen2: q/k/v bias on the dense path
+def test_pre_dequant_gives_the_same_greedy_tokens(case, tmp_path, monkeypatch):
+    from orinfer.layers import awq_linear
+
+    orig = save_hf_model(build_hf_model(case), tmp_path / "orig")
+    quantize_checkpoint(orig, tmp_path / "awq", method="rtn", group_size=HF_CASES[case], progress=False)
+    plain = LLM(tmp_path / "awq", **SMALL_KV)
+    pre = LLM(tmp_path / "awq", pre_dequant=True, **SMALL_KV)
+    assert all(m.dense_weight is None for m in _awq_layers(plain))
+    assert all(m.dense_weight is not None for m in _awq_layers(pre))
+    seen = []  # (rows, used the dense copy) of every AWQ linear call of the pre-dequant model
+    uses_dense = awq_linear.AWQLinear.uses_dense
+
+    def spy(self, x):
+        used = uses_dense(self, x)
+        if self.dense_weight is not None:
+            seen.append((x.numel() // x.shape[-1], used))
+        return used
+
+    monkeypatch.setattr(awq_linear.AWQLinear, "uses_dense", spy)
+    ids = LONG_PROMPT + [4, 9, 11]
+    torch.testing.assert_close(paged_logits(pre, ids, len(LONG_PROMPT)), paged_logits(plain, ids, len(LONG_PROMPT)),
+                               atol=1e-4, rtol=1e-4)
+    assert pre.generate([LONG_PROMPT], GREEDY)[0].token_ids == plain.generate([LONG_PROMPT], GREEDY)[0].token_ids
+    # a decode batch of more than 16 sequences goes dense too (gate_up included: the fused path steps aside)
+    prompts = [[5 + i, 17, 42, 99] for i in range(18)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert ([o.token_ids for o in pre.generate(prompts, params)]
+            == [o.token_ids for o in plain.generate(prompts, params)])
+    assert {dense for rows, dense in seen if rows > awq_linear.PRE_DEQUANT_ROWS} == {True}
+    assert {dense for rows, dense in seen if rows <= awq_linear.PRE_DEQUANT_ROWS} == {False}
+
+
+def test_pre_dequant_copy_is_the_dequantized_weight(awq_dir):
+    _, awq = awq_dir
+    llm = LLM(awq, pre_dequant=True, **SMALL_KV)
+    layers = _awq_layers(llm)
+    cfg = ModelConfig.from_hf(awq)
+    assert len(layers) == 4 * cfg.num_hidden_layers  # qkv (packed), o, gate_up (packed), down per layer
+    for m in layers:
+        w = m.dense_weight
+        assert w.shape == (m.out_features, m.in_features) and w.dtype == torch.float32 and w.is_contiguous()
+        ckpt = m.checkpoint_tensors()  # the AWQ tensors, rebuilt from the W4 layout the layer holds
+        assert torch.equal(w, K.awq_dequantize_ref(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], m.group_size,
+                                                   torch.float32).t())
+    # a 16-bit activation dtype gets a 16-bit copy, the same values as the reference rounds to
+    m = layers[0]
+    m.pre_dequantize(torch.bfloat16)
+    assert m.dense_weight.dtype == torch.bfloat16
+    ckpt = m.checkpoint_tensors()
+    assert torch.equal(m.dense_weight, K.awq_dequantize_ref(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"],
+                                                            m.group_size, torch.bfloat16).t())
+
+
+def test_pre_dequant_is_rejected_for_models_that_are_not_awq(awq_dir, capsys):
+    from orinfer.cli import main
+    from orinfer.layers.awq_linear import pre_dequantize_model
+
+    orig, _ = awq_dir
+    with pytest.raises(ConfigError, match="AWQ"):
+        LLM(orig, pre_dequant=True, **SMALL_KV)
+    with pytest.raises(ConfigError, match="AWQ"):
+        pre_dequantize_model(LLM(orig, **SMALL_KV).engine.runner.model, torch.float32)
+    argv = ["generate", "-m", str(orig), "-p", "hi", "--device", "cpu", "--dtype", "float32", "--pre-dequant"]
+    assert main(argv) == 2
+    assert "pre-dequant" in capsys.readouterr().err
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_pre_dequant_copy_matches_the_reference(dtype):
+    """On CUDA the copy comes from the Triton `w4_dequantize`: bit-equal to the reference, and prefill-sized inputs
+    give what dequantise + matmul gives."""
+    from orinfer.layers.awq_linear import AWQLinear
+
+    layer = AWQLinear(512, 1024, True, TORCH_OPS, dtype, 128).to("cuda")
+    awq = random_awq(512, 1024, 128, device="cuda")
+    layer.qweight.data, layer.qzeros.data, layer.scales.data = awq
+    layer.bias.data.normal_()
+    layer.finish_loading()
+    layer.pre_dequantize(dtype)
+    w = K.awq_dequantize_ref(*awq, 128, dtype)
+    assert torch.equal(layer.dense_weight, w.t())
+    x = randn(64, 512, dtype=dtype)
+    torch.testing.assert_close(layer(x), torch.addmm(layer.bias, x, w), **tol(dtype))

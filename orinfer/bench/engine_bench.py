@@ -13,6 +13,8 @@ from orinfer.engine.llm_engine import EngineParts
 from orinfer.llm import LLM
 from orinfer.sampling_params import SamplingParams
 
+DECODE_PROMPT_LEN = 128  # prompt tokens of each sequence in the decode-throughput runs
+
 
 def decode_bytes_per_token(cfg: ModelConfig, weight_bytes: int, context: int, kv_elem: int) -> int:
     """Bytes one decode step at batch 1 must read: every weight but the embedding table (one row is read), plus the
@@ -37,7 +39,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes: list[int], decode_tokens: int,
-                 decode_prompt_len: int = 128, repeats: int = 3) -> dict:
+                 decode_prompt_len: int = DECODE_PROMPT_LEN, repeats: int = 3) -> dict:
     """Prefill at each prompt length (median of `repeats`), decode throughput at each batch size."""
     greedy = dict(temperature=0.0, ignore_eos=True)
     out: dict = {"prefill": {}, "decode": {}}
@@ -62,16 +64,64 @@ def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes
 
 
 def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend: str,
-                        engine_config: EngineConfig, fused_ffn: bool = True, tokenizer: Any | None = None) -> LLM:
-    """An LLM over random weights of `cfg`'s shapes (no tokenizer unless one is given: token-id prompts only)."""
+                        engine_config: EngineConfig, fused_ffn: bool = True, tokenizer: Any | None = None,
+                        pre_dequant: bool = False) -> LLM:
+    """An LLM over random weights of `cfg`'s shapes (no tokenizer unless one is given: token-id prompts only).
+    `pre_dequant` (AWQ configs): dense copies of the random packed weights for prefill, as `LLM(pre_dequant=True)`."""
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
 
     ops = get_ops(backend, device, fused_ffn=fused_ffn)
     model = random_model(cfg, ops, dtype, dtype, device)
+    if pre_dequant:
+        from orinfer.layers.awq_linear import pre_dequantize_model
+
+        pre_dequantize_model(model, dtype)
     parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, graph_safe=ops.name == "triton")
     return LLM.from_parts(parts, engine_config)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (the checkpoint's tensors; not `--pre-dequant` copies: `pre_dequant_bytes`)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def pre_dequant_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the 16-bit copies `--pre-dequant` keeps beside the AWQ weights (0 without it)."""
+    return sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith("dense_weight"))
+
+
+def kv_plan(kv_tokens: int, block_size: int, prompt_lens: list[int], batch_sizes: list[int], decode_tokens: int,
+            decode_prompt_len: int = DECODE_PROMPT_LEN) -> dict:
+    """The workload that fits a KV cache of `kv_tokens` tokens (`orinfer bench --kv-tokens`), without preemption.
+
+    The pool gets ceil(kv_tokens / block_size) blocks. A decode sequence holds ceil((prompt + decode) / block_size)
+    blocks at most, so decode batch sizes are capped at the number of such sequences the pool holds (a capped size
+    that repeats is run once); prefill lengths that do not fit (prompt + 1 generated token) are left out. Returns
+    {"num_blocks", "kv_tokens" (the pool's capacity), "max_batch", "prompt_lens", "batch_sizes", "notes"}; a
+    ConfigError when not even one decode sequence fits."""
+    from orinfer.errors import ConfigError
+
+    if kv_tokens <= 0:
+        raise ConfigError(f"--kv-tokens must be positive, got {kv_tokens}")
+    num_blocks = -(-kv_tokens // block_size)
+    capacity = num_blocks * block_size
+    seq_tokens = decode_prompt_len + decode_tokens
+    max_batch = num_blocks // -(-seq_tokens // block_size)
+    if max_batch < 1:
+        raise ConfigError(f"--kv-tokens {kv_tokens} cannot hold one decode sequence of {seq_tokens} tokens "
+                          f"({decode_prompt_len} prompt + {decode_tokens} decode)")
+    batches = list(dict.fromkeys(min(b, max_batch) for b in batch_sizes))
+    lens = [n for n in prompt_lens if n + 1 <= capacity]
+    notes = []
+    capped = [b for b in batch_sizes if b > max_batch]
+    if capped:
+        notes.append(f"the {capacity}-token KV cache holds {max_batch} decode sequences of {seq_tokens} tokens: "
+                     f"decode batch {', '.join(map(str, capped))} capped to {max_batch} "
+                     f"(ran {', '.join(map(str, batches))})")
+    dropped = [n for n in prompt_lens if n not in lens]
+    if dropped:
+        notes.append(f"prefill {', '.join(map(str, dropped))} tokens left out: longer than the {capacity}-token KV "
+                     "cache")
+    return {"num_blocks": num_blocks, "kv_tokens": capacity, "max_batch": max_batch, "prompt_lens": lens,
+            "batch_sizes": batches, "notes": notes}

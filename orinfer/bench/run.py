@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from orinfer.bench.ceilings import measure_ceilings
-from orinfer.bench.engine_bench import bench_engine, build_synthetic_llm, decode_bytes_per_token, weight_bytes
+from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, decode_bytes_per_token,
+                                        kv_plan, pre_dequant_bytes, weight_bytes)
 from orinfer.config import EngineConfig, ModelConfig, QuantConfig, preset, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,49 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-fused-ffn", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="sync on every step's sampled ids before launching the next (A/B of the lookahead)")
+    p.add_argument("--pre-dequant", action="store_true",
+                   help="AWQ (--quant awq or an AWQ -m directory): also keep 16-bit copies of the weights for prefill "
+                        "(the seed's V6 mode); the report shows their memory")
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="size the KV cache to exactly N tokens (rounded up to whole 16-token blocks) instead of the "
+                        "default budget, e.g. 4096 to see peak memory with a 4096-token cache. Every measurement "
+                        "runs with that cache: decode batch sizes are capped to the sequences of "
+                        f"{DECODE_PROMPT_LEN} + --decode-tokens tokens it holds (no preemption), prompt lengths "
+                        "longer than it are left out; the report says what was capped")
     p.add_argument("--image-size", default=None, metavar="WxH",
                    help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     p.set_defaults(func=func)
+
+
+def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The workload and EngineConfig of a bench run (no GPU needed): {"prompt_lens", "batch_sizes", "engine_config",
+    "kv_tokens" (None without --kv-tokens), "notes" (what --kv-tokens capped, for the report)}.
+
+    Without --kv-tokens the KV cache gets a byte budget that holds the largest decode batch with room to spare; with
+    it, exactly ceil(N / block_size) blocks, and the workload is cut to what those hold (`kv_plan`)."""
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    seq_tokens = DECODE_PROMPT_LEN + args.decode_tokens
+    block_size = EngineConfig.block_size
+    plan: dict = {"kv_tokens": None, "notes": []}
+    if args.kv_tokens is not None:
+        fit = kv_plan(args.kv_tokens, block_size, prompt_lens, batch_sizes, args.decode_tokens)
+        prompt_lens, batch_sizes = fit["prompt_lens"], fit["batch_sizes"]
+        plan.update(kv_tokens=fit["kv_tokens"], notes=fit["notes"])
+        kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
+    max_len = max(prompt_lens + [seq_tokens]) + 16
+    if args.kv_tokens is None:
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
+        kv_budget = {"kv_cache_bytes": max(kv_bytes, 2 * max_len * 2**20)}
+    plan["engine_config"] = EngineConfig(
+        max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
+        block_size=block_size, cuda_graph=not args.no_cuda_graph, fused_ffn=not args.no_fused_ffn,
+        async_scheduling=not args.no_async_scheduling, backend=args.backend, **kv_budget)
+    plan.update(prompt_lens=prompt_lens, batch_sizes=batch_sizes)
+    return plan
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -45,8 +85,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("error: orinfer bench needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     cfg = preset(args.synthetic) if args.synthetic else ModelConfig.from_hf(args.model)
     dtype, _ = resolve_dtype(args.dtype, device)
     name = args.synthetic or Path(args.model).name
@@ -57,6 +95,18 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
         cfg.quantization = QuantConfig(group_size=128)
         name = f"{name}-{args.quant}"
+    if args.pre_dequant:
+        if cfg.quantization is None:
+            print("error: --pre-dequant applies to AWQ models (--synthetic ... --quant awq, or an AWQ -m directory)",
+                  file=sys.stderr)
+            return 2
+        name = f"{name}-predequant"
+    plan = bench_plan(args, cfg, dtype)
+    prompt_lens, batch_sizes, engine_config = plan["prompt_lens"], plan["batch_sizes"], plan["engine_config"]
+    if args.kv_tokens is not None:
+        name = f"{name}-kv{plan['kv_tokens']}"
+    for note in plan["notes"]:
+        log.warning("bench: %s", note)
     result: dict = {"model": name, "dtype": str(dtype).removeprefix("torch."), "command": "orinfer " + " ".join(
         sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else ["bench"]),
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -69,30 +119,34 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
         result["vision"] = _bench_vision(cfg, args, dtype, device, result["ceilings"]["matmul_TFLOPs"])
 
-    max_len = max(prompt_lens + [128 + args.decode_tokens]) + 16
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (128 + args.decode_tokens + 32)
-    engine_config = EngineConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(8192, max(prompt_lens)),
-                                 max_model_len=max_len, kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20),
-                                 cuda_graph=not args.no_cuda_graph, fused_ffn=not args.no_fused_ffn,
-                                 backend=args.backend)
+    # Peak memory covers the orinfer run only (model build to the last decode), not the ceilings' buffers above.
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
     if args.model:
         from orinfer.llm import LLM
 
-        llm = LLM(args.model, dtype=args.dtype, device=device, backend=args.backend, max_model_len=max_len,
-                  max_num_seqs=engine_config.max_num_seqs, kv_cache_bytes=engine_config.kv_cache_bytes,
-                  cuda_graph=engine_config.cuda_graph, fused_ffn=engine_config.fused_ffn)
+        llm = LLM(args.model, dtype=args.dtype, device=device, backend=args.backend,
+                  max_model_len=engine_config.max_model_len, max_num_seqs=engine_config.max_num_seqs,
+                  max_num_batched_tokens=engine_config.max_num_batched_tokens,
+                  kv_cache_bytes=engine_config.kv_cache_bytes, num_kv_blocks=engine_config.num_kv_blocks,
+                  cuda_graph=engine_config.cuda_graph, fused_ffn=engine_config.fused_ffn, pre_dequant=args.pre_dequant,
+                  async_scheduling=engine_config.async_scheduling)
     else:
-        llm = build_synthetic_llm(cfg, dtype, device, args.backend, engine_config, fused_ffn=not args.no_fused_ffn)
+        llm = build_synthetic_llm(cfg, dtype, device, args.backend, engine_config, fused_ffn=not args.no_fused_ffn,
+                                  pre_dequant=args.pre_dequant)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens)
-    per_token = decode_bytes_per_token(cfg, wbytes, 128 + args.decode_tokens // 2, dtype.itemsize)
+    per_token = decode_bytes_per_token(cfg, wbytes, DECODE_PROMPT_LEN + args.decode_tokens // 2, dtype.itemsize)
     read = result["ceilings"]["read_GBps"] * 1e9
     b1 = timings["decode"].get(1)
     result["orinfer"] = {
         **timings, "weights_GiB": wbytes / 2**30, "bytes_per_decode_token": per_token,
         "roofline_tok_s": read / per_token,
         "kv_cache_GiB": llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block() / 2**30,
+        "kv_cache_tokens": llm.engine.runner.num_blocks * llm.engine.runner.block_size,
+        "pre_dequant_GiB": pre_dequant_bytes(model) / 2**30, "notes": plan["notes"],
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": next(m.ops.name for m in model.modules() if hasattr(m, "ops")), "cuda_graph": llm.engine.runner.graphs is not None,
     }
@@ -145,14 +199,26 @@ def markdown(r: dict) -> str:
         ref = hf["decode"].get(batch, hf["decode"].get(str(batch))) if hf else None
         lines.append(f"| decode batch {batch} tok/s | {row['tok_s']:.0f}{extra} | "
                      f"{ref['tok_s']:.1f} |" if ref else f"| decode batch {batch} tok/s | {row['tok_s']:.0f}{extra} | - |")
-    lines.append(f"| weights / KV cache / peak GPU memory | {o['weights_GiB']:.1f} / {o['kv_cache_GiB']:.1f} / "
-                 f"{o['peak_GiB']:.1f} GiB | peak {hf['peak_gib']:.1f} GiB |" if hf else
-                 f"| weights / KV cache / peak GPU memory | {o['weights_GiB']:.1f} / {o['kv_cache_GiB']:.1f} / "
-                 f"{o['peak_GiB']:.1f} GiB | - |")
+    lines.append(f"| weights / KV cache / peak GPU memory | {memory_cell(o)} | "
+                 + (f"peak {hf['peak_gib']:.1f} GiB |" if hf else "- |"))
+    lines.extend(["", "Peak GPU memory: torch.cuda.max_memory_allocated from the model build to the end of orinfer's "
+                  "runs (reset after the ceilings)."])
+    lines.extend(f"Note: {note}." for note in o.get("notes", ()))
     if "vision" in r:
         from orinfer.bench.vision_bench import vision_markdown
         lines.extend(vision_markdown(r["vision"]))
     return "\n".join(lines) + "\n"
+
+
+def memory_cell(o: dict) -> str:
+    """"weights / KV cache / peak" in GiB, with the KV cache's tokens and any --pre-dequant copies spelled out."""
+    weights = f"{o['weights_GiB']:.1f}"
+    if o.get("pre_dequant_GiB"):
+        weights += f" + {o['pre_dequant_GiB']:.1f} pre-dequant"
+    kv = f"{o['kv_cache_GiB']:.2f}" if o['kv_cache_GiB'] < 1 else f"{o['kv_cache_GiB']:.1f}"
+    if o.get("kv_cache_tokens"):
+        kv += f" ({o['kv_cache_tokens']} tokens)"
+    return f"{weights} / {kv} / {o['peak_GiB']:.1f} GiB"
 
 
 def write_report(result: dict, out_dir: Path) -> Path:

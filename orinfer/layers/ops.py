@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from orinfer.errors import ConfigError
 from orinfer.kernels.activation import silu_and_mul_ref
 from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
-from orinfer.kernels.awq import awq_fused_gate_up_silu_ref, awq_linear_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
+from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
 from orinfer.kernels.vision import (bias_gelu_ref, bias_residual_ref, layer_norm_ref, qkv_split_rope_ref,
                                     vision_attention_ref)
 
@@ -43,10 +43,10 @@ class Ops:
     varlen_attention: Callable
     # The fused gate/up+SwiGLU GEMV for decode; None means "GEMM then silu_and_mul".
     fused_gate_up_silu: Callable | None = None
-    # AWQ INT4 linears: awq_linear(x, qweight, qzeros, scales, group_size, bias) and the fused gate/up + SwiGLU
-    # awq_fused_gate_up_silu(x, qweight, qzeros, scales, group_size) for decode (None: awq_linear + silu_and_mul).
-    awq_linear: Callable | None = None
-    awq_fused_gate_up_silu: Callable | None = None
+    # INT4 linears over the W4 layout (kernels/w4.py): w4_linear(x, w4, bias) and the fused gate/up + SwiGLU
+    # w4_gate_up_silu(x, w4) for decode (None: w4_linear + silu_and_mul).
+    w4_linear: Callable = w4_linear_ref
+    w4_gate_up_silu: Callable | None = None
     # The Qwen3-VL vision tower's ops (kernels/vision.py documents each signature).
     layer_norm: Callable = layer_norm_ref
     bias_gelu: Callable = bias_gelu_ref
@@ -58,8 +58,8 @@ class Ops:
 TORCH_OPS = Ops(
     name="torch", linear=linear_ref, rms_norm=rms_norm_ref, qk_norm_rope=qk_norm_rope_ref,
     silu_and_mul=silu_and_mul_ref, store_kv=store_kv_ref, paged_attention=paged_attention_ref,
-    varlen_attention=varlen_causal_attention_ref, awq_linear=awq_linear_ref,
-    awq_fused_gate_up_silu=awq_fused_gate_up_silu_ref,
+    varlen_attention=varlen_causal_attention_ref, w4_linear=w4_linear_ref,
+    w4_gate_up_silu=w4_gate_up_silu_ref,
 )
 
 

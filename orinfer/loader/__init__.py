@@ -26,7 +26,15 @@ def load_hf_model(model_dir: str | Path, ops: Ops, weight_dtype: torch.dtype, ac
     files = checkpoint_files(model_dir)  # fail on missing weights before allocating anything
     model = build_model(config, ops, weight_dtype, act_dtype, device)
     model.load_weights(iter_safetensors(files, device=device, progress=progress))
+    finish_loading(model)
     return model
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Lets layers convert what they loaded into the layout they run on (AWQ -> W4 repacking), once."""
+    for module in model.modules():
+        if hasattr(module, "finish_loading") and module is not model:
+            module.finish_loading()
 
 
 def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype,
@@ -46,6 +54,7 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
                 param.zero_()
             else:
                 param.normal_(0.0, std, generator=gen)
+    finish_loading(model)
     return model
 
 

@@ -231,5 +231,7 @@ def load_bin_model(path: str | Path, ops: Ops, weight_dtype: torch.dtype, act_dt
     cfg = read_bin_config(path)
     model = build_model(cfg, ops, weight_dtype, act_dtype, device)
     model.load_weights((name, t.to(device)) for name, t in iter_bin_tensors(path, cfg))
+    from orinfer.loader import finish_loading
+    finish_loading(model)
     return model, cfg
 

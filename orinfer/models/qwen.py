@@ -77,9 +77,9 @@ class QwenMLP(nn.Module):
     def forward(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if isinstance(gate_up, AWQPackedLinear):
-            fused = self.ops.awq_fused_gate_up_silu
-            if fused is not None and is_decode:
-                return self.down_proj(fused(x, gate_up.qweight, gate_up.qzeros, gate_up.scales, gate_up.group_size))
+            fused = self.ops.w4_gate_up_silu
+            if fused is not None and is_decode and not gate_up.uses_dense(x):  # --pre-dequant: >16 rows go dense
+                return self.down_proj(fused(x, gate_up.w4))
             return self.down_proj(self.ops.silu_and_mul(gate_up(x)))
         fused = self.ops.fused_gate_up_silu
         if fused is not None and is_decode:
@@ -217,14 +217,15 @@ class QwenForCausalLM(nn.Module):
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights under HF names, packed matrices split back (inverse of load_weights); for saving models."""
+        done_awq: set[str] = set()
         for name, param in self.named_parameters():
-            module = self.get_submodule(name.rsplit(".", 1)[0])
+            module_name = name.rsplit(".", 1)[0]
+            module = self.get_submodule(module_name)
             prefix = "" if name.startswith("lm_head.") else self.hf_prefix
-            if isinstance(module, AWQPackedLinear):  # shards are column slices: split along the output columns
-                for shard in module.shard_offsets:
-                    for ckpt, (packed, sid) in _PACKED.items():
-                        if sid == shard and f".{packed}." in name:
-                            yield prefix + name.replace(packed, ckpt), module.shard_view(param, shard)
+            if isinstance(module, AWQLinear):  # the checkpoint layout, rebuilt from W4 once repacked
+                if module_name not in done_awq:
+                    done_awq.add(module_name)
+                    yield from self._awq_state(module, module_name, prefix)
             elif isinstance(module, PackedLinear):
                 for shard, (offset, rows) in module.shard_offsets.items():
                     for ckpt, (packed, sid) in _PACKED.items():
@@ -232,6 +233,19 @@ class QwenForCausalLM(nn.Module):
                             yield prefix + name.replace(packed, ckpt), param.data.narrow(0, offset, rows)
             else:
                 yield prefix + name, param.data
+
+
+    @staticmethod
+    def _awq_state(module: AWQLinear, module_name: str, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for kind, tensor in module.checkpoint_tensors().items():
+            name = f"{module_name}.{kind}"
+            if not isinstance(module, AWQPackedLinear):
+                yield prefix + name, tensor
+                continue
+            for shard in module.shard_offsets:  # shards are column slices: split along the output columns
+                for ckpt, (packed, sid) in _PACKED.items():
+                    if sid == shard and f".{packed}." in name:
+                        yield prefix + name.replace(packed, ckpt), module.shard_view(tensor, shard, kind)
 
 
 def _hf_name(ours: str, prefix: str = "model.") -> str:

@@ -1,0 +1,62 @@
+"""The INT4 linear entry points of the triton backend: pick the W4 kernel for the row count.
+
+  1 row                     -> `w4_gemv` (CUDA cores, whole rows of W per program: decode at batch 1)
+  2..MMA_MAX_ROWS rows      -> `w4_mma` with 16-row tiles (decode batches; exact (q - z) on tensor cores)
+  more (prefill)            -> `w4_dequantize` into a temporary 16-bit W [N, K], then cuBLAS: 3-4x faster than our
+                               fused tensor-core tiles at 2048 rows (run 23); the dequantisation costs about 2.5
+                               bytes of traffic per weight, a few % of a prefill's time
+fp32 x takes the same kernels (exact fp32 dots); other dtypes fall back to the torch references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import torch.nn.functional as F
+
+from orinfer.kernels.activation import silu_and_mul
+from orinfer.kernels.w4 import W4Weight, w4_gate_up_silu_ref, w4_linear_ref
+from orinfer.kernels.w4_gemv import w4_gemv
+from orinfer.kernels.w4_mma import w4_dequantize, w4_mma
+
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+MMA_MAX_ROWS = 32
+FP16_MAX = 65504.0
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def w4_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) in x's dtype (`w4_linear_ref`'s contract)."""
+    if x.dtype not in _FLOAT_TYPES:
+        return w4_linear_ref(x, w, bias)
+    rows = _rows(x)
+    if rows == 1:
+        return w4_gemv(x, w, bias)
+    if rows <= MMA_MAX_ROWS:
+        return w4_mma(x, w, bias)
+    return _dequant_matmul(x, w, bias)
+
+
+def _dequant_matmul(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = F.linear(x, w4_dequantize(w, x.dtype), None if bias is None else bias.to(x.dtype))
+    if x.dtype == torch.float16:
+        y = y.clamp_(-FP16_MAX, FP16_MAX)  # the kernels' fp16 guard (cuBLAS already rounded overflow to inf)
+    return y
+
+
+def w4_gate_up_silu(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T) from a packed gate_up W4 weight (gate rows first), in one pass over the weight and
+    without the [rows, 2I] intermediate (`w4_gate_up_silu_ref`'s contract)."""
+    if x.dtype not in _FLOAT_TYPES:
+        return w4_gate_up_silu_ref(x, w)
+    if w.out_features % 16:
+        raise ValueError(f"a packed gate/up weight needs out_features divisible by 16, got {w.out_features}")
+    rows = _rows(x)
+    if rows == 1:
+        return w4_gemv(x, w, gated=True)
+    if rows <= MMA_MAX_ROWS:
+        return w4_mma(x, w, gated=True)
+    return silu_and_mul(_dequant_matmul(x, w, None))

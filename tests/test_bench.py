@@ -1,0 +1,128 @@
+"""`orinfer bench`'s CPU-testable parts: the --kv-tokens plan (KV pool size, capped workload), the EngineConfig it
+builds, --pre-dequant on synthetic AWQ weights, and the report's memory row. The timings themselves need the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orinfer.bench.engine_bench import bench_engine, build_synthetic_llm, kv_plan, pre_dequant_bytes
+from orinfer.bench.run import bench_plan, markdown, memory_cell
+from orinfer.cli import build_parser
+from orinfer.config import ModelConfig, QuantConfig, preset
+from orinfer.errors import ConfigError
+from orinfer.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def _args(*extra: str):
+    return build_parser().parse_args(["bench", "--synthetic", "qwen3-8b", *extra])
+
+
+def _tiny_awq_config() -> ModelConfig:
+    return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=True,
+                       max_position_embeddings=1024, quantization=QuantConfig(group_size=64))
+
+
+def test_kv_tokens_option_sizes_the_pool_and_caps_the_decode_batches():
+    args = _args("--quant", "awq", "--kv-tokens", "4096")
+    assert args.kv_tokens == 4096 and args.batch_sizes == "1,8,32,64"
+    plan = bench_plan(args, preset("qwen3-8b"), torch.bfloat16)
+    ec = plan["engine_config"]
+    assert ec.num_kv_blocks == 4096 // ec.block_size == 256 and ec.kv_cache_bytes is None
+    # 128 prompt + 128 decode = 256 tokens = 16 blocks a sequence: 16 sequences fit, 32 and 64 are capped to 16
+    assert plan["batch_sizes"] == [1, 8, 16] and ec.max_num_seqs == 16
+    assert plan["prompt_lens"] == [512, 2048] and plan["kv_tokens"] == 4096
+    assert ec.max_model_len >= 2048 and ec.max_num_batched_tokens >= 2048
+    assert len(plan["notes"]) == 1 and "32, 64 capped to 16" in plan["notes"][0]
+
+
+def test_without_kv_tokens_the_bench_keeps_its_byte_budget():
+    plan = bench_plan(_args(), preset("qwen3-8b"), torch.bfloat16)
+    ec = plan["engine_config"]
+    assert ec.num_kv_blocks is None and ec.kv_cache_bytes > 0
+    assert plan["batch_sizes"] == [1, 8, 32, 64] and ec.max_num_seqs == 64 and plan["notes"] == []
+    assert plan["kv_tokens"] is None
+
+
+def test_kv_plan_rounding_dropping_and_errors():
+    fit = kv_plan(4000, 16, [512, 2048], [1, 8, 32, 64], 128)
+    assert fit["num_blocks"] == 250 and fit["kv_tokens"] == 4000 and fit["max_batch"] == 15
+    assert fit["batch_sizes"] == [1, 8, 15]
+    fit = kv_plan(4001, 16, [512], [1], 128)                 # rounded up to whole blocks
+    assert fit["num_blocks"] == 251 and fit["kv_tokens"] == 4016 and fit["notes"] == []
+    fit = kv_plan(1024, 16, [512, 2048], [64, 1, 2], 128)   # order kept, a repeated cap runs once
+    assert fit["batch_sizes"] == [4, 1, 2] and fit["prompt_lens"] == [512]
+    assert any("2048 tokens left out" in n for n in fit["notes"])
+    fit = kv_plan(2048, 16, [2048], [1], 100)               # 2048 prompt + 1 generated token: one too many
+    assert fit["prompt_lens"] == []
+    assert kv_plan(2064, 16, [2048], [1], 100)["prompt_lens"] == [2048]
+    with pytest.raises(ConfigError, match="cannot hold one decode sequence"):
+        kv_plan(200, 16, [64], [1], 128)
+    with pytest.raises(ConfigError, match="positive"):
+        kv_plan(0, 16, [64], [1], 128)
+
+
+def test_pre_dequant_parses_for_bench_and_model_commands():
+    assert _args("--quant", "awq", "--pre-dequant").pre_dequant
+    assert not _args().pre_dequant
+    for command in ("generate", "chat", "serve"):
+        extra = ["-p", "x"] if command == "generate" else []
+        args = build_parser().parse_args([command, "-m", "DIR", "--pre-dequant", *extra])
+        assert args.pre_dequant
+
+
+def test_capped_workload_runs_on_the_planned_pool_without_preemption(monkeypatch):
+    """The bench path on the CPU: synthetic AWQ weights with --pre-dequant, a pool of exactly --kv-tokens, and the
+    capped batches run without a single preemption; the copies give the INT4 path's greedy tokens."""
+    from orinfer.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq: pytest.fail("a bench sequence was preempted"))
+    args = _args("--backend", "torch", "--no-cuda-graph", "--prompt-lens", "40,900", "--batch-sizes", "1,8",
+                 "--decode-tokens", "8", "--kv-tokens", "512", "--pre-dequant")
+    cfg = _tiny_awq_config()
+    plan = bench_plan(args, cfg, torch.float32)
+    assert plan["batch_sizes"] == [1, 3] and plan["prompt_lens"] == [40]   # 136-token sequences: 9 blocks each
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, "torch", plan["engine_config"], pre_dequant=True)
+    runner = llm.engine.runner
+    assert runner.num_blocks * runner.block_size == 512
+    model = llm.engine.parts.model
+    assert pre_dequant_bytes(model) == 4 * sum(m.in_features * m.out_features for m in model.modules()
+                                               if hasattr(m, "dense_weight"))
+    timings = bench_engine(llm, cfg, plan["prompt_lens"], plan["batch_sizes"], 8, repeats=1)
+    assert sorted(timings["decode"]) == [1, 3] and list(timings["prefill"]) == [40]
+
+    plain = build_synthetic_llm(cfg, torch.float32, CPU, "torch", plan["engine_config"])
+    assert pre_dequant_bytes(plain.engine.parts.model) == 0
+    prompts = [list(range(10 + i, 40 + i)) for i in range(3)]  # 30-token prefills: the dense path
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert ([o.token_ids for o in llm.generate(prompts, params)]
+            == [o.token_ids for o in plain.generate(prompts, params)])
+
+
+def test_pre_dequant_of_a_model_that_is_not_awq_is_a_clear_error():
+    cfg = _tiny_awq_config()
+    cfg.quantization = None
+    plan = bench_plan(_args("--backend", "torch", "--kv-tokens", "512", "--decode-tokens", "8"), cfg, torch.float32)
+    with pytest.raises(ConfigError, match="AWQ"):
+        build_synthetic_llm(cfg, torch.float32, CPU, "torch", plan["engine_config"], pre_dequant=True)
+
+
+def test_report_memory_row_shows_the_kv_tokens_the_copies_and_the_notes():
+    o = {"weights_GiB": 5.71, "kv_cache_GiB": 0.5625, "kv_cache_tokens": 4096, "peak_GiB": 6.52,
+         "pre_dequant_GiB": 0.0}
+    assert memory_cell(o) == "5.7 / 0.56 (4096 tokens) / 6.5 GiB"
+    assert memory_cell({**o, "pre_dequant_GiB": 13.2}) == "5.7 + 13.2 pre-dequant / 0.56 (4096 tokens) / 6.5 GiB"
+    assert memory_cell({"weights_GiB": 15.3, "kv_cache_GiB": 4.0, "peak_GiB": 20.1}) == "15.3 / 4.0 / 20.1 GiB"
+    result = {"model": "qwen3-8b-awq-kv4096", "dtype": "bfloat16", "device": "H200", "date": "today",
+              "command": "orinfer bench", "torch": "2", "ceilings": {"read_GBps": 4000, "copy_GBps": 4000,
+                                                                      "matmul_TFLOPs": 700},
+              "orinfer": {**o, "prefill": {}, "decode": {}, "backend": "triton", "cuda_graph": True,
+                          "roofline_tok_s": 800, "bytes_per_decode_token": 5e9,
+                          "notes": ["decode batch 32, 64 capped to 16 (ran 1, 8, 16)"]}}
+    text = markdown(result)
+    assert "| weights / KV cache / peak GPU memory | 5.7 / 0.56 (4096 tokens) / 6.5 GiB | - |" in text
+    assert "Note: decode batch 32, 64 capped to 16 (ran 1, 8, 16)." in text
+    assert "max_memory_allocated" in text

@@ -17,6 +17,13 @@ from typing import Any
 log = logging.getLogger("orinfer.serve")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from orinfer.cli import _add_model_args  # the same model options as `generate`
 
@@ -38,6 +45,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="largest max_tokens a request may ask for (default: the context length)")
     p.add_argument("--max-pending", type=int, default=4096,
                    help="sequences running or queued before new requests get 429")
+    img = p.add_argument_group("images (Qwen3-VL models)")
+    img.add_argument("--max-images-per-request", type=_positive_int, default=8,
+                     help="images in one chat request (default 8)")
+    img.add_argument("--max-image-bytes", type=_positive_int, default=20 * 1024 * 1024,
+                     help="encoded size of one image, after base64 decoding (default 20 MiB; the body limit, "
+                          "--max-body-bytes, must leave room for the base64 text)")
+    img.add_argument("--max-image-pixels", type=_positive_int, default=64 * 1024 * 1024,
+                     help="decoded size of one image before resizing, width x height (default 64 Mpx)")
+    img.add_argument("--max-pixels", type=_positive_int, default=None, metavar="N",
+                     help="resize images to at most N pixels (default: the model's preprocessor_config); a request "
+                          "may ask for fewer with mm_processor_kwargs.max_pixels")
+    img.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                     help="let requests name local image files (file:// URLs or absolute paths) below DIR; without "
+                          "it only data: URLs are accepted. Anyone who can reach the server can then read images "
+                          "below DIR")
     p.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
     return p
@@ -65,14 +87,22 @@ def run_serve(args: argparse.Namespace) -> int:
 
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
                           max_n=args.max_n, max_tokens=args.max_tokens_limit,
-                          max_pending_sequences=args.max_pending)
+                          max_pending_sequences=args.max_pending,
+                          max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
+                          max_image_pixels=args.max_image_pixels,
+                          allowed_local_media_path=args.allowed_local_media_path)
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        print(f"error: --allowed-local-media-path {args.allowed_local_media_path!r} is not a directory",
+              file=sys.stderr)
+        return 2
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
     llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, cuda_graph=not args.no_cuda_graph,
-              fused_ffn=not args.no_fused_ffn)
+              fused_ffn=not args.no_fused_ffn, max_pixels=args.max_pixels, pre_dequant=args.pre_dequant,
+              async_scheduling=not args.no_async_scheduling)
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
                     reasoning=reasoning)

@@ -4,8 +4,10 @@
   prompt and choice) goes into a thread-safe inbox. Only the engine thread calls the engine: `add_request`, `step`,
   `take_delta`, `abort`, `release`.
 - The engine thread adds the group's sequences (all or none; a RequestError comes back as the `accepted` future's
-  exception), then steps the engine while anything is unfinished. After each step it hands each advanced sequence's new
-  text, token logprobs and finish reason to its group's asyncio.Queue with `loop.call_soon_threadsafe`.
+  exception) - a request's images were decoded and resized by the server, so only their patches are made here -
+  then steps the engine while anything is unfinished. After each step it hands each advanced sequence's new text,
+  token logprobs and finish reason to its group's asyncio.Queue with `loop.call_soon_threadsafe` (one wake-up of
+  the event loop per step); `RequestGroup.updates()` merges what queued up while a handler was busy.
 - Cancellation: `group.abort()` (a client disconnected, a handler was cancelled or failed) puts an abort command in the
   inbox; the engine thread aborts the group's unfinished sequences before its next step, which frees their KV blocks.
   Aborting a finished group is a no-op, so handlers call it unconditionally in `finally`.
@@ -16,105 +18,30 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from orinfer.engine.llm_engine import LLMEngine
-from orinfer.engine.sequence import Sequence, TokenLogprob
-from orinfer.sampling_params import SamplingParams
+from orinfer.engine.sequence import Sequence
+# The group side lives in request_group; its names are re-exported here, where callers have always found them.
+from orinfer.server.request_group import (EngineDeadError, EngineStepError, RequestGroup, SeqUpdate,  # noqa: F401
+                                          deliver)
 
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (it failed, or the server is shutting down): no request can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """A step failed while this request was running; the request was aborted."""
-
-
-@dataclass
-class SeqUpdate:
-    """What one engine step produced for one sequence of a group."""
-
-    index: int                          # the choice index inside the group
-    text: str                           # new text (stop-string prefixes held back until they resolve)
-    logprobs: list[TokenLogprob]        # log-probabilities of the tokens generated since the last update
-    num_completion_tokens: int
-    finish_reason: str | None           # "stop" | "length" | "abort" when the sequence ended
-
-
 @dataclass
 class _Tracked:
-    group: "RequestGroup"
+    group: RequestGroup
     index: int
     seq: Sequence
     sent_logprobs: int = 0
-
-
-class RequestGroup:
-    """The event-loop side of one HTTP request: its sequences' prompts and params, and one queue for their updates."""
-
-    _ids = itertools.count()
-
-    def __init__(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        if len(prompts) != len(params) or not prompts:
-            raise ValueError("one SamplingParams per prompt, at least one")
-        self.request_id = request_id
-        self.prompts, self.params = prompts, params
-        self.seq_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[SeqUpdate | BaseException] = asyncio.Queue()
-        self.accepted: asyncio.Future[list[int]] = self.loop.create_future()
-        self._engine_loop: EngineLoop | None = None
-        self._remaining = len(prompts)
-        self._aborted = False
-
-    @property
-    def done(self) -> bool:
-        return self._remaining == 0
-
-    def abort(self) -> None:
-        """Stops the group's unfinished sequences (idempotent; a no-op once all finished)."""
-        if self._aborted or self._remaining == 0 or self._engine_loop is None:
-            return
-        self._aborted = True
-        self._engine_loop._abort(self)
-
-    async def updates(self) -> AsyncIterator[SeqUpdate]:
-        """Yields updates until every sequence finished; raises what the engine thread reported."""
-        while self._remaining > 0:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self._remaining = 0
-                raise item
-            if item.finish_reason is not None:
-                self._remaining -= 1
-            yield item
-
-    # --- called on the event loop by the engine thread (through call_soon_threadsafe) -------------------------------
-
-    def _resolve(self, result: list[int] | BaseException) -> None:
-        if self.accepted.done():
-            return
-        if isinstance(result, BaseException):
-            self._remaining = 0
-            self.accepted.set_exception(result)
-        else:
-            self.accepted.set_result(result)
-
-
-def _deliver(items: list[tuple[RequestGroup, SeqUpdate]]) -> None:
-    for group, update in items:
-        group.queue.put_nowait(update)
 
 
 class EngineLoop:
@@ -237,7 +164,8 @@ class EngineLoop:
         added: list[Sequence] = []
         try:
             for seq_id, ids, params in zip(group.seq_ids, group.prompts, group.params):
-                added.append(self.engine.add_request(ids, params, seq_id))
+                added.append(self.engine.add_request(ids, params, seq_id, images=group.images,
+                                                     max_pixels=group.max_pixels))
         except Exception as exc:  # noqa: BLE001 - RequestError (-> 400) or anything else (-> 500), never fatal
             for seq in added:
                 self.engine.abort(seq.request_id)
@@ -280,7 +208,7 @@ class EngineLoop:
             batches.setdefault(id(group.loop), (group.loop, []))[1].append((group, update))
         for loop, items in batches.values():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # the event loop is closed (server shut down): nobody is waiting
                 pass
 

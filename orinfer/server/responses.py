@@ -1,0 +1,105 @@
+"""How results go back to the client: `collect` runs a non-streaming request to its end (aborting it when the
+client leaves first), `AbortingStream` sends server-sent events and aborts its request however the response ends,
+`sse` writes one event, `usage` the usage object."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from orinfer.engine.sequence import TokenLogprob
+from orinfer.server.errors import engine_error
+from orinfer.server.request_group import EngineDeadError, EngineStepError, RequestGroup
+
+
+class Choice:
+    """One choice of a non-streaming response, accumulated from its updates."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.tokens = 0
+        self.finish_reason: str | None = None
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(request: Request, group: RequestGroup, count: int) -> list[Choice]:
+    """Runs a non-streaming request to the end; aborts it (and raises ClientGone) if the client disconnects first."""
+    choices = [Choice() for _ in range(count)]
+
+    async def consume() -> None:
+        async for up in group.updates():
+            c = choices[up.index]
+            c.text.append(up.text)
+            c.logprobs.extend(up.logprobs)
+            c.tokens = up.num_completion_tokens
+            c.finish_reason = up.finish_reason or c.finish_reason
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not consumer.done():
+            raise ClientGone
+        consumer.result()
+        return choices
+    finally:
+        for task in (consumer, watcher):
+            if not task.done():
+                task.cancel()
+        group.abort()
+
+
+class AbortingStream(StreamingResponse):
+    """A server-sent-event stream that aborts its request however the response ends (finished, client gone,
+    cancelled before the first chunk)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def finish_stream(events: AsyncIterator[str], group: RequestGroup) -> AsyncIterator[str]:
+    """A stream's SSE events, then [DONE]. An engine failure mid-stream becomes an OpenAI error event (then [DONE]);
+    the group is aborted however the stream ends, so a client that went away frees its KV blocks at once."""
+    try:
+        async for event in events:
+            yield event
+        yield SSE_DONE
+    except (EngineDeadError, EngineStepError) as exc:
+        yield sse(engine_error(exc).body())
+        yield SSE_DONE
+    finally:
+        group.abort()

@@ -1,0 +1,185 @@
+"""What the handlers share: `ServerLimits` (what one request may ask for) and `ServerState` (the model, its limits,
+metrics, the engine loop, the image loader, and the checks every endpoint makes before it submits a request)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from orinfer.engine.sequence import TokenLogprob
+from orinfer.errors import OrinferError, RequestError
+from orinfer.multimodal.image_io import DEFAULT_MAX_IMAGE_PIXELS
+from orinfer.sampling_params import SamplingParams
+from orinfer.server.engine_loop import EngineDeadError, EngineLoop, RequestGroup
+from orinfer.server.errors import APIError, engine_unavailable, request_error
+from orinfer.server.images import ImageLoader
+from orinfer.server.logprobs import LogprobFormatter
+from orinfer.server.metrics import ServerMetrics
+from orinfer.server.protocol import I64_MAX, I64_MIN, ChatLogprobs, CompletionLogprobs, SamplingFields
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for. Beyond these the answer is a 4xx, never a slow or crashed server."""
+
+    max_body_bytes: int = 4 * 1024 * 1024    # request body (413 beyond)
+    max_header_bytes: int = 64 * 1024        # request line + headers (uvicorn's h11_max_incomplete_event_size)
+    max_n: int = 16                          # choices per prompt
+    max_tokens: int | None = None            # cap on max_tokens (None: the context length)
+    max_prompts: int = 64                    # prompts in one /v1/completions request
+    max_sequences: int = 64                  # prompts x n in one request
+    max_messages: int = 4096                 # messages in one chat
+    max_stop: int = 16                       # stop strings
+    max_stop_chars: int = 256                # characters per stop string
+    max_stop_token_ids: int = 64
+    max_pending_sequences: int = 4096        # sequences in or queued for the engine (429 beyond)
+    # Images (vision-language models).
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 1024 * 1024  # encoded bytes of one image (its base64 is 4/3 of that)
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # decoded pixels of one image, before resizing
+    max_concurrent_image_decodes: int = 4    # requests decoding images at the same time (bounds their memory)
+    allowed_local_media_path: str | None = None  # local image files only below this directory (None: none)
+
+    def __post_init__(self) -> None:
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels", "max_concurrent_image_decodes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ServerLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+class ServerState:
+    """The model, limits, metrics and the engine loop, plus the checks every endpoint makes."""
+
+    def __init__(self, llm: Any, name: str, limits: ServerLimits, reasoning: bool | None) -> None:
+        self.llm, self.name, self.limits = llm, name, limits
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.parts.model_config.vocab_size
+        self.multimodal = bool(self.engine.parts.model_config.is_multimodal)
+        self.kv_capacity = self.engine.block_manager.num_blocks * self.engine.config.block_size
+        self.created = int(time.time())
+        # Images are decoded by the server (ImageLoader, under its limits); the engine must never read a path.
+        self.engine.allow_local_files = False
+        self.images = ImageLoader(self.engine.parts.image_processor, limits)
+        self.loop = EngineLoop(self.engine)
+        self.metrics = ServerMetrics(self.loop.stats)
+        self.loop.metrics = self.metrics
+        has_think = self.tokenizer is not None and self.tokenizer.token_to_id("<think>") is not None \
+            and self.tokenizer.token_to_id("</think>") is not None
+        self.reasoning = has_think if reasoning is None else reasoning
+        self.logprobs = LogprobFormatter(self.tokenizer)
+
+    # --- checks ---
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    def check_common(self, req: SamplingFields, num_prompts: int) -> int:
+        n = 1 if req.n is None else req.n
+        lim = self.limits
+        if n > lim.max_n:
+            raise APIError(400, f"n={n} is above this server's limit of {lim.max_n}", param="n")
+        if n * num_prompts > lim.max_sequences:
+            raise APIError(400, f"{num_prompts} prompts x n={n} is above this server's limit of {lim.max_sequences} "
+                                "sequences per request", param="n")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > lim.max_stop:
+            raise APIError(400, f"at most {lim.max_stop} stop strings are allowed", param="stop")
+        if any(len(s) > lim.max_stop_chars for s in stops):
+            raise APIError(400, f"a stop string may have at most {lim.max_stop_chars} characters", param="stop")
+        ids = req.stop_token_ids or []
+        if len(ids) > lim.max_stop_token_ids or any(not 0 <= t < self.vocab_size for t in ids):
+            raise APIError(400, f"stop_token_ids: at most {lim.max_stop_token_ids} ids in 0..{self.vocab_size - 1}",
+                           param="stop_token_ids")
+        return n
+
+    def check_prompt(self, ids: list[int], param: str, length: int | None = None) -> None:
+        """`length`: the prompt's length in the engine when it differs from len(ids) (images' visual tokens)."""
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        length = len(ids) if length is None else length
+        if length >= self.max_model_len:
+            raise APIError(400, f"the prompt has {length} tokens; this model's context length is "
+                                f"{self.max_model_len} tokens, which leaves no room to generate", param=param,
+                           code="context_length_exceeded")
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        room = self.max_model_len - prompt_len
+        cap = self.limits.max_tokens
+        if requested is None:  # up to the context, but never more than the KV cache could ever hold
+            room = max(1, min(room, self.kv_capacity - prompt_len))
+            return room if cap is None else min(room, cap)
+        if cap is not None and requested > cap:
+            raise APIError(400, f"{param}={requested} is above this server's limit of {cap}", param=param)
+        if requested > room:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) + {param} ({requested}) exceeds this model's "
+                                f"context length of {self.max_model_len} tokens", param=param,
+                           code="context_length_exceeded")
+        return requested
+
+    def sampling(self, req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+        seed = req.seed
+        if seed is not None and choice:
+            seed += choice                       # choice i of a seeded request uses seed + i (wrapping in int64)
+            if seed > I64_MAX:
+                seed += I64_MIN * 2
+        if req.min_tokens and req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({req.min_tokens}) is above max_tokens ({max_tokens})",
+                           param="min_tokens")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                seed=seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=bool(req.ignore_eos), min_tokens=req.min_tokens or 0,
+                skip_special_tokens=req.skip_special_tokens is not False,
+                include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs)
+        except RequestError as exc:
+            err = request_error(exc)
+            if err.param is None and str(exc).startswith(("stop ", "stop_token_ids ")):
+                err.param = str(exc).split(" ", 1)[0]
+            raise err from None
+
+    # --- engine ---
+
+    async def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams], *,
+                     images: list[Any] | None = None, max_pixels: int | None = None) -> RequestGroup:
+        if not self.loop.alive:
+            raise engine_unavailable(self.loop.dead_message())
+        if self.loop.load() + len(prompts) > self.limits.max_pending_sequences:
+            raise APIError(429, "the server is overloaded; retry later", type="rate_limit_error",
+                           code="server_overloaded")
+        group = RequestGroup(request_id, prompts, params, images=images, max_pixels=max_pixels)
+        try:
+            self.loop.submit(group)
+            await group.accepted
+        except asyncio.CancelledError:
+            group.abort()
+            raise
+        except EngineDeadError as exc:
+            raise engine_unavailable(str(exc)) from None
+        except OrinferError as exc:
+            raise request_error(exc) from None
+        return group
+
+    async def tokenize(self, text: str, param: str) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses
+            raise APIError(400, f"{param} could not be tokenized: is it valid Unicode text? ({type(exc).__name__})",
+                           param=param) from None
+
+    # --- output formatting ---
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs:
+        return self.logprobs.chat(lps)
+
+    def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        return self.logprobs.completion(lps, offset)

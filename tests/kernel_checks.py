@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def skip_module_without_kernels() -> None:
+    """Skips the calling test module when Triton kernels can run neither on CUDA nor in the CPU interpreter."""
+    if DEVICE.type == "cpu" and not INTERPRET:
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:

@@ -9,21 +9,15 @@ fails the comparison; caches the kernels write into are NaN-filled by the tests 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-from kernel_checks import poison_allocations, randn
+from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn,
+                           skip_module_without_kernels)
 from orinfer.kernels import activation, attention, gemv, norm, rotary
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-if DEVICE.type == "cpu" and not INTERPRET:
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
+skip_module_without_kernels()
 
 
 def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:

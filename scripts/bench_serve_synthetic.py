@@ -7,15 +7,19 @@
 Random weights emit random token ids, so the tokenizer is a synthetic word-level one covering the whole vocabulary
 (token i <-> the word "w<i>"; unknown words -> w0): every id detokenizes to text, so streamed deltas, TTFT and
 TPOT are measured on the real HTTP + SSE path. The server binds to loopback on a free port; the load generator is
-scripts/bench_serve.py (same process, its own event loop), requests use `ignore_eos` so each produces exactly
---max-tokens tokens.
+scripts/bench_serve.py in a child process (as vLLM's and SGLang's serving benchmarks run: a client in the server's
+process would share its interpreter lock and slow the server it measures); requests use `ignore_eos` so each produces
+exactly --max-tokens tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib.util
+import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -54,16 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     llm = build_synthetic_llm(cfg, dtype, device, "auto", engine_config, tokenizer=synthetic_tokenizer(cfg.vocab_size))
     app = build_app(llm, args.synthetic, limits=ServerLimits(max_pending_sequences=4096), reasoning=False)
     server = BackgroundServer(app).start(timeout=600)
-    try:
-        load_args = bench_serve.parse_args(["--url", server.url, *rest])
-        report = asyncio.run(bench_serve.main_async(load_args))
-    finally:
-        server.stop()
+    load_args = bench_serve.parse_args(["--url", server.url, *rest])
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "report.json"
+        try:
+            client = [sys.executable, str(Path(__file__).with_name("bench_serve.py")), "--url", server.url, *rest,
+                      "--out", str(raw)]
+            subprocess.run(client, check=False)
+        finally:
+            server.stop()
+        if not raw.exists():
+            print("the load generator wrote no report", file=sys.stderr)
+            return 1
+        report = json.loads(raw.read_text())
     report["command"] = "python3 scripts/bench_serve_synthetic.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report["server"] = {"model": f"synthetic {args.synthetic} ({dtype})", "max_num_seqs": args.max_num_seqs,
-                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    print(bench_serve.markdown(report))
-    if load_args.out:
+                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                        # uvicorn's "auto" loop is uvloop when installed; the HTTP parser stays h11 (header limits)
+                        "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio", "http": "h11"}
+    if load_args.out:  # (the child printed the table)
         bench_serve.write_report(report, Path(load_args.out))
     return 0
 

@@ -1,6 +1,7 @@
 """Sweep the W4-layout INT4 kernels (`kernels/w4_gemv.py`, `kernels/w4_mma.py`) on Qwen3-8B shapes the way decode
 runs them: a CUDA graph of back-to-back launches over different weight copies (cold in L2), after checking each
-config against the torch reference. Usage (device): python3 scripts/w4_sweep.py [ROWS ...] (default 1)
+config against the torch reference. Usage (device): python3 scripts/w4_sweep.py [ROWS ...] (default 1);
+AWQ_SWEEP_SHAPES=qkv,o limits the shapes, W4_SWEEP_GEMV=default sweeps only the MMA configs against the default GEMV
 -> per shape and row count, the fastest configs in us, GB/s of weight bytes and % of read bandwidth; the old AWQ-layout
 kernel's numbers (before the W4 layout) are in benchmarks/awq_sweep_h200.md."""
 
@@ -15,7 +16,7 @@ import torch
 from gemv_sweep import time_graph  # same folder: the graph-replay timer of the dense sweep
 from orinfer.bench.ceilings import read_bandwidth
 from orinfer.kernels.w4 import repack_awq, w4_gate_up_silu_ref, w4_linear_ref
-from orinfer.kernels.w4_gemv import GEMV_CONFIGS, W4GemvConfig, w4_gemv
+from orinfer.kernels.w4_gemv import DEFAULT_GEMV, GEMV_CONFIGS, W4GemvConfig, w4_gemv
 from orinfer.kernels.w4_mma import MMA_CONFIGS, w4_mma
 
 EXTRA_GEMV = [W4GemvConfig(bn, kp, w) for bn, kp, w in [(4, 512, 8), (8, 512, 8), (4, 1024, 8), (8, 256, 8),
@@ -66,8 +67,9 @@ def main() -> None:
             t = time_graph([lambda: torch.nn.functional.linear(x, dense)] * 4)
             results.append((t, "dense bf16 cuBLAS (reference)"))
             del dense
-        kernels = [(w4_gemv, c) for c in GEMV_CONFIGS + EXTRA_GEMV] if rows == 1 else []
-        kernels += [(w4_mma, c) for c in MMA_CONFIGS if (c.block_m == 16) == (rows <= 16)]
+        gemv_cfgs = [DEFAULT_GEMV] if os.environ.get("W4_SWEEP_GEMV") == "default" else GEMV_CONFIGS + EXTRA_GEMV
+        kernels = [(w4_gemv, c) for c in gemv_cfgs] if rows == 1 else []
+        kernels += [(w4_mma, c) for c in MMA_CONFIGS if c.block_m <= max(16, rows)]
         for kernel, cfg in kernels:
             try:
                 got = kernel(x, w4[0], gated=gated, cfg=cfg).float()
@@ -75,7 +77,7 @@ def main() -> None:
                 copies = w4[:8] if rows > 16 else w4
                 t = time_graph([lambda w=w, c=cfg: kernel(x, w, gated=gated, cfg=c) for w in copies])
             except Exception as exc:  # noqa: BLE001 - configs that do not compile are skipped
-                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[-300:]}", file=sys.stderr)
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}", file=sys.stderr)
                 continue
             results.append((t, f"{kernel.__name__} {tuple(cfg)} err {err:.1e}"))
         results.sort(key=lambda r: r[0])

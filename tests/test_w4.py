@@ -88,9 +88,11 @@ def test_w4_gemv(dtype, cfg, gated):
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [2, 7, 16, 17])
-@pytest.mark.parametrize("cfg", [W4MmaConfig(16, 32, 4, 2), W4MmaConfig(16, 16, 1, 1), None])
+@pytest.mark.parametrize("cfg", [W4MmaConfig(16, 32, 4, 2, 1), W4MmaConfig(16, 16, 1, 1, 1), None,
+                                 W4MmaConfig(16, 32, 4, 2, split_k=3), W4MmaConfig(16, 16, 1, 1, split_k=4)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_w4_mma(dtype, rows, cfg, gated):
+    """K = 256 at group 64 is 4 chunks: split_k 3 becomes 2 splits of 2 chunks, split_k 4 one chunk each."""
     w, awq = random_w4(256, 96, 64)
     x, bias = randn(rows, 256, dtype=dtype), None if gated else randn(96, dtype=dtype, scale=0.5)
     got = w4_mma(x, w, bias, gated=gated, cfg=cfg)

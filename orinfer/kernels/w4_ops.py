@@ -1,7 +1,7 @@
 """The INT4 linear entry points of the triton backend: pick the W4 kernel for the row count.
 
   1 row                     -> `w4_gemv` (CUDA cores, whole rows of W per program: decode at batch 1)
-  2..MMA_MAX_ROWS rows      -> `w4_mma` with 16-row tiles (decode batches; exact (q - z) on tensor cores)
+  2..MMA_MAX_ROWS rows      -> `w4_mma`: 16-row tiles, split-K (decode batches; exact codes on tensor cores)
   more (prefill)            -> `w4_dequantize` into a temporary 16-bit W [N, K], then cuBLAS: 3-4x faster than our
                                fused tensor-core tiles at 2048 rows (run 23); the dequantisation costs about 2.5
                                bytes of traffic per weight, a few % of a prefill's time

@@ -45,6 +45,7 @@ Decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,12 +100,13 @@ def qkv_split_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 def vision_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                         max_seqlen: int | None, scale: float) -> torch.Tensor:
+                         max_seqlen: int | None, scale: float, bounds: Sequence[int] | None = None) -> torch.Tensor:
     """Bidirectional attention within each segment [cu[i], cu[i+1]); fp32 softmax; returns [N, H*Dh].
-    q, k, v [H, N, Dh]; rows outside every segment are left unwritten; max_seqlen is not needed here."""
+    q, k, v [H, N, Dh]; rows outside every segment are left unwritten; max_seqlen is not needed here; `bounds`, when
+    given, are cu_seqlens' values on the host (saves a device-to-host copy)."""
     heads, tokens, head_dim = q.shape
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if bounds is None else list(bounds)
     for begin, end in zip(bounds[:-1], bounds[1:]):
         if end <= begin:
             continue

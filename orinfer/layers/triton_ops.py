@@ -8,6 +8,8 @@ with its reference's signature.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -34,17 +36,19 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def segment_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int | None, scale: float) -> torch.Tensor:
+                            max_seqlen: int | None, scale: float, bounds: Sequence[int] | None = None
+                            ) -> torch.Tensor:
     """`vision_attention_ref`'s contract through PyTorch's flash SDPA, one call per image (16-bit CUDA inputs).
 
     Measured on the H200 (benchmarks/NOTES.md run 19, one 1024x768 image, H = 16, Dh = 72): 139 us at 313 TFLOP/s
     against 492 us for our Triton kernel (head padded to 128 in 16-bit), so the tower uses it where it applies; the
-    Triton kernel serves fp32. Segment bounds come to the host once per call (the tower runs eagerly in prefill)."""
+    Triton kernel serves fp32. The segment bounds come from the host (`bounds`, the tower's own list): reading
+    them back from cu_seqlens cost a sync per layer, 5 ms of GPU idle time per 1024x768 image (runs 39-40)."""
     if q.dtype == torch.float32:
         return vision_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     heads, tokens, head_dim = q.shape
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if bounds is None else list(bounds)
     for begin, end in zip(bounds[:-1], bounds[1:]):
         if end > begin:
             o = F.scaled_dot_product_attention(q[None, :, begin:end], k[None, :, begin:end], v[None, :, begin:end],

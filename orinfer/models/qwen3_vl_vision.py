@@ -59,11 +59,12 @@ class Qwen3VLVisionTower(nn.Module):
         grids = self._check_inputs(pixel_values, grid_thw)
         device = self.pos_embed.weight.device
         pos_index, pos_weight, cos, sin, cu_seqlens, max_seqlen = self._grid_inputs(grids, device)
+        bounds = self._segment_bounds(grids)  # the same segments on the host: no sync per layer (run 40)
         pos = self.pos_embed(pos_index, pos_weight).to(self.act_dtype)
         hidden = self.patch_embed(pixel_values.to(device=device, dtype=self.act_dtype), pos)
         features: list[torch.Tensor] = []
         for layer, block in enumerate(self.blocks):
-            hidden = block(hidden, cos, sin, cu_seqlens, max_seqlen)
+            hidden = block(hidden, cos, sin, cu_seqlens, max_seqlen, bounds)
             slot = self._deepstack_slot.get(layer)
             if slot is not None:
                 features.append(self.deepstack_merger_list[slot](hidden))
@@ -97,16 +98,21 @@ class Qwen3VLVisionTower(nn.Module):
         Every frame of every image is its own attention segment (h*w patches), as in HF: video frames attend
         within themselves; they are tied together only by the decoder."""
         parts: list[tuple[torch.Tensor, ...]] = []
-        bounds = [0]
         for t, h, w in grids:
             geo = self.grid_cache.get(h, w, device)
             parts.extend([(geo.pos_index, geo.pos_weight, geo.cos, geo.sin)] * t)
-            start = bounds[-1]
-            bounds.extend(start + h * w * (f + 1) for f in range(t))
         pos_index, pos_weight, cos, sin = (parts[0][j] if len(parts) == 1 else torch.cat([p[j] for p in parts])
                                            for j in range(4))
-        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+        cu_seqlens = torch.tensor(self._segment_bounds(grids), dtype=torch.int32, device=device)
         return pos_index, pos_weight, cos, sin, cu_seqlens, max(h * w for _, h, w in grids)
+
+    @staticmethod
+    def _segment_bounds(grids: list[tuple[int, int, int]]) -> list[int]:
+        """cu_seqlens as host ints: one segment of h*w patches per frame of each image."""
+        bounds = [0]
+        for t, h, w in grids:
+            bounds.extend(bounds[-1] + h * w for _ in range(t))
+        return bounds
 
     # --- weights ----------------------------------------------------------------------------------------------------
 

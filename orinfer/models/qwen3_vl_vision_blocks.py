@@ -7,6 +7,8 @@ bias can ride on the following element-wise op (bias + GELU, bias + residual).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -79,10 +81,11 @@ class VisionAttention(nn.Module):
         self.proj = Linear(cfg.hidden_size, cfg.hidden_size, True, ops, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """x = norm1(residual) [N, D] -> residual + proj(attention(x)) [N, D]."""
+                cu_seqlens: torch.Tensor, max_seqlen: int, bounds: Sequence[int] | None = None) -> torch.Tensor:
+        """x = norm1(residual) [N, D] -> residual + proj(attention(x)) [N, D]. `bounds`: cu_seqlens on the host,
+        when the caller has them (no device-to-host copy per layer)."""
         q, k, v = self.ops.qkv_split_rope(self.qkv(x), cos, sin, self.num_heads)
-        out = self.ops.vision_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+        out = self.ops.vision_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, bounds=bounds)
         return self.ops.bias_residual(self.ops.linear(out, self.proj.weight), self.proj.bias, residual)
 
 
@@ -108,8 +111,8 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg, ops, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int) -> torch.Tensor:
-        x = self.attn(self.norm1(x), x, cos, sin, cu_seqlens, max_seqlen)
+                max_seqlen: int, bounds: Sequence[int] | None = None) -> torch.Tensor:
+        x = self.attn(self.norm1(x), x, cos, sin, cu_seqlens, max_seqlen, bounds)
         return self.mlp(self.norm2(x), x)
 
 

@@ -44,6 +44,8 @@ class ModelRunner:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             self.graphs = DecodeGraphs(model, engine_config.max_num_seqs, max_blocks, device)
             self.graphs.capture()
+            if hasattr(model, "enable_vision_graphs"):
+                model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph
 
     # --- KV cache ---------------------------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from orinfer.layers.mrope import MultimodalBatch, mrope_cos_sin, mrope_frequency
 from orinfer.layers.ops import Ops
 from orinfer.models.qwen import LayerHook, QwenForCausalLM
 from orinfer.models.qwen3_vl_vision import Qwen3VLVisionTower, VisionConfig
+from orinfer.models.qwen3_vl_vision_graphs import VisionGraphCache
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,20 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         # The tower runs in the weight dtype: in "mixed" mode (16-bit weights, fp32 decoder activations) a 16-bit
         # tower halves its memory; its outputs are widened to the decoder's activation dtype.
         self.visual = Qwen3VLVisionTower(self.vision_config, ops, weight_dtype)
+        self.vision_graphs: VisionGraphCache | None = None   # `enable_vision_graphs()`
         self.language_model = QwenForCausalLM(cfg, ops, weight_dtype, act_dtype)
         self.language_model.hf_prefix = TEXT_PREFIX
         self.register_buffer("mrope_axes", mrope_frequency_axes(cfg.head_dim, cfg.mrope_section), persistent=False)
 
     # --- forward ----------------------------------------------------------------------------------------------------
 
+    def enable_vision_graphs(self) -> None:
+        """Encode repeated image sizes through CUDA graphs of the tower (`qwen3_vl_vision_graphs`; CUDA only)."""
+        self.vision_graphs = VisionGraphCache(self.visual)
+
     def encode_images(self, mm: MultimodalBatch) -> None:
         """Runs the vision tower on the batch's images and stores embeds / DeepStack features on `mm`."""
-        embeds, deepstack = self.visual(mm.pixel_values, mm.grid_thw)
+        embeds, deepstack = (self.vision_graphs or self.visual)(mm.pixel_values, mm.grid_thw)
         if embeds.shape[0] != mm.visual_rows.shape[0]:
             raise ValueError(f"the vision tower made {embeds.shape[0]} visual tokens for "
                              f"{mm.visual_rows.shape[0]} placeholder rows")

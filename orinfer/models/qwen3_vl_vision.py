@@ -15,6 +15,7 @@ the patch embedding, stored as the [hidden, C*T*P*P] matrix the GEMM needs inste
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from numbers import Integral
 from typing import Iterable, Iterator, Sequence
 
@@ -32,6 +33,9 @@ __all__ = ["QWEN3_VL_8B_VISION", "Qwen3VLVisionTower", "VisionConfig"]
 # Buffers HF derives from the config (not weights); a checkpoint that carries them loses nothing when they are
 # skipped.
 _DERIVED_PREFIXES = ("rotary_pos_emb.",)
+# Per-request geometry (position taps, rotary tables, segments) kept for the most recent image-grid lists: a repeated
+# image size skips rebuilding it, and a CUDA graph of the tower (`qwen3_vl_vision_graphs`) replays without uploads.
+_GRID_INPUTS_KEPT = 8
 
 
 class Qwen3VLVisionTower(nn.Module):
@@ -49,6 +53,7 @@ class Qwen3VLVisionTower(nn.Module):
             PatchMerger(cfg, ops, dtype, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes)
         self._deepstack_slot = {layer: slot for slot, layer in enumerate(cfg.deepstack_visual_indexes)}
         self.grid_cache = GridCache(cfg.spatial_merge_size, cfg.pos_side, cfg.head_dim, cfg.rope_theta)
+        self._grid_inputs_kept: OrderedDict[tuple, tuple] = OrderedDict()
 
     # --- forward ----------------------------------------------------------------------------------------------------
 
@@ -58,7 +63,7 @@ class Qwen3VLVisionTower(nn.Module):
         (t, h, w) per image -> (embeddings [N/m^2, out_hidden], DeepStack features, each [N/m^2, out_hidden])."""
         grids = self._check_inputs(pixel_values, grid_thw)
         device = self.pos_embed.weight.device
-        pos_index, pos_weight, cos, sin, cu_seqlens, max_seqlen = self._grid_inputs(grids, device)
+        pos_index, pos_weight, cos, sin, cu_seqlens, max_seqlen = self.grid_inputs(grids, device)
         bounds = self._segment_bounds(grids)  # the same segments on the host: no sync per layer (run 40)
         pos = self.pos_embed(pos_index, pos_weight).to(self.act_dtype)
         hidden = self.patch_embed(pixel_values.to(device=device, dtype=self.act_dtype), pos)
@@ -90,6 +95,20 @@ class Qwen3VLVisionTower(nn.Module):
             raise RequestError(f"pixel_values has shape {tuple(pixel_values.shape)}; grid_thw {grids} needs "
                                f"({patches}, {cfg.patch_dim}) (patches, in_channels*temporal*patch*patch)")
         return grids
+
+    def grid_inputs(self, grids: list[tuple[int, int, int]], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """`_grid_inputs`, kept for the last few grid lists (read-only tensors: safe to share between calls)."""
+        key = (tuple(grids), str(device))
+        kept = self._grid_inputs_kept.get(key)
+        if kept is None:
+            kept = self._grid_inputs(grids, device)
+            self._grid_inputs_kept[key] = kept
+            if len(self._grid_inputs_kept) > _GRID_INPUTS_KEPT:
+                self._grid_inputs_kept.popitem(last=False)
+        else:
+            self._grid_inputs_kept.move_to_end(key)
+        return kept
 
     def _grid_inputs(self, grids: list[tuple[int, int, int]], device: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:

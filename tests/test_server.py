@@ -120,6 +120,15 @@ def test_thinking_switches(client):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == off.choices[0].message.content
 
 
+def test_text_parts_are_concatenated_like_llm_chat(client):
+    parts = [{"type": "text", "text": "Who is "}, {"type": "text", "text": "Alice?"}]
+    split = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                           max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(model="tiny", messages=_chat("Who is Alice?"), max_tokens=8, temperature=0)
+    assert split.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert split.choices[0].message.content == whole.choices[0].message.content
+
+
 def test_stop_strings(client):
     out = client.completions.create(model="tiny", prompt=ALICE, max_tokens=12, temperature=0, stop=[" sister"])
     assert out.choices[0].text == " tired of sitting by her"

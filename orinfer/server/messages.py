@@ -48,7 +48,9 @@ def chat_input(messages: list[ChatMessage], limit: int, multimodal: bool) -> Cha
         if isinstance(content, list):
             parts = [_part(part, f"messages.{i}.content.{j}", multimodal, image_params)
                      for j, part in enumerate(content)]
-            content = parts if multimodal else "\n".join(p["text"] for p in parts)
+            # Text parts are concatenated as they are, as `LLM.chat` does and Qwen-VL's template renders them
+            # (vLLM puts "\n" between them for text-only models; then the same request would differ per model).
+            content = parts if multimodal else "".join(p["text"] for p in parts)
         if content is None:
             if m.role != "assistant" or not m.tool_calls:
                 raise APIError(400, f"messages.{i}.content is required (role {m.role!r})",

@@ -170,13 +170,44 @@ def test_seeded_sampling_and_logprobs(on, off):
     assert launches > 0
 
 
-def test_penalties_drain_and_match(on, off):
-    params = [SamplingParams(max_tokens=16, repetition_penalty=1.3, **GREEDY),
-              SamplingParams(max_tokens=16, presence_penalty=0.5, frequency_penalty=0.5, **GREEDY)]
-    want, _ = _generate(off, PROMPTS[:2], params)
-    got, launches = _generate(on, PROMPTS[:2], params)
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.5),
+                                       dict(repetition_penalty=1.05, presence_penalty=0.3)])
+def test_penalties_keep_lookahead_and_match(on, off, penalties):
+    """Penalties count the token still on the device too (appended on the device): same tokens, lookahead kept (as
+    Qwen2.5's generation_config, repetition_penalty 1.05, makes every default request use one)."""
+    params = [SamplingParams(max_tokens=16, **penalties, **GREEDY), SamplingParams(max_tokens=16, **GREEDY),
+              SamplingParams(max_tokens=16, seed=3, temperature=0.8, **penalties)]
+    want, _ = _generate(off, PROMPTS[:3], params)
+    got, launches = _generate(on, PROMPTS[:3], params)
     assert _seen(got) == _seen(want)
-    assert launches == 0  # the history upload needs every token on the host: no lookahead
+    assert launches > 0
+
+
+def test_penalty_history_holds_the_pending_token(on, monkeypatch):
+    """In a lookahead step the history the penalties read is every known token plus the one still on the device,
+    and it is a prefix of what the sequence finally holds."""
+    runner = on.engine.runner
+    calls = []
+    real = runner.sampling_batch
+
+    def spy(seqs, pending=None):
+        batch = real(seqs, pending)
+        calls.append(([list(s.token_ids) for s in seqs], pending is not None, batch.history.clone()))
+        return batch
+
+    monkeypatch.setattr(runner, "sampling_batch", spy)
+    outs, launches = _generate(on, PROMPTS[:2], SamplingParams(max_tokens=12, repetition_penalty=1.2, **GREEDY))
+    assert launches > 0
+    finals = [o.prompt_token_ids + o.token_ids for o in outs]
+    lookahead_rows = 0
+    for known, pending, history in calls:
+        for row, ids in zip(history.tolist(), known):
+            seen = [t for t in row if t >= 0]
+            full = next(f for f in finals if f[:len(ids)] == ids)
+            assert len(seen) == len(ids) + (1 if pending else 0)
+            assert sorted(seen) == sorted(full[:len(seen)])
+            lookahead_rows += pending
+    assert lookahead_rows > 0
 
 
 def test_stream_and_step_contract(on, off):

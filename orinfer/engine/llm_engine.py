@@ -6,7 +6,7 @@ server) drive `step` in a loop.
 
 Lookahead (EngineConfig.async_scheduling, see in_flight.py): in the steady state of decoding, `step` launches the
 next decode step before it waits for the current one, so a decode step is usually in flight between two calls.
-Anything that needs the host to know every token first (a prefill to admit, a preemption, penalties) drains it.
+Anything that needs the host to know every token first (a prefill to admit, a preemption) drains it.
 """
 
 from __future__ import annotations
@@ -195,12 +195,11 @@ class LLMEngine:
 
     def _launch_lookahead(self, current: InFlightStep) -> InFlightStep | None:
         """The next decode step, launched while `current` (a decode step) is in flight; None (drain) whenever the
-        plain next step could differ: a prefill to admit, a preemption, or a batch that reads host token ids."""
+        plain next step could differ: a prefill to admit or a preemption. (Penalties read the pending tokens on the
+        device: `ModelRunner.sampling_batch`.)"""
         if not self.lookahead or current.is_prefill:
             return None
         running = list(self.scheduler.running)
-        if any(self._reads_host_tokens(seq) for seq in running):
-            return None
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
         # then what the plain step would run. One that stops on a token or string may still be in it: its extra
         # row is skipped at resolve (its KV write goes to its own, freed blocks; later users are queued behind it).
@@ -210,12 +209,6 @@ class LLMEngine:
             return None
         self.num_lookahead_steps += 1
         return self._launch(batch, False, current, rows)
-
-    @staticmethod
-    def _reads_host_tokens(seq: Sequence) -> bool:
-        """Whether sampling for this sequence uploads its token history (penalties), which lookahead cannot know."""
-        p = seq.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""

@@ -203,7 +203,9 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def sampling_batch(self, seqs: list[Sequence], pending: torch.Tensor | None = None) -> SamplingBatch:
+        """The batch's sampling settings on the device. `pending` [B] (lookahead): each sequence's token still on the
+        device, appended to the token history the penalties read (they count ids; their order does not matter)."""
         params = [s.params for s in seqs]
         need_history = any(p.repetition_penalty != 1.0 for p in params)
         need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
@@ -221,8 +223,8 @@ class ModelRunner:
             repetition_penalty=column("repetition_penalty", torch.float32),
             presence_penalty=column("presence_penalty", torch.float32),
             frequency_penalty=column("frequency_penalty", torch.float32),
-            history=self._padded([s.token_ids for s in seqs]) if need_history else None,
-            output_ids=self._padded([s.completion_token_ids for s in seqs]) if need_output else None,
+            history=self._padded([s.token_ids for s in seqs], pending) if need_history else None,
+            output_ids=self._padded([s.completion_token_ids for s in seqs], pending) if need_output else None,
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in params),
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
@@ -231,9 +233,10 @@ class ModelRunner:
             num_logprobs=num_logprobs, want_logprobs=want_logprobs,
         )
 
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+    def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
-        return self._upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
+        padded = self._upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
+        return padded if pending is None else torch.cat([padded, pending.to(torch.int64)[:, None]], dim=1)
 
     # --- step -------------------------------------------------------------------------------------------------------
 
@@ -244,12 +247,13 @@ class ModelRunner:
 
         Lookahead decode: the input id of seqs[i] is prev_ids[rows[i]], the previous step's sample, read on the
         device while that step may still be running (stream order makes it wait), never through the host."""
-        sampling = self.sampling_batch(seqs)  # uploaded before the forward is queued, so nothing waits for it
         device_ids = None
         if prev_ids is not None:
             assert not is_prefill and rows is not None and len(rows) == len(seqs)
             same = rows == list(range(len(prev_ids)))  # the steady state: the same batch again
             device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
+        # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens.
+        sampling = self.sampling_batch(seqs, pending=device_ids)
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, self.block_size, device_ids)
         else:

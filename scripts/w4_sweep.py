@@ -1,7 +1,7 @@
 """Sweep the W4-layout INT4 kernels (`kernels/w4_gemv.py`, `kernels/w4_mma.py`) on Qwen3-8B shapes the way decode
 runs them: a CUDA graph of back-to-back launches over different weight copies (cold in L2), after checking each
 config against the torch reference. Usage (device): python3 scripts/w4_sweep.py [ROWS ...] (default 1);
-AWQ_SWEEP_SHAPES=qkv,o limits the shapes, W4_SWEEP_GEMV=default sweeps only the MMA configs against the default GEMV
+AWQ_SWEEP_SHAPES=qkv,o limits the shapes, W4_SWEEP_GEMV=default sweeps only the MMA configs against the default GEMV, W4_SWEEP_MMA=none only the GEMVs
 -> per shape and row count, the fastest configs in us, GB/s of weight bytes and % of read bandwidth; the old AWQ-layout
 kernel's numbers (before the W4 layout) are in benchmarks/awq_sweep_h200.md."""
 
@@ -69,7 +69,8 @@ def main() -> None:
             del dense
         gemv_cfgs = [DEFAULT_GEMV] if os.environ.get("W4_SWEEP_GEMV") == "default" else GEMV_CONFIGS + EXTRA_GEMV
         kernels = [(w4_gemv, c) for c in gemv_cfgs] if rows == 1 else []
-        kernels += [(w4_mma, c) for c in MMA_CONFIGS if c.block_m <= max(16, rows)]
+        if os.environ.get("W4_SWEEP_MMA") != "none":
+            kernels += [(w4_mma, c) for c in MMA_CONFIGS if c.block_m <= max(16, rows)]
         for kernel, cfg in kernels:
             try:
                 got = kernel(x, w4[0], gated=gated, cfg=cfg).float()

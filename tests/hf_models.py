@@ -20,6 +20,25 @@ CONFIGS = {
 }
 
 
+def randomize_parameters(model, seed: int):
+    """Every parameter redrawn so no term of the math can be wrong without showing in the outputs: norm scales near
+    1, biases small, embedding / position tables unit normal, matrices fan-in scaled (a Conv3d kernel [out, C, T, P,
+    P] by its C*T*P*P inputs). Returns the model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module = name.rsplit(".", 2)[-2]
+            if "norm" in module and name.endswith(".weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif "embed_tokens" in name or "pos_embed" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param[0].numel()))
+    return model
+
+
 def build_hf_model(kind: str, vocab_size: int = 211, seed: int = 0):
     """An HF Qwen2/Qwen3 causal LM with weights large enough that greedy choices are not near-ties."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -31,19 +50,7 @@ def build_hf_model(kind: str, vocab_size: int = 211, seed: int = 0):
                         bos_token_id=None, eos_token_id=vocab_size - 1, pad_token_id=None, **spec)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
-            elif param.dim() == 1:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-            elif "embed_tokens" in name:
-                param.copy_(torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
-    return model
+    return randomize_parameters(model_cls(config).eval(), seed)
 
 
 def save_hf_model(model, path: Path) -> Path:
@@ -92,20 +99,7 @@ def build_hf_vl_model(kind: str = "vl-untied", vocab_size: int = 300, seed: int 
     for c in (config, config.text_config, config.vision_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            module = name.rsplit(".", 2)[-2]
-            if "norm" in module and name.endswith(".weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
-            elif param.dim() == 1:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-            elif "embed_tokens" in name or "pos_embed" in name:
-                param.copy_(torch.randn(param.shape, generator=gen))
-            else:  # fan-in scaling; the patch embedding's Conv3d kernel is [out, C, T, P, P]
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param[0].numel()))
-    return model
+    return randomize_parameters(Qwen3VLForConditionalGeneration(config).eval(), seed)
 
 
 def hf_vl_logits(model, ids: list[int], pixel_values: torch.Tensor | None = None,

@@ -13,6 +13,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """assert_close tolerances against an fp64 reference: about one rounding of the dtype on O(1) values. The
+    interpreter rounds fp32 -> bf16 by truncation (up to a full ulp, not half), so bf16 gets more room there."""
+    t = {torch.float32: 2e-5, torch.float16: 4e-3}.get(dtype, 3e-2 if INTERPRET else 2e-2)
+    return dict(atol=t * scale, rtol=t * scale)
+
+
 def skip_module_without_kernels() -> None:
     """Skips the calling test module when Triton kernels can run neither on CUDA nor in the CPU interpreter."""
     if DEVICE.type == "cpu" and not INTERPRET:

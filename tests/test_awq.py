@@ -22,13 +22,12 @@ from orinfer.config import EngineConfig, ModelConfig, QuantConfig
 from orinfer.engine.llm_engine import EngineParts
 from orinfer.errors import ConfigError, WeightsError
 from orinfer.kernels import awq as K
-from orinfer.kernels.activation import silu_and_mul_ref
 from orinfer.layers.ops import TORCH_OPS
 from orinfer.loader.seed_bin import MAGIC, export_bin, load_bin_model, read_bin_config
 from orinfer.quant import perplexity, quantize_checkpoint
 from orinfer.quant.pack import pack_int4, unpack_int4
 from orinfer.quant.rtn import fake_quantize, quantize_rtn
-from kernel_checks import poison_allocations, randn
+from kernel_checks import poison_allocations, randn, tol
 from test_hf_parity import paged_logits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,11 +48,6 @@ def poison(monkeypatch):
 
 
 kernel_test = pytest.mark.usefixtures("poison")
-
-
-def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
-    t = {torch.float32: 2e-5, torch.float16: 4e-3}.get(dtype, 3e-2 if INTERPRET else 2e-2)
-    return dict(atol=t * scale, rtol=t * scale)
 
 
 def random_awq(k: int, n: int, g: int, device=DEVICE):

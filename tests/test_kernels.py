@@ -13,23 +13,11 @@ import math
 import pytest
 import torch
 
-from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn,
+from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn, tol,
                            skip_module_without_kernels)
 from orinfer.kernels import activation, attention, gemv, norm, rotary
 
 skip_module_without_kernels()
-
-
-def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
-    """assert_close tolerances against an fp64 reference. The interpreter rounds fp32->bf16 by truncation (up to
-    one ulp, not half), so bf16 gets a little more room there."""
-    if dtype == torch.float32:
-        t = 2e-5
-    elif dtype == torch.float16:
-        t = 4e-3
-    else:
-        t = 3e-2 if INTERPRET else 2e-2
-    return dict(atol=t * scale, rtol=t * scale)
 
 
 @pytest.fixture(autouse=True)

@@ -16,23 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn,
+from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn, tol,
                            skip_module_without_kernels)
 from orinfer.kernels import vision
 
 skip_module_without_kernels()
-
-
-def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
-    """assert_close tolerances against a reference on fp64 inputs: about one rounding of the dtype on O(1)
-    values. The interpreter converts fp32 -> bf16 by truncation (up to a full ulp), hence more room there."""
-    if dtype == torch.float32:
-        t = 2e-5
-    elif dtype == torch.float16:
-        t = 4e-3
-    else:
-        t = 3e-2 if INTERPRET else 2e-2
-    return dict(atol=t * scale, rtol=t * scale)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:

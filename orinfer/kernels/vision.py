@@ -204,17 +204,24 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 # --- Triton: bias + GELU, bias + residual ----------------------------------------------------------------------------
 
 @triton.jit
-def _bias_gelu_kernel(x_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x,
-                      TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _biased_tile(x_ptr, b_ptr, n_rows, n_cols, stride_x, act_ty: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """This program's [BLOCK_R, BLOCK_C] tile of x + bias as fp32, with its rows, columns and mask. Rounded where
+    the reference rounds: bias.to(x.dtype), then the Linear's output x + bias to the activation dtype."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    act_ty = out_ptr.dtype.element_ty
-    # bias.to(x.dtype), then the Linear's output x + bias rounded to the activation dtype: the reference's points.
     b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(act_ty).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    h = (x + b[None, :]).to(act_ty).to(tl.float32)
+    return (x + b[None, :]).to(act_ty).to(tl.float32), rows, cols, mask
+
+
+@triton.jit
+def _bias_gelu_kernel(x_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_x,
+                      TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    act_ty = out_ptr.dtype.element_ty
+    h, rows, cols, mask = _biased_tile(x_ptr, b_ptr, n_rows, n_cols, stride_x, act_ty, BLOCK_R, BLOCK_C)
     if TANH:
         # 0.5*h*(1 + tanh(u)) == h * sigmoid(2u): one exp, no tanh, and no cancellation in 1 + tanh(u) for u << 0
         # (exp overflows to inf there and the quotient is the correct -0).
@@ -253,15 +260,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") ->
 @triton.jit
 def _bias_residual_kernel(x_ptr, b_ptr, r_ptr, out_ptr, n_rows, n_cols, stride_x, stride_r,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
     act_ty = out_ptr.dtype.element_ty
-    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(act_ty).to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h, rows, cols, mask = _biased_tile(x_ptr, b_ptr, n_rows, n_cols, stride_x, act_ty, BLOCK_R, BLOCK_C)
     r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    h = (x + b[None, :]).to(act_ty).to(tl.float32)  # the Linear's output, rounded as the unfused model rounds it
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], (h + r).to(act_ty), mask=mask)
 
 

@@ -66,7 +66,10 @@ def _chunk_dot(acc, xv, w_ptrs, sz_off, sc_ptr, zp_ptr, BLOCK_N: tl.constexpr, R
                DOT_F32: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] + s * dot(q - z, x^T) for one chunk. 16-bit x: dot(B + q, x^T) minus (B + z) times the
     chunk's sum of x per row, which a second dot with a tile of ones computes already broadcast in the accumulator's
-    layout (the tensor cores are idle at these sizes; a cross-warp tl.sum per chunk measured 4% slower, run 37)."""
+    layout (the tensor cores are idle at these sizes; a cross-warp tl.sum per chunk measured 4% slower, run 37).
+    The gated kernel computes that sum once per half: hoisting it into the loop (shared by both halves) measured no
+    faster for gate_up and 4-10% slower for the other projections, and building `_w4_dequant_kernel`'s values with
+    this file's `_codes_minus_zero` (one copy of the unpack) made it up to 15% slower (run 46, same-call A/B)."""
     w = tl.load(w_ptrs)
     z = tl.load(zp_ptr + sz_off).to(tl.float32)
     s = tl.load(sc_ptr + sz_off).to(tl.float32)

@@ -22,7 +22,7 @@ from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatComp
                                      Usage)
 from orinfer.server.reasoning import ReasoningParser, Split, ThinkState, initial_state, split_reasoning
 from orinfer.server.request_body import template_kwargs
-from orinfer.server.responses import AbortingStream, ClientGone, collect, finish_stream, sse, usage
+from orinfer.server.responses import AbortingStream, ClientGone, collect, finish_stream, stream_chunk, usage
 from orinfer.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -117,11 +117,7 @@ async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, c
     """The SSE events of a streaming chat: a role chunk per choice, then one chunk per update (updates already
     queued arrive merged, see RequestGroup.updates), a finish chunk per choice, the usage chunk."""
     def chunk(choices: list[dict[str, Any]], usage_obj: dict[str, int] | None = None) -> str:
-        obj: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                               "model": srv.name, "choices": choices}
-        if include_usage:
-            obj["usage"] = usage_obj
-        return sse(obj)
+        return stream_chunk(request_id, "chat.completion.chunk", created, srv.name, choices, usage_obj, include_usage)
 
     parsers = [ReasoningParser(think) if think is not ThinkState.CONTENT else None for _ in range(n)]
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup
 from orinfer.server.errors import APIError, engine_error
 from orinfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from orinfer.server.responses import AbortingStream, ClientGone, collect, finish_stream, sse, usage
+from orinfer.server.responses import AbortingStream, ClientGone, collect, finish_stream, stream_chunk, usage
 from orinfer.server.state import ServerState
 
 
@@ -102,11 +102,7 @@ async def _completion_events(srv: ServerState, group: RequestGroup, request_id: 
     """The SSE events of a streaming completion: the echoed prompts, one chunk per update (updates already queued
     arrive merged, see RequestGroup.updates), the usage chunk."""
     def chunk(choices: list[dict[str, Any]], usage_obj: dict[str, int] | None = None) -> str:
-        obj: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                               "model": srv.name, "choices": choices}
-        if include_usage:
-            obj["usage"] = usage_obj
-        return sse(obj)
+        return stream_chunk(request_id, "text_completion", created, srv.name, choices, usage_obj, include_usage)
 
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)

@@ -87,6 +87,16 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def stream_chunk(request_id: str, kind: str, created: int, model: str, choices: list[dict[str, Any]],
+                 usage_obj: dict[str, int] | None, include_usage: bool) -> str:
+    """One SSE chunk of a streamed response (`kind`: "chat.completion.chunk" or "text_completion"); with
+    stream_options.include_usage every chunk carries `usage` (null but on the last one), as OpenAI sends it."""
+    obj: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        obj["usage"] = usage_obj
+    return sse(obj)
+
+
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

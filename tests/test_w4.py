@@ -88,16 +88,17 @@ def test_w4_gemv(dtype, cfg, gated):
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [2, 7, 16, 17])
-@pytest.mark.parametrize("cfg", [W4MmaConfig(16, 32, 4, 2, 1), W4MmaConfig(16, 16, 1, 1, 1), None,
-                                 W4MmaConfig(16, 32, 4, 2, split_k=3), W4MmaConfig(16, 16, 1, 1, split_k=4)])
+@pytest.mark.parametrize("cfg", [W4MmaConfig(16, 32, 4, 2, 1), W4MmaConfig(16, 16, 1, 1, 1, prefetch=False), None,
+                                 W4MmaConfig(16, 32, 4, 2, split_k=3, prefetch=False),
+                                 W4MmaConfig(16, 16, 1, 1, split_k=4)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_w4_mma(dtype, rows, cfg, gated):
-    """K = 256 at group 64 is 4 chunks: split_k 3 becomes 2 splits of 2 chunks, split_k 4 one chunk each."""
-    w, awq = random_w4(256, 96, 64)
-    x, bias = randn(rows, 256, dtype=dtype), None if gated else randn(96, dtype=dtype, scale=0.5)
+    """K = 512 at group 128 is 4 chunks: split_k 3 becomes 2 splits of 2 chunks, split_k 4 one chunk each."""
+    w, awq = random_w4(512, 96, 128)
+    x, bias = randn(rows, 512, dtype=dtype), None if gated else randn(96, dtype=dtype, scale=0.5)
     got = w4_mma(x, w, bias, gated=gated, cfg=cfg)
     assert got.shape == (rows, 48 if gated else 96) and got.dtype == dtype
-    torch.testing.assert_close(got.double(), _ref(x, awq, 64, bias, gated), **tol(dtype, 3))
+    torch.testing.assert_close(got.double(), _ref(x, awq, 128, bias, gated), **tol(dtype, 3))
 
 
 @needs_kernels
@@ -120,7 +121,9 @@ def test_leading_dims_and_empty_input():
     got = w4_linear(x, w)
     assert got.shape == (2, 3, 32)
     torch.testing.assert_close(got.double(), _ref(x.reshape(6, 128), awq, 64).reshape(2, 3, 32), **tol(torch.float32))
-    assert w4_mma(randn(0, 128), w).shape == (0, 32)
+    assert w4_mma(randn(0, 128), random_w4(128, 32, 128)[0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        w4_mma(randn(2, 128), w)   # group 64: `w4_linear` takes the dequantise + matmul path instead
     with pytest.raises(ValueError, match="one row"):
         w4_gemv(randn(2, 128), w)
 

@@ -1,30 +1,30 @@
 """INT4 matmul on tensor cores over the W4 layout (`kernels.w4`): decode batches of 2..32 rows.
 
-Math: y [M, N] = x [M, K] W^T (+ b), W[n, k] = (q - z) * s per group. Per K step of one chunk (8R inputs, 128 for
-G >= 128, always inside one group) a program loads the int32 tile [BLOCK_N, R] and x [BLOCK_M, 8R], unpacks the codes
-[BLOCK_N, 8R] in k order (nibble p of int32 r is input p*R + r of the chunk) and multiplies on tensor cores with the
-weight as the first operand (swap-AB: the weight tile is the MMA's M side, 64 rows for one warpgroup; the few rows of
-x are its N side, 16 at least; 1.3-1.5x faster than x first, run 32):
+Math: y [M, N] = x [M, K] W^T (+ b), W[n, k] = (q - z) * s per group (group size a multiple of 128). A chunk is the
+8R = 128 inputs of one int32 column block [BLOCK_N, R = 16]: nibble p of int32 r is input p*R + r of the chunk, so the
+eight nibbles of the tile are eight [BLOCK_N, 16] weight slices, each matching one contiguous slice of x. Per chunk:
 
-    part = dot(B + q, x^T) - (B + z) * dot(1, x^T)    [BLOCK_N, BLOCK_M], fp32 accumulate
-    acc += part * s[group]                             (per output column, once per chunk)
+    part = sum_p dot(q_p - z, x_p^T)     eight K = 16 tensor-core steps, weight first (swap-AB), fp32 accumulate
+    acc += part * s[group]               per output row, once per chunk
 
-B + q is the code OR-ed into a 16-bit word whose exponent bits read as B (128 in bf16, 1024 in fp16): exact, with
-no convert and no subtract per weight; the zero point and B leave through one product with the chunk's sum of x per
-row (itself a dot with a tile of ones). No weight is rounded to 16 bits: up to summation order the result is the fp32 reference's (the cancellation costs
-at most ~10 of the fp32 accumulator's 24 bits, far below the 16-bit output's rounding). fp32 x (CPU, mixed mode) takes
-exact fp32 codes q - z and an exact fp32 dot instead.
+The weight is the MMA's M side (128 rows per warpgroup: two m64 wgmmas per step), the few rows of x its N side (16 at
+least). `_unpack_asm` turns each pair of int32 into 16-bit pairs q - z with one lop3 and one fma per two weights
+(exact: small integers), and because the slices come out of an elementwise op on the loaded tile, Triton applies it
+to the registers the wgmma reads: the int32 tile is the only thing staged in shared memory. (Unpacking into one
+[BLOCK_N, 128] tile instead needs a reshape, which Triton lowers to a round trip of the 16-bit tile through shared
+memory: four times the weight bytes, 1.5-2x slower, runs 47-49; tests/test_w4_codegen.py guards this.) No weight is
+rounded: up to summation order the result is the fp32 reference's. fp32 x and the CPU interpreter (which runs no
+PTX) take the same slices in fp32 with exact fp32 dots.
 
-Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT). Split-K: a decode GEMM has only N/BLOCK_N tiles (64 for a 4096-wide
-output at BLOCK_N 64), too few programs to keep enough bytes in flight, so program (tile, s) takes chunks
-s*C .. (s+1)*C - 1 and stores fp32 partial sums (gate and up separately) in a workspace [SPLIT, 2, M, N_OUT];
-`_w4_splitk_reduce_kernel` sums the SPLIT partials in a fixed order (deterministic, no atomics) and applies the
-epilogue. Rows beyond M repeat the last row and are not stored; rows beyond N repeat the last row of W. GATED: the
-packed gate_up weight [2I, K/8]; a program multiplies the gate rows n and the up rows I + n and stores
-silu(g) * u with the unfused path's roundings (`_epilogue`).
+Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT). Split-K: a decode GEMM has only N/BLOCK_N tiles (48 for qkv at
+BLOCK_N 128), too few programs to keep enough bytes in flight, so program (tile, s) takes chunks s*C .. (s+1)*C - 1
+and stores fp32 partial sums (gate and up separately) in a workspace [SPLIT, 2, M, N_OUT]; `_w4_splitk_reduce_kernel`
+sums them in a fixed order (deterministic, no atomics) and applies the epilogue. x, zero points and scales are loaded
+one chunk ahead (PREFETCH); the weight tiles are pipelined by the compiler. Rows beyond M repeat the last row and are
+not stored; rows beyond N repeat the last row of W. GATED: the packed gate_up weight [2I, K/8]; a program multiplies
+the gate rows n and the up rows I + n and stores silu(g) * u with the unfused path's roundings (`_epilogue`).
 Traffic: N*K*(0.5 + 3/G) weight bytes per BLOCK_M rows + M*K*2 + M*N*2, plus SPLIT*M*N*8 of partial sums (mostly in
-L2): bandwidth-bound in principle; measured 16-21% of the read bandwidth at 16 rows (benchmarks/NOTES.md run 37),
-where the previous one-tile-per-program, x-first kernel reached 8-14%.
+L2). Measured at 16 rows (run 49): 27-41% of the read bandwidth, 66 us per Qwen3-8B layer (117 us before, run 37).
 """
 
 from __future__ import annotations
@@ -41,60 +41,98 @@ from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_gemv import _epilogue
 
 
-@triton.jit
-def _codes_minus_zero(w, z, BLOCK_N: tl.constexpr, R: tl.constexpr):
-    """int32 tile [BLOCK_N, R] -> fp32 (q - z) [BLOCK_N, 8R] in the chunk's k order (z [BLOCK_N] fp32)."""
-    shifts = tl.arange(0, 8) * 4
-    codes = (w[:, None, :] >> shifts[None, :, None]) & 15                      # [BLOCK_N, 8, R]
-    q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0          # exact, no int->float convert
-    return tl.reshape(q, (BLOCK_N, 8 * R)) - z[:, None]
+def _unpack_asm(magic: int, one: int, ptx_type: str) -> str:
+    """PTX for one pair of int32 words that the MMA operand's registers hold side by side (inputs k and k + 1 of one
+    weight row): the eight 16-bit pairs (q_p(k) - z, q_p(k + 1) - z), p = 0..7, in outputs $0..$7. prmt gathers byte
+    p // 2 of both words into the two 16-bit halves; lop3 keeps nibble p (after a shift by 4 for odd p) and ORs in the
+    exponent bits of B, giving the exact value B + q; an fma adds $10, which holds -(B + z) in both halves (the value
+    is exact: a small integer). Two weights per lop3 and per fma, one prmt and one shift per four: 1.5 instructions
+    per weight, where unpacking one code per 16-bit element costs ~3. fma.rn.bf16x2 needs sm_80 or newer."""
+    lines = ["{", ".reg .b32 t<4>, one;", f"mov.b32 one, {one:#x};"]
+    for b in range(4):
+        lines.append(f"prmt.b32 t{b}, $8, $9, 0x{4 + b:x}{4 + b:x}{b:x}{b:x};")
+    for odd in (0, 1):
+        for b in range(4):
+            if odd:
+                lines.append(f"shr.u32 t{b}, t{b}, 4;")
+            out = f"${2 * b + odd}"
+            lines.append(f"lop3.b32 {out}, t{b}, 0x000F000F, {magic:#x}, 0xEA;")
+            lines.append(f"fma.rn.{ptx_type} {out}, {out}, one, $10;")
+    return "\n".join(lines + ["}"])
+
+
+# B = 128 in bf16 (0x4300), 1024 in fp16 (0x6400), twice per word; `one` is 1.0 twice
+_UNPACK_BF16 = tl.constexpr(_unpack_asm(0x43004300, 0x3F803F80, "bf16x2"))
+_UNPACK_FP16 = tl.constexpr(_unpack_asm(0x64006400, 0x3C003C00, "f16x2"))
 
 
 @triton.jit
-def _codes_plus_base_16(w, BLOCK_N: tl.constexpr, R: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
-    """int32 tile [BLOCK_N, R] -> 16-bit B + q [BLOCK_N, 8R] in the chunk's k order (exact; B = 128 for bf16, 1024
-    for fp16): each code is OR-ed into a 16-bit word whose exponent bits read as B (MAGIC = 0x4300 bf16, 0x6400
-    fp16). Pairing two codes per 32-bit word through join/permute measured 2x slower (run 29): the register
-    shuffles cost more than the integer ops they save."""
-    shifts = tl.arange(0, 8) * 4
-    codes = ((w[:, None, :] >> shifts[None, :, None]) & 15) | MAGIC              # [BLOCK_N, 8, R]
-    return tl.reshape(codes.to(tl.int16).to(dtype, bitcast=True), (BLOCK_N, 8 * R))
+def _nibble(w, P: tl.constexpr):
+    return ((w >> (4 * P)) & 15).to(tl.float32)
 
 
 @triton.jit
-def _chunk_dot(acc, xv, w_ptrs, sz_off, sc_ptr, zp_ptr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-               DOT_F32: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + s * dot(q - z, x^T) for one chunk. 16-bit x: dot(B + q, x^T) minus (B + z) times the
-    chunk's sum of x per row, which a second dot with a tile of ones computes already broadcast in the accumulator's
-    layout (the tensor cores are idle at these sizes; a cross-warp tl.sum per chunk measured 4% slower, run 37).
-    The gated kernel computes that sum once per half: hoisting it into the loop (shared by both halves) measured no
-    faster for gate_up and 4-10% slower for the other projections, and building `_w4_dequant_kernel`'s values with
-    this file's `_codes_minus_zero` (one copy of the unpack) made it up to 15% slower (run 46, same-call A/B)."""
-    w = tl.load(w_ptrs)
-    z = tl.load(zp_ptr + sz_off).to(tl.float32)
-    s = tl.load(sc_ptr + sz_off).to(tl.float32)
-    if DOT_F32:
-        part = tl.dot(_codes_minus_zero(w, z, BLOCK_N, R), tl.trans(xv), input_precision="ieee")
+def _weight_slices(w, z, PLAIN: tl.constexpr, FP16: tl.constexpr):
+    """int32 tile [BLOCK_N, R] and zero points z [BLOCK_N] -> the eight [BLOCK_N, R] operand tiles q_p - z (nibble p
+    of each int32: the chunk's inputs p*R .. p*R + R - 1), exact. Compiled with 16-bit x: in x's dtype through
+    `_unpack_asm` (Triton hoists this elementwise op above the operand's layout change, so it runs on the registers
+    the tensor cores read: no shared-memory round trip of the 16-bit tile). PLAIN (fp32 x, or the CPU interpreter,
+    which runs no PTX): fp32 values."""
+    if PLAIN:
+        zf = z.to(tl.float32)[:, None]
+        return (_nibble(w, 0) - zf, _nibble(w, 1) - zf, _nibble(w, 2) - zf, _nibble(w, 3) - zf,
+                _nibble(w, 4) - zf, _nibble(w, 5) - zf, _nibble(w, 6) - zf, _nibble(w, 7) - zf)
     else:
-        wq = _codes_plus_base_16(w, BLOCK_N, R, MAGIC, xv.dtype)
-        ones = tl.full([BLOCK_N, 8 * R], 1.0, dtype=tl.float32)
-        if INTERPRETED:  # the CPU interpreter's bf16 dot reads raw bits: multiply the same (exact) values in fp32
-            xt = tl.trans(xv.to(tl.float32))
-            part = tl.dot(wq.to(tl.float32), xt, input_precision="ieee")
-            xsum = tl.dot(ones, xt, input_precision="ieee")
+        neg = z.to(tl.int32) | (0xE400 if FP16 else 0xC300)            # -(B + z) as a 16-bit float's bits
+        nz = tl.broadcast_to(((neg << 16) | neg)[:, None], w.shape)     # ... in both halves of a 32-bit word
+        if FP16:
+            return tl.inline_asm_elementwise(_UNPACK_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, nz],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
         else:
-            part = tl.dot(wq, tl.trans(xv))
-            xsum = tl.dot(ones.to(xv.dtype), tl.trans(xv))
-        part -= (z + BASE)[:, None] * xsum
-    return acc + part * s[:, None]
+            return tl.inline_asm_elementwise(_UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w, nz],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _x_slices(x_ptrs, R: tl.constexpr, PLAIN: tl.constexpr):
+    """The chunk's x as eight [BLOCK_M, R] slices (inputs p*R .. p*R + R - 1), fp32 when PLAIN."""
+    xs = (tl.load(x_ptrs), tl.load(x_ptrs + R), tl.load(x_ptrs + 2 * R), tl.load(x_ptrs + 3 * R),
+          tl.load(x_ptrs + 4 * R), tl.load(x_ptrs + 5 * R), tl.load(x_ptrs + 6 * R), tl.load(x_ptrs + 7 * R))
+    if PLAIN:
+        xs = (xs[0].to(tl.float32), xs[1].to(tl.float32), xs[2].to(tl.float32), xs[3].to(tl.float32),
+              xs[4].to(tl.float32), xs[5].to(tl.float32), xs[6].to(tl.float32), xs[7].to(tl.float32))
+    return xs
+
+
+@triton.jit
+def _group_zero_scale(zp_ptr, sc_ptr, sz_off):
+    """(zero point, fp32 scale) [BLOCK_N] of one chunk's group."""
+    return tl.load(zp_ptr + sz_off), tl.load(sc_ptr + sz_off).to(tl.float32)
+
+
+@triton.jit
+def _chunk_dot(acc, xs, w_ptrs, zs, PLAIN: tl.constexpr, FP16: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + s * sum_p dot(q_p - z, x_p^T) for one chunk (one group's 8R inputs or part of them):
+    eight K = R tensor-core steps with the weight slices as the first operand, fp32 accumulate, then the group's
+    scale once per output row; zs = (z, s) from `_group_zero_scale`."""
+    a = _weight_slices(tl.load(w_ptrs), zs[0], PLAIN, FP16)
+    if PLAIN:
+        part = tl.dot(a[0], xs[0], input_precision="ieee")
+        for p in tl.static_range(1, 8):
+            part = tl.dot(a[p], xs[p], part, input_precision="ieee")
+    else:
+        part = tl.dot(a[0], xs[0])
+        for p in tl.static_range(1, 8):
+            part = tl.dot(a[p], xs[p], part)
+    return acc + part * zs[1][:, None]
 
 
 @triton.jit
 def _w4_mma_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, M, N_OUT, K8, stride_xm, stride_om,
                    stride_qw, stride_sg, UP, CHUNKS_PER_SPLIT, G8: tl.constexpr, R: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, CLAMP16: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PLAIN: tl.constexpr, FP16: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-                   MAGIC: tl.constexpr, BASE: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                   PREFETCH: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -110,8 +148,7 @@ def _w4_mma_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, M, N_O
     rm = tl.minimum(offs_m, M - 1).to(tl.int64)
     rn = tl.minimum(offs_n, N_OUT - 1).to(tl.int64)
     offs_r = tl.arange(0, R)
-    offs_k = tl.arange(0, 8 * R)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
+    x_ptrs = x_ptr + offs_r[:, None] + rm[None, :] * stride_xm     # x^T slices [R, BLOCK_M]
     wg_ptrs = qw_ptr + rn[:, None] * stride_qw + offs_r[None, :]
     wu_ptrs = wg_ptrs + UP * stride_qw
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)    # transposed: the weight is the dot's first operand
@@ -121,15 +158,33 @@ def _w4_mma_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, M, N_O
     if SPLIT > 1:                                                # this program's share of the chunks
         k_lo = tl.program_id(1) * CHUNKS_PER_SPLIT * R
         k_hi = tl.minimum(k_lo + CHUNKS_PER_SPLIT * R, K8)
+    # PREFETCH: x and the group's zero points and scales are loaded one chunk ahead (the compiler pipelines the
+    # weight tile through shared memory, not these small loads, and each would stall the chunk for a memory latency)
+    sz = rn * stride_sg
+    xs = _x_slices(x_ptrs + k_lo * 8, R, PLAIN)
+    zs_g = _group_zero_scale(zp_ptr, sc_ptr, sz + k_lo // G8)
+    zs_u = zs_g
+    if GATED:
+        zs_u = _group_zero_scale(zp_ptr, sc_ptr, sz + UP * stride_sg + k_lo // G8)
     for c0 in range(k_lo, k_hi, R):                              # one chunk of 8R inputs per step
-        xv = tl.load(x_ptrs + c0 * 8)
-        if DOT_F32:
-            xv = xv.to(tl.float32)
-        sz = rn * stride_sg + c0 // G8
-        acc_g = _chunk_dot(acc_g, xv, wg_ptrs + c0, sz, sc_ptr, zp_ptr, BLOCK_N, R, DOT_F32, MAGIC, BASE, INTERPRETED)
+        c1 = c0
+        if PREFETCH:
+            c1 = tl.minimum(c0 + R, k_hi - R)                    # the next chunk (the last one reloads itself)
+        xs_next = _x_slices(x_ptrs + c1 * 8, R, PLAIN)
+        zs_g_next = _group_zero_scale(zp_ptr, sc_ptr, sz + c1 // G8)
+        zs_u_next = zs_g_next
         if GATED:
-            acc_u = _chunk_dot(acc_u, xv, wu_ptrs + c0, sz + UP * stride_sg, sc_ptr, zp_ptr, BLOCK_N, R, DOT_F32,
-                               MAGIC, BASE, INTERPRETED)
+            zs_u_next = _group_zero_scale(zp_ptr, sc_ptr, sz + UP * stride_sg + c1 // G8)
+        if not PREFETCH:
+            xs = xs_next
+            zs_g = zs_g_next
+            zs_u = zs_u_next
+        acc_g = _chunk_dot(acc_g, xs, wg_ptrs + c0, zs_g, PLAIN, FP16)
+        if GATED:
+            acc_u = _chunk_dot(acc_u, xs, wu_ptrs + c0, zs_u, PLAIN, FP16)
+        xs = xs_next
+        zs_g = zs_g_next
+        zs_u = zs_u_next
     acc_g = tl.trans(acc_g)
     acc_u = tl.trans(acc_u)
     if PDL:
@@ -146,7 +201,7 @@ def _w4_mma_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, M, N_O
             bias = tl.load(b_ptr + rn).to(tl.float32)[None, :]
         out_ty = out_ptr.dtype.element_ty
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                 _epilogue(acc_g, acc_u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=mask)
+                 _epilogue(acc_g, acc_u, bias, out_ty, HAS_BIAS, GATED, FP16), mask=mask)
 
 
 @triton.jit
@@ -182,17 +237,21 @@ class W4MmaConfig(NamedTuple):
     block_n: int         # output columns per tile (rows of W: the wgmma's M side)
     num_warps: int
     num_stages: int
-    split_k: int = 4     # K split over this many programs per tile (then a reduce kernel); 1: one kernel
+    split_k: int = 8     # K split over this many programs per tile (then a reduce kernel); 1: one kernel
+    prefetch: bool = True  # load x, zero points and scales one chunk ahead
 
 
-# Swept with scripts/w4_sweep.py on the H200 at 8 and 16 rows (benchmarks/NOTES.md runs 33-37): BLOCK_N 64 with one
-# warpgroup and split 4 are the fastest or within 2% on all four Qwen3-8B projections.
-DECODE_MMA = W4MmaConfig(16, 64, 4, 3)
-DECODE_MMA_32 = W4MmaConfig(32, 64, 4, 3)   # 17..32 rows: one 32-row tile reads each weight tile once
-MMA_CONFIGS = [W4MmaConfig(*c) for c in [(16, 64, 4, 3, 8), (16, 64, 4, 4, 8), (16, 64, 4, 5, 8), (16, 64, 4, 3, 16),
-                                         (16, 64, 4, 3, 4), (16, 64, 4, 2, 8), (16, 64, 8, 3, 8), (16, 128, 8, 3, 8),
-                                         (16, 64, 4, 4, 16), (16, 128, 4, 3, 16), (16, 64, 4, 3, 1),
-                                         (32, 64, 4, 3), (32, 64, 4, 3, 8), (32, 128, 4, 3)]]
+# From scripts/w4_ab.py on the H200 (benchmarks/NOTES.md runs 47-49), the fastest on all four Qwen3-8B projections
+# or within 4% of it. One warpgroup over 128 weight rows (two m64 wgmmas per K step) with the unpack in registers;
+# the gated kernel reads two weight tiles per chunk, so it takes half the split. The 32-row tile uses 8 warps and no
+# prefetch: with both, the compiler no longer keeps the unpacked operand in registers (tests/test_w4_codegen.py).
+DECODE_MMA = W4MmaConfig(16, 128, 4, 3, 8)
+DECODE_MMA_GATED = W4MmaConfig(16, 128, 4, 3, 4)
+DECODE_MMA_32 = W4MmaConfig(32, 128, 8, 3, 4, prefetch=False)   # 17..32 rows: one tile reads each weight once
+MMA_CONFIGS = [W4MmaConfig(*c) for c in [(16, 128, 4, 3, 8), (16, 128, 4, 3, 4), (16, 128, 4, 3, 16),
+                                         (16, 128, 4, 4, 8), (16, 128, 4, 3, 8, False), (16, 64, 4, 3, 8, False),
+                                         (16, 64, 4, 3, 4, False), (32, 128, 8, 3, 4, False),
+                                         (32, 128, 4, 3, 4), (32, 128, 4, 3, 8)]]
 
 
 def _split_count(split_k: int, chunks: int) -> tuple[int, int]:
@@ -208,6 +267,8 @@ def w4_mma(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x {tuple(x.shape)} does not match in_features {k}")
+    if w.group_size % 128:
+        raise ValueError(f"w4_mma needs a group size that is a multiple of 128, got {w.group_size}")
     n_out = n // 2 if gated else n
     if bias is not None and tuple(bias.shape) != (n_out,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
@@ -218,7 +279,7 @@ def w4_mma(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n_out)
-    cfg = cfg or (DECODE_MMA if m <= 16 else DECODE_MMA_32)
+    cfg = cfg or (DECODE_MMA_32 if m > 16 else DECODE_MMA_GATED if gated else DECODE_MMA)
     pdl = use_pdl(x2)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_out, cfg.block_n)
     split, per_split = _split_count(cfg.split_k, k // 8 // w.chunk_int32)
@@ -228,11 +289,9 @@ def w4_mma(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated
     _w4_mma_kernel[grid](
         x2, w.packed, w.scales, w.zeros, bias_arg, out, ws, m, n_out, k // 8, x2.stride(0), out.stride(0),
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, per_split, G8=w.group_size // 8,
-        R=w.chunk_int32, HAS_BIAS=bias is not None, GATED=gated,
-        DOT_F32=x.dtype == torch.float32, CLAMP16=x.dtype == torch.float16, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, GROUP_M=8, SPLIT=split, MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300,
-        BASE=1024.0 if x.dtype == torch.float16 else 128.0, INTERPRETED=interpreting(), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl)
+        R=w.chunk_int32, HAS_BIAS=bias is not None, GATED=gated, PLAIN=x.dtype == torch.float32 or interpreting(),
+        FP16=x.dtype == torch.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=8, SPLIT=split, PREFETCH=cfg.prefetch, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
         _w4_splitk_reduce_kernel[(m, triton.cdiv(n_out, block))](

@@ -1,7 +1,9 @@
 """The INT4 linear entry points of the triton backend: pick the W4 kernel for the row count.
 
   1 row                     -> `w4_gemv` (CUDA cores, whole rows of W per program: decode at batch 1)
-  2..MMA_MAX_ROWS rows      -> `w4_mma`: 16-row tiles, split-K (decode batches; exact codes on tensor cores)
+  2..MMA_MAX_ROWS rows      -> `w4_mma`: 16-row tiles, split-K (decode batches; exact codes on tensor cores), for
+                               group sizes that are multiples of 128 (AWQ's usual 128); smaller groups take the
+                               prefill path below
   more (prefill)            -> `w4_dequantize` into a temporary 16-bit W [N, K], then cuBLAS: 3-4x faster than our
                                fused tensor-core tiles at 2048 rows (run 23); the dequantisation costs about 2.5
                                bytes of traffic per weight, a few % of a prefill's time
@@ -35,7 +37,7 @@ def w4_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) ->
     rows = _rows(x)
     if rows == 1:
         return w4_gemv(x, w, bias)
-    if rows <= MMA_MAX_ROWS:
+    if rows <= MMA_MAX_ROWS and w.group_size % 128 == 0:
         return w4_mma(x, w, bias)
     return _dequant_matmul(x, w, bias)
 
@@ -57,6 +59,6 @@ def w4_gate_up_silu(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     rows = _rows(x)
     if rows == 1:
         return w4_gemv(x, w, gated=True)
-    if rows <= MMA_MAX_ROWS:
+    if rows <= MMA_MAX_ROWS and w.group_size % 128 == 0:
         return w4_mma(x, w, gated=True)
     return silu_and_mul(_dequant_matmul(x, w, None))

@@ -1,0 +1,75 @@
+"""What the compiler makes of the W4 tensor-core kernel for Hopper, checked without a GPU.
+
+`kernels/w4_mma.py` is fast only while Triton applies the unpacking PTX to the registers the tensor cores read (it
+hoists the operand's layout change above that elementwise op, onto the int32 tile in shared memory). When it does
+not, each unpacked 16-bit tile is written to shared memory and read back (four times the weight bytes), and the
+kernel runs 1.5-2x slower with the same results (benchmarks/NOTES.md runs 47-49): no numeric test would notice.
+Triton can compile for sm_90 on a machine without a GPU, so this test reads the TTGIR of the default configs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orinfer.kernels.w4_mma import DECODE_MMA, DECODE_MMA_32, DECODE_MMA_GATED
+
+CONFIGS = {"decode": DECODE_MMA, "decode_gated": DECODE_MMA_GATED, "decode_32": DECODE_MMA_32}
+
+# Run in a child process: the tests' conftest turns on Triton's CPU interpreter, which replaces every @triton.jit
+# function by an interpreted one that cannot be compiled.
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from orinfer.kernels import w4_mma
+
+SIGNATURE = {"x_ptr": "*{x}", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*{x}", "out_ptr": "*{x}",
+             "ws_ptr": "*fp32", "M": "i32", "N_OUT": "i32", "K8": "i32", "stride_xm": "i32", "stride_om": "i32",
+             "stride_qw": "i32", "stride_sg": "i32", "UP": "i32", "CHUNKS_PER_SPLIT": "i32"}
+out = {}
+for name, cfg in json.loads(sys.argv[1]).items():
+    cfg = w4_mma.W4MmaConfig(*cfg)
+    for gated in (False, True):
+        for x in ("bf16", "fp16"):
+            consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, PLAIN=False, FP16=x == "fp16", BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n, GROUP_M=8, SPLIT=cfg.split_k, PREFETCH=cfg.prefetch, PDL=True)
+            sig = {k: v.format(x=x) for k, v in SIGNATURE.items()} | {k: "constexpr" for k in consts}
+            compiled = triton.compile(ASTSource(fn=w4_mma._w4_mma_kernel, signature=sig, constexprs=consts),
+                                      target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            out[f"{name}-{gated}-{x}"] = compiled.asm["ttgir"]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ttgir() -> dict[str, str]:
+    """TTGIR of `_w4_mma_kernel` for sm_90 per (config, gated, x dtype)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps({k: list(v) for k, v in CONFIGS.items()})],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("x_type", ["bf16", "fp16"])
+def test_unpack_runs_on_the_mma_operand_registers(ttgir, name, gated, x_type):
+    ir = ttgir[f"{name}-{gated}-{x_type}"]
+    elem = "bf16" if x_type == "bf16" else "f16"
+    unpack = [line for line in ir.splitlines() if "tt.elementwise_inline_asm" in line and "prmt.b32" in line]
+    assert unpack, "the unpacking PTX is missing from the kernel"
+    assert all("dot_op<{opIdx = 0" in line for line in unpack), "the unpack is not in the MMA operand layout"
+    spilled = re.findall(rf"ttg\.local_alloc %\S+ : \(tensor<{CONFIGS[name].block_n}x16x{elem}", ir)
+    assert not spilled, f"{len(spilled)} unpacked weight tiles go through shared memory"
+    assert "ttng.warp_group_dot" in ir  # Hopper's wgmma, with the weight slices as its register operand

@@ -87,7 +87,7 @@ def test_w4_gemv(dtype, cfg, gated):
 @needs_kernels
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [2, 7, 16, 17])
+@pytest.mark.parametrize("rows", [2, 7, 16, 17, 40])
 @pytest.mark.parametrize("cfg", [W4MmaConfig(16, 32, 4, 2, 1), W4MmaConfig(16, 16, 1, 1, 1, prefetch=False), None,
                                  W4MmaConfig(16, 32, 4, 2, split_k=3, prefetch=False),
                                  W4MmaConfig(16, 16, 1, 1, split_k=4)])

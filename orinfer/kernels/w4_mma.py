@@ -1,4 +1,4 @@
-"""INT4 matmul on tensor cores over the W4 layout (`kernels.w4`): decode batches of 2..32 rows.
+"""INT4 matmul on tensor cores over the W4 layout (`kernels.w4`): decode batches of 2..64 rows.
 
 Math: y [M, N] = x [M, K] W^T (+ b), W[n, k] = (q - z) * s per group (group size a multiple of 128). A chunk is the
 8R = 128 inputs of one int32 column block [BLOCK_N, R = 16]: nibble p of int32 r is input p*R + r of the chunk, so the
@@ -247,7 +247,7 @@ class W4MmaConfig(NamedTuple):
 # prefetch: with both, the compiler no longer keeps the unpacked operand in registers (tests/test_w4_codegen.py).
 DECODE_MMA = W4MmaConfig(16, 128, 4, 3, 8)
 DECODE_MMA_GATED = W4MmaConfig(16, 128, 4, 3, 4)
-DECODE_MMA_32 = W4MmaConfig(32, 128, 8, 3, 4, prefetch=False)   # 17..32 rows: one tile reads each weight once
+DECODE_MMA_32 = W4MmaConfig(32, 128, 8, 3, 4, prefetch=False)   # more than 16 rows (as fast as 64-row tiles)
 MMA_CONFIGS = [W4MmaConfig(*c) for c in [(16, 128, 4, 3, 8), (16, 128, 4, 3, 4), (16, 128, 4, 3, 16),
                                          (16, 128, 4, 4, 8), (16, 128, 4, 3, 8, False), (16, 64, 4, 3, 8, False),
                                          (16, 64, 4, 3, 4, False), (32, 128, 8, 3, 4, False),

@@ -1,7 +1,7 @@
 """The INT4 linear entry points of the triton backend: pick the W4 kernel for the row count.
 
   1 row                     -> `w4_gemv` (CUDA cores, whole rows of W per program: decode at batch 1)
-  2..MMA_MAX_ROWS rows      -> `w4_mma`: 16-row tiles, split-K (decode batches; exact codes on tensor cores), for
+  2..MMA_MAX_ROWS rows      -> `w4_mma`: 16- or 32-row tiles, split-K (decode batches; exact codes on tensor cores), for
                                group sizes that are multiples of 128 (AWQ's usual 128); smaller groups take the
                                prefill path below
   more (prefill)            -> `w4_dequantize` into a temporary 16-bit W [N, K], then cuBLAS: 3-4x faster than our
@@ -22,7 +22,7 @@ from orinfer.kernels.w4_gemv import w4_gemv
 from orinfer.kernels.w4_mma import w4_dequantize, w4_mma
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-MMA_MAX_ROWS = 32
+MMA_MAX_ROWS = 64   # run 51: at 48-64 rows, 32-row MMA tiles take half the time of dequantise + cuBLAS
 FP16_MAX = 65504.0
 
 

@@ -30,6 +30,11 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
+def _mma_fits(rows: int, w: W4Weight) -> bool:
+    """Whether `w4_mma` takes these rows: a decode batch, and groups of whole 128-input chunks."""
+    return rows <= MMA_MAX_ROWS and w.group_size % 128 == 0
+
+
 def w4_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) in x's dtype (`w4_linear_ref`'s contract)."""
     if x.dtype not in _FLOAT_TYPES:
@@ -37,7 +42,7 @@ def w4_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) ->
     rows = _rows(x)
     if rows == 1:
         return w4_gemv(x, w, bias)
-    if rows <= MMA_MAX_ROWS and w.group_size % 128 == 0:
+    if _mma_fits(rows, w):
         return w4_mma(x, w, bias)
     return _dequant_matmul(x, w, bias)
 
@@ -59,6 +64,6 @@ def w4_gate_up_silu(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     rows = _rows(x)
     if rows == 1:
         return w4_gemv(x, w, gated=True)
-    if rows <= MMA_MAX_ROWS and w.group_size % 128 == 0:
+    if _mma_fits(rows, w):
         return w4_mma(x, w, gated=True)
     return silu_and_mul(_dequant_matmul(x, w, None))

@@ -1,20 +1,23 @@
 """Where a batch-1 decode step's time goes: GPU time of the captured graph (replayed back to back) against the wall
 time of a full engine step (scheduling, input upload, replay, sampling, the one host sync, bookkeeping).
-Usage (device): python3 scripts/decode_overhead.py"""
+Usage (device): python3 scripts/decode_overhead.py [--quant awq]"""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
 from orinfer.bench.engine_bench import build_synthetic_llm
-from orinfer.config import EngineConfig, preset
+from orinfer.config import EngineConfig, QuantConfig, preset
 from orinfer.sampling_params import SamplingParams
 
 
 def main() -> None:
     cfg = preset("qwen3-8b")
+    if "--quant" in sys.argv and sys.argv[sys.argv.index("--quant") + 1] == "awq":  # random packed AWQ weights
+        cfg.quantization = QuantConfig(group_size=128)
     dev = torch.device("cuda")
     llm = build_synthetic_llm(cfg, torch.bfloat16, dev, "triton",
                               EngineConfig(max_num_seqs=1, max_model_len=2048, kv_cache_bytes=1 << 30))

@@ -23,6 +23,25 @@ BIG = [W4MmaConfig(*c) for c in [(64, 128, 8, 3, 4, False), (64, 128, 8, 3, 2, F
                                  (32, 128, 8, 3, 4, False), (64, 128, 8, 3, 1, False)]]
 
 
+def report_candidates(name: str, rows: int, cands: list, copies: list, exact: torch.Tensor, nbytes: int,
+                      read: float) -> None:
+    """Check each (label, fn(weight)) against `exact` (skipped for labels with "dense"), time it over the cold weight
+    copies by graph replay, and print the rows fastest first; a candidate that fails is reported on stderr."""
+    res = []
+    for label, fn in cands:
+        try:
+            got = fn(copies[0]).float()
+            err = ((got - exact).abs() / (exact.abs() + 1)).max().item() if "dense" not in label else 0.0
+            t = time_graph([lambda w=w: fn(w) for w in copies])
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {name} {rows} {label}: {type(exc).__name__}: {str(exc)[-800:]}", file=sys.stderr)
+            continue
+        res.append((t, label, err))
+    for t, label, err in sorted(res):
+        print(f"| {name} | {rows} | {label} | {t * 1e6:.1f} us | {100 * nbytes / t / read:.0f}% BW | err {err:.1e} |",
+              flush=True)
+
+
 def main() -> None:
     dev = torch.device("cuda")
     rows_list = [int(a) for a in sys.argv[1:]] or [1, 8, 16, 32]
@@ -45,21 +64,7 @@ def main() -> None:
                 cands.append(("dense bf16 cuBLAS", lambda w: torch.nn.functional.linear(x, dense)))
                 cfgs = BIG
             cands += [(f"new {tuple(c)}", lambda w, c=c: w4_mma(x, w, gated=gated, cfg=c)) for c in cfgs]
-            res = []
-            for label, fn in cands:
-                try:
-                    got = fn(w4[0]).float()
-                    err = ((got - exact).abs() / (exact.abs() + 1)).max().item() if "dense" not in label else 0.0
-                    copies = w4[:6] if rows > 32 else w4
-                    t = time_graph([lambda w=w: fn(w) for w in copies])
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  {name} {rows} {label}: {type(exc).__name__}: {str(exc)[-800:]}", file=sys.stderr)
-                    continue
-                res.append((t, label, err))
-            res.sort()
-            for t, label, err in res:
-                print(f"| {name} | {rows} | {label} | {t * 1e6:.1f} us | {100 * nbytes / t / read:.0f}% BW | err {err:.1e} |",
-                      flush=True)
+            report_candidates(name, rows, cands, w4[:6] if rows > 32 else w4, exact, nbytes, read)
         del w4
         torch.cuda.empty_cache()
 

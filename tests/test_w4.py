@@ -75,13 +75,29 @@ def _ref(x, awq, g, bias=None, gated=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", [W4GemvConfig(2, 64, 2), W4GemvConfig(4, 16, 1), W4GemvConfig(1, 512, 4), None])
 @pytest.mark.parametrize("gated", [False, True])
-def test_w4_gemv(dtype, cfg, gated):
-    """One row; K = 384 (3 groups of 128, not a power of two), N = 80 (not a multiple of the row tile)."""
-    w, awq = random_w4(384, 80, 128)
-    x, bias = randn(1, 384, dtype=dtype), None if gated else randn(80, dtype=dtype, scale=0.5)
+@pytest.mark.parametrize("k", [384, 512])
+def test_w4_gemv(dtype, cfg, gated, k):
+    """One row; N = 80 (not a multiple of the row tile). K = 384: 3 groups of 128 (not a power of two), several
+    steps per row; K = 512: one step (the whole row in one tile) for the configs with 64+ int32 per step."""
+    w, awq = random_w4(k, 80, 128)
+    x, bias = randn(1, k, dtype=dtype), None if gated else randn(80, dtype=dtype, scale=0.5)
     got = w4_gemv(x, w, bias, gated=gated, cfg=cfg)
     assert got.shape == (1, 40 if gated else 80) and got.dtype == dtype
     torch.testing.assert_close(got.double(), _ref(x, awq, 128, bias, gated), **tol(dtype, 3))
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [2.0 ** 40, 2.0 ** -58])
+def test_w4_gemv_activation_range(dtype, scale):
+    """The GEMV scales x by up to 2^85 and its products by 2^-64 (`w4_gemv` docstring): activations near both ends
+    of the documented range [2^-62, 2^43] still give the reference's result to the dtype's tolerance."""
+    w, awq = random_w4(512, 48, 128)
+    x = (randn(1, 512, dtype=torch.float32) * scale).to(dtype)
+    got = w4_gemv(x, w, None)
+    want = _ref(x, awq, 128, None, False)
+    torch.testing.assert_close(got.double() / scale, want / scale, **tol(dtype, 3))
 
 
 @needs_kernels

@@ -1,12 +1,18 @@
 """One-row INT4 GEMV over the W4 layout (`kernels.w4`): decode at batch 1, optionally fused with gate/up + SwiGLU.
 
 Math: y[n] = sum_g s[n, g] * (sum_{k in g} q[n, k] x[k]  -  z[n, g] * sum_{k in g} x[k]) (+ b[n]), fp32 throughout,
-rounded once to x's dtype (fp16 clamped to +-65504). Zero points and scales leave the per-weight work: each weight
-costs one AND/OR, one FADD and one FMA.
+rounded once to x's dtype (fp16 clamped to +-65504). Zero points and scales leave the per-weight work.
 
-Per weight, without an int->float convert: nibble p is masked in place (the int32, or the int32 shifted right by 16
-for p >= 4) and OR-ed into the bits of 2^23, which reads as the fp32 2^23 + q * 16^(p % 4); subtracting 2^23 is
-exact. x for nibble p is pre-multiplied by 16^-(p % 4) (exact), so the products are q * x.
+Per weight, one AND and one FMA. The GEMV is bound by ALU issue as much as by memory (run 44); this form took it from
+~7 instructions per weight to 3.2-3.7 in SASS (scripts/sass_mix.py) and a Qwen3-8B layer from 58 to 41 us (runs
+54-58). Nibble p of an int32 (of the int32 shifted right by 16 for p >= 4) is masked in place: bits 0..23 of an fp32
+read as the integer times 2^-149 (subnormal, or normal with the smallest exponent: the same linear formula), so the
+masked word *is* the float q * 16^(p % 4) * 2^-149, with no convert and no bias to subtract. x for plane p is
+pre-multiplied by 2^(149 - 4 (p % 4) - 64) (exact), so each FMA adds q * x * 2^-64; the sums of x get the same 2^-64
+and the row sums are scaled back by 2^64 at the end: powers of two, so the result is the plain fp32 sum's. Range:
+|x| in [2^-62, 2^43] (beyond 2^43 ~ 8.8e12 the scaled x overflows: no model's activations get there; below 2^-62
+products go subnormal and lose bits, which cannot move a 16-bit result). fp32 FMAs keep subnormals on the GPU (no
+flush-to-zero) and in the interpreter.
 
 Grid (cdiv(N, BLOCK_N),): a program owns BLOCK_N output rows and walks all of K in [BLOCK_N, BLOCK_KP] int32 tiles
 (BLOCK_KP * 4 contiguous bytes per row: long coalesced runs, as the dense GEMV reads W [N, K]); occupancy (many
@@ -52,69 +58,103 @@ def _epilogue(g, u, bias, out_ty: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: t
 
 
 @triton.jit
-def _nibble_times_16p(w, w_hi, P: tl.constexpr):
-    """q * 16^(P % 4) as fp32 (exact) for nibble P of each int32 of `w` (`w_hi` = w >> 16)."""
+def _nibble_plane(w, w_hi, P: tl.constexpr):
+    """Nibble P of each int32 of `w` (`w_hi` = w >> 16, logical) as the fp32 subnormal q * 16^(P % 4) * 2^-149: the
+    masked bits read as a float as they are (one AND, no convert, no bias to subtract)."""
     word = w if P < 4 else w_hi
-    bits = (word & (15 << (4 * (P % 4)))) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True) - 8388608.0
+    return (word & (15 << (4 * (P % 4)))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _row_tile_dot(w, x_ptr, kbase, G8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                  R: tl.constexpr, GPT: tl.constexpr, SUB: tl.constexpr):
-    """(per-group dots [BLOCK_N, GPT] of the tile's codes with x, per-group sums of x [GPT])."""
+def _x_planes(x_ptr, kbase, R: tl.constexpr, GPT: tl.constexpr, SUB: tl.constexpr):
+    """x for the eight nibble planes of a tile's int32 columns (plane p: inputs kbase + p * R), each scaled by
+    2^(149 - 4 (p % 4) - 64) so that times the plane's subnormal q * 16^(p % 4) * 2^-149 it gives q * x * 2^-64; and
+    the per-group sums of x [GPT] times 2^-64 (for the zero points)."""
+    x0 = tl.load(x_ptr + kbase).to(tl.float32)
+    x1 = tl.load(x_ptr + kbase + R).to(tl.float32)
+    x2 = tl.load(x_ptr + kbase + 2 * R).to(tl.float32)
+    x3 = tl.load(x_ptr + kbase + 3 * R).to(tl.float32)
+    x4 = tl.load(x_ptr + kbase + 4 * R).to(tl.float32)
+    x5 = tl.load(x_ptr + kbase + 5 * R).to(tl.float32)
+    x6 = tl.load(x_ptr + kbase + 6 * R).to(tl.float32)
+    x7 = tl.load(x_ptr + kbase + 7 * R).to(tl.float32)
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    xg = tl.sum(tl.reshape(xs, (GPT, SUB)), axis=1) * 5.421010862427522e-20      # 2^-64
+    return ((x0 * 3.8685626227668134e+25, x1 * 2.4178516392292583e+24, x2 * 1.5111572745182865e+23,  # 2^85, 81, 77
+             x3 * 9.444732965739290e+21, x4 * 3.8685626227668134e+25, x5 * 2.4178516392292583e+24,    # 2^73, ...
+             x6 * 1.5111572745182865e+23, x7 * 9.444732965739290e+21), xg)
+
+
+@triton.jit
+def _plane_dot(w, xps, BLOCK_N: tl.constexpr, GPT: tl.constexpr, SUB: tl.constexpr):
+    """Per-group dots [BLOCK_N, GPT] (times 2^-64) of an int32 tile [BLOCK_N, GPT * SUB] with x (`_x_planes`)."""
     w_hi = w >> 16
-    d = tl.zeros([BLOCK_N, BLOCK_KP], dtype=tl.float32)
-    xs = tl.zeros([BLOCK_KP], dtype=tl.float32)
-    for p in tl.static_range(8):
-        xp = tl.load(x_ptr + kbase + p * R).to(tl.float32)
-        xs += xp
-        if p % 4 == 1:
-            xp = xp * 0.0625
-        elif p % 4 == 2:
-            xp = xp * 0.00390625
-        elif p % 4 == 3:
-            xp = xp * 0.000244140625
-        d += _nibble_times_16p(w, w_hi, p) * xp[None, :]
-    dg = tl.sum(tl.reshape(d, (BLOCK_N, GPT, SUB)), axis=2)
-    xg = tl.sum(tl.reshape(xs, (GPT, SUB)), axis=1)
-    return dg, xg
+    d = _nibble_plane(w, w_hi, 0) * xps[0][None, :]
+    for p in tl.static_range(1, 8):
+        d += _nibble_plane(w, w_hi, p) * xps[p][None, :]
+    return tl.sum(tl.reshape(d, (BLOCK_N, GPT, SUB)), axis=2)
+
+
+@triton.jit
+def _gemv_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
+               G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, GPT: tl.constexpr,
+               SUB: tl.constexpr):
+    """The accumulators plus one step's tiles (int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate and, GATED, up
+    rows): per group, s * (sum q x - z * sum x)."""
+    c = c0 + cols
+    xps, xg = _x_planes(x_ptr, (c // R) * (8 * R) + c % R, R, GPT, SUB)   # inputs of nibble 0 of each column c
+    sg = r_ld[:, None] * stride_sg + (c0 // G8 + groups)[None, :]    # (GPT == 1: the one group of a sub-group tile)
+    s = tl.load(sc_ptr + sg).to(tl.float32)
+    z = tl.load(zp_ptr + sg).to(tl.float32)
+    acc_g += s * (_plane_dot(w_g, xps, BLOCK_N, GPT, SUB) - z * xg[None, :])
+    if GATED:
+        s = tl.load(sc_ptr + sg + UP * stride_sg).to(tl.float32)
+        z = tl.load(zp_ptr + sg + UP * stride_sg).to(tl.float32)
+        acc_u += s * (_plane_dot(w_u, xps, BLOCK_N, GPT, SUB) - z * xg[None, :])
+    return acc_g, acc_u
 
 
 @triton.jit
 def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP,
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
-                    SUB: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+                    SUB: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ld = tl.minimum(rows, N_OUT - 1).to(tl.int64)               # tail rows: computed twice, never stored
     cols = tl.arange(0, BLOCK_KP)
     groups = tl.arange(0, GPT)
+    wg_ptrs = qw_ptr + r_ld[:, None] * stride_qw + cols[None, :]
+    wu_ptrs = wg_ptrs + UP * stride_qw
     acc_g = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
-    for c0 in range(0, K8, BLOCK_KP):
-        c = c0 + cols
-        kbase = (c // R) * (8 * R) + c % R                         # input index of nibble 0 of int32 column c
-        grp = c0 // G8 + groups                                    # (GPT == 1: the one group of a sub-group tile)
-        w = tl.load(qw_ptr + r_ld[:, None] * stride_qw + c[None, :], eviction_policy="evict_first")
-        dg, xg = _row_tile_dot(w, x_ptr, kbase, G8, BLOCK_N, BLOCK_KP, R, GPT, SUB)
-        sg = r_ld[:, None] * stride_sg + grp[None, :]
-        s = tl.load(sc_ptr + sg).to(tl.float32)
-        z = tl.load(zp_ptr + sg).to(tl.float32)
-        acc_g += s * (dg - z * xg[None, :])
+    if ONE_STEP:
+        # The whole row in one tile (K / 8 == BLOCK_KP: Qwen's K = 4096): straight-line code (in a loop the compiler
+        # hoists the loop-invariant unpack and spills), and the weights, which are not the previous kernel's output,
+        # are requested before waiting on it (PDL), so their fetch overlaps its tail (gate_up 17.9 us against 19.7
+        # in a loop, runs 55 and 58)
+        w_g = tl.load(wg_ptrs, eviction_policy="evict_first")
+        w_u = w_g
         if GATED:
-            w = tl.load(qw_ptr + (r_ld + UP)[:, None] * stride_qw + c[None, :], eviction_policy="evict_first")
-            dg, xg = _row_tile_dot(w, x_ptr, kbase, G8, BLOCK_N, BLOCK_KP, R, GPT, SUB)
-            s = tl.load(sc_ptr + sg + UP * stride_sg).to(tl.float32)
-            z = tl.load(zp_ptr + sg + UP * stride_sg).to(tl.float32)
-            acc_u += s * (dg - z * xg[None, :])
+            w_u = tl.load(wu_ptrs, eviction_policy="evict_first")
+        if PDL:
+            gdc_wait()
+        acc_g, acc_u = _gemv_step(acc_g, acc_u, w_g, w_u, 0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
+                                  G8, R, GATED, BLOCK_N, GPT, SUB)
+    else:
+        if PDL:
+            gdc_wait()
+        for c0 in range(0, K8, BLOCK_KP):
+            w_g = tl.load(wg_ptrs + c0, eviction_policy="evict_first")
+            w_u = w_g
+            if GATED:
+                w_u = tl.load(wu_ptrs + c0, eviction_policy="evict_first")
+            acc_g, acc_u = _gemv_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                      stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
     if PDL:
         gdc_launch_dependents()
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
+    g = tl.sum(acc_g, axis=1) * 1.8446744073709552e+19             # 2^64: back from the planes' scale
+    u = tl.sum(acc_u, axis=1) * 1.8446744073709552e+19
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
@@ -128,9 +168,9 @@ class W4GemvConfig(NamedTuple):
     num_warps: int
 
 
-# From the cold-weight graph-replay sweep of scripts/w4_sweep.py on the H200 (benchmarks/NOTES.md run 23): the
-# fastest or within 3% of it on all four Qwen3-8B projections.
-DEFAULT_GEMV = W4GemvConfig(4, 512, 4)
+# From scripts/w4_gemv_ab.py on the H200 (benchmarks/NOTES.md run 58): the fastest or within 2% of it on all four
+# Qwen3-8B projections (8 rows per program share each thread's x work over more weights).
+DEFAULT_GEMV = W4GemvConfig(8, 512, 4)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
                 [(1, 512, 2), (2, 512, 2), (2, 256, 2), (4, 256, 4), (4, 512, 4), (2, 1024, 4), (8, 128, 4),
                  (4, 128, 2), (8, 256, 4), (1, 1024, 4), (2, 512, 4), (16, 128, 4)]]
@@ -167,5 +207,5 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
         x1, w.packed, w.scales, w.zeros, bias if bias is not None else out, out, n_out, k // 8,
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, G8=g8, R=r, HAS_BIAS=bias is not None,
         GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
-        PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
+        ONE_STEP=block_kp == k // 8, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)

@@ -1,0 +1,62 @@
+"""Compile the one-row W4 GEMV for sm_90 on any machine (no GPU needed: Triton ships ptxas and cuobjdump) and print
+its registers and the SASS instruction mix per weight, the count behind docs/performance.md's session 6 notes.
+Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS [gated]]   (defaults: the module's DEFAULT_GEMV)."""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from orinfer.kernels import w4_gemv
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
+             "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32"}
+
+
+def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512) -> tuple[str, str]:
+    """(cuobjdump -sass text, -res-usage text) of the kernel for Qwen3-8B's K = 4096 and group 128."""
+    const = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
+                 GPT=block_kp // 16, SUB=16, ONE_STEP=block_kp == k8, PDL=True)
+    sig = dict(SIGNATURE, **{name: "constexpr" for name in const})
+    # the launcher specialises pointers and integer arguments divisible by 16 (vector loads); say so here too
+    attrs = {(w4_gemv._w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE}
+    compiled = triton.compile(ASTSource(fn=w4_gemv._w4_gemv_kernel, signature=sig, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        run = [os.path.join(BIN, "cuobjdump")]
+        sass = subprocess.run(run + ["-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(run + ["-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return sass, usage
+
+
+def opcode_mix(sass: str) -> collections.Counter:
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    return collections.Counter(ops)
+
+
+def main() -> None:
+    cfg = w4_gemv.DEFAULT_GEMV
+    block_n, block_kp, warps = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else cfg
+    gated = "gated" in sys.argv
+    sass, usage = compile_gemv(block_n, block_kp, warps, gated)
+    mix = opcode_mix(sass)
+    weights = block_n * block_kp * 8 * (2 if gated else 1) / (32 * warps)   # per thread, whole kernel (K = 4096)
+    regs = re.search(r"REG:\d+", usage).group(0)
+    print(f"config ({block_n}, {block_kp}, {warps}){' gated' if gated else ''}: "
+          f"{regs}, {sum(mix.values())} SASS instructions for {weights:.0f} weights "
+          f"per thread = {sum(mix.values()) / weights:.2f} per weight")
+    print(", ".join(f"{op} {n}" for op, n in mix.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()

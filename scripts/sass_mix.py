@@ -1,6 +1,7 @@
 """Compile the one-row W4 GEMV for sm_90 on any machine (no GPU needed: Triton ships ptxas and cuobjdump) and print
 its registers and the SASS instruction mix per weight, the count behind docs/performance.md's session 6 notes.
-Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS [gated]]   (defaults: the module's DEFAULT_GEMV)."""
+Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS] [gated] [down]   (defaults: the module's DEFAULT_GEMV;
+`down`: K = 12288 instead of 4096)."""
 from __future__ import annotations
 
 import collections
@@ -22,9 +23,10 @@ SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*
 
 
 def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512) -> tuple[str, str]:
-    """(cuobjdump -sass text, -res-usage text) of the kernel for Qwen3-8B's K = 4096 and group 128."""
+    """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128."""
     const = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                 GPT=block_kp // 16, SUB=16, ONE_STEP=block_kp == k8, PDL=True)
+                 GPT=block_kp // 16, SUB=16, STEPS=k8 // block_kp, UNROLL=k8 // block_kp <= w4_gemv.UNROLL_STEPS,
+                 PDL=True)
     sig = dict(SIGNATURE, **{name: "constexpr" for name in const})
     # the launcher specialises pointers and integer arguments divisible by 16 (vector loads); say so here too
     attrs = {(w4_gemv._w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE}
@@ -46,11 +48,13 @@ def opcode_mix(sass: str) -> collections.Counter:
 
 def main() -> None:
     cfg = w4_gemv.DEFAULT_GEMV
-    block_n, block_kp, warps = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else cfg
+    nums = [int(a) for a in sys.argv[1:] if a.isdigit()]
+    block_n, block_kp, warps = nums if len(nums) == 3 else cfg
     gated = "gated" in sys.argv
-    sass, usage = compile_gemv(block_n, block_kp, warps, gated)
+    k8 = 1536 if "down" in sys.argv else 512
+    sass, usage = compile_gemv(block_n, block_kp, warps, gated, k8)
     mix = opcode_mix(sass)
-    weights = block_n * block_kp * 8 * (2 if gated else 1) / (32 * warps)   # per thread, whole kernel (K = 4096)
+    weights = block_n * k8 * 8 * (2 if gated else 1) / (32 * warps)   # per thread, whole kernel
     regs = re.search(r"REG:\d+", usage).group(0)
     print(f"config ({block_n}, {block_kp}, {warps}){' gated' if gated else ''}: "
           f"{regs}, {sum(mix.values())} SASS instructions for {weights:.0f} weights "

@@ -104,6 +104,44 @@ def test_qk_norm_rope(dtype, with_norm, tokens, hq, hk, head_dim):
     close(got_k, ref_k, dtype, scale=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hq,hk,head_dim", [(1, 4, 2, 16), (5, 4, 2, 24)])
+def test_qk_norm_rope_stores_kv(dtype, tokens, hq, hk, head_dim):
+    """With kv_store, the kernel also writes the new k (after norm + RoPE) and v into the paged caches: the same
+    caches as the reference op followed by store_kv_ref, padding slots (-1) untouched, and the same q, k outputs."""
+    cos_sin = rotary.rope_cos_sin_cache(head_dim, 300, 10000.0, device=DEVICE)
+    qkv = randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    positions = torch.randint(0, 300, (tokens,), device=DEVICE)
+    qw, kw = randn(head_dim, dtype=dtype, scale=0.2) + 1, randn(head_dim, dtype=dtype, scale=0.2) + 1
+    slots = torch.randperm(4 * 8, device=DEVICE)[:tokens]
+    slots[tokens // 2] = -1
+    caches = [torch.full((4, 8, hk, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    got = rotary.qk_norm_rope(q, k, positions, cos_sin, head_dim, qw, kw, 1e-6,
+                              kv_store=rotary.KVStore(v, caches[0], caches[1], slots))
+    plain = rotary.qk_norm_rope(q, k, positions, cos_sin, head_dim, qw, kw, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    attention.store_kv_ref(got[1].view(tokens, hk, head_dim), v.reshape(tokens, hk, head_dim), caches[2], caches[3],
+                           slots)
+    for mine, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(mine.isnan(), ref.isnan()) and torch.equal(mine.nan_to_num(), ref.nan_to_num())
+    rotary.qk_norm_rope_ref(q, k, positions, cos_sin, head_dim, qw, kw, 1e-6,
+                            kv_store=rotary.KVStore(v, caches[2], caches[3], slots))   # the torch op's store
+    ref_k = rotary.qk_norm_rope_ref(q, k, positions, cos_sin, head_dim, qw, kw, 1e-6)[1]
+    kept = slots >= 0
+    stored = caches[2].view(-1, hk, head_dim)[slots[kept]]
+    torch.testing.assert_close(stored.float(), ref_k.view(tokens, hk, head_dim)[kept].float())
+
+
+def test_qk_norm_rope_rejects_a_mismatched_kv_store():
+    cos_sin = rotary.rope_cos_sin_cache(16, 64, 10000.0, device=DEVICE)
+    q, k, v = randn(3, 4 * 16), randn(3, 2 * 16), randn(3, 2 * 16)
+    cache = torch.zeros(4, 8, 3, 16, device=DEVICE)   # 3 kv heads, k has 2
+    with pytest.raises(ValueError, match="kv_store"):
+        rotary.qk_norm_rope(q, k, torch.arange(3, device=DEVICE), cos_sin, 16,
+                            kv_store=rotary.KVStore(v, cache, cache.clone(), torch.arange(3, device=DEVICE)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_qk_norm_rope_rounds_like_the_reference(dtype):
     cos_sin = rotary.rope_cos_sin_cache(32, 64, 1e6, device=DEVICE)

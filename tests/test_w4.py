@@ -12,7 +12,7 @@ import torch
 from kernel_checks import DEVICE, poison_allocations, randn
 from orinfer.kernels import awq as A
 from orinfer.kernels import w4 as W
-from orinfer.kernels.w4_gemv import GEMV_CONFIGS, W4GemvConfig, w4_gemv
+from orinfer.kernels.w4_gemv import GEMV_CONFIGS, UNROLL_STEPS, W4GemvConfig, w4_gemv
 from orinfer.kernels.w4_mma import MMA_CONFIGS, W4MmaConfig, w4_dequantize, w4_mma
 from orinfer.kernels.w4_ops import MMA_MAX_ROWS, w4_gate_up_silu, w4_linear
 from test_awq import INTERPRET, needs_kernels, random_awq, tol
@@ -77,13 +77,26 @@ def _ref(x, awq, g, bias=None, gated=False):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("k", [384, 512])
 def test_w4_gemv(dtype, cfg, gated, k):
-    """One row; N = 80 (not a multiple of the row tile). K = 384: 3 groups of 128 (not a power of two), several
-    steps per row; K = 512: one step (the whole row in one tile) for the configs with 64+ int32 per step."""
+    """One row; N = 80 (not a multiple of the row tile). K = 384: 3 groups of 128 (not a power of two), 3 steps per
+    row; K = 512: one step (the whole row in one tile) for the configs with 64+ int32 per step."""
     w, awq = random_w4(k, 80, 128)
     x, bias = randn(1, k, dtype=dtype), None if gated else randn(80, dtype=dtype, scale=0.5)
     got = w4_gemv(x, w, bias, gated=gated, cfg=cfg)
     assert got.shape == (1, 40 if gated else 80) and got.dtype == dtype
     torch.testing.assert_close(got.double(), _ref(x, awq, 128, bias, gated), **tol(dtype, 3))
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("gated", [False, True])
+def test_w4_gemv_many_steps(gated):
+    """More steps per row than `UNROLL_STEPS` (8 steps of 32 int32): the runtime loop instead of straight-line code."""
+    cfg = W4GemvConfig(2, 32, 2)
+    assert 2048 // 8 // cfg.block_kp > UNROLL_STEPS
+    w, awq = random_w4(2048, 48, 128)
+    x = randn(1, 2048, dtype=torch.bfloat16)
+    got = w4_gemv(x, w, gated=gated, cfg=cfg)
+    torch.testing.assert_close(got.double(), _ref(x, awq, 128, None, gated), **tol(torch.bfloat16, 3))
 
 
 @needs_kernels

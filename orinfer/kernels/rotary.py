@@ -8,13 +8,16 @@ Math: for head vector x of size D split into halves (x1, x2) and angle theta_i =
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
+from orinfer.kernels.attention import store_kv_ref
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.norm import rms_norm_ref
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, base: float, device: torch.device | None = None
@@ -26,11 +29,32 @@ def rope_cos_sin_cache(head_dim: int, max_position: int, base: float, device: to
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+class KVStore(NamedTuple):
+    """Where `qk_norm_rope` also writes this step's K (after the norm and RoPE) and V: the paged caches
+    [blocks, block_size, Hk, D] at flat slots [T] (slots < 0 skipped), as `store_kv` does."""
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                      head_dim: int, q_norm_weight: torch.Tensor | None = None,
-                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, kv_store: KVStore | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm (when weights are given) then RoPE, on flattened [T, heads*D] q and k; returns new tensors."""
+    """Per-head RMSNorm (when weights are given) then RoPE, on flattened [T, heads*D] q and k; returns new tensors.
+    With `kv_store`, the new k and v also go into the KV cache (`store_kv_ref`)."""
+    q_out, k_out = _qk_norm_rope_ref(q, k, positions, cos_sin, head_dim, q_norm_weight, k_norm_weight, eps)
+    if kv_store is not None:
+        tokens, kv_heads = k_out.shape[0], k_out.shape[-1] // head_dim
+        store_kv_ref(k_out.view(tokens, kv_heads, head_dim), kv_store.v.reshape(tokens, kv_heads, head_dim),
+                     kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping)
+    return q_out, k_out
+
+
+def _qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      head_dim: int, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = q.shape[0]
     qh = q.reshape(tokens, -1, head_dim)
     kh = k.reshape(tokens, -1, head_dim)
@@ -56,8 +80,9 @@ def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
-                         HQ, HK, stride_q, stride_k, stride_cs, eps,
-                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+                         v_ptr, kc_ptr, vc_ptr, slot_ptr, HQ, HK, stride_q, stride_k, stride_v, stride_cs, eps,
+                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         gdc_wait()
         gdc_launch_dependents()
@@ -100,13 +125,25 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
     tl.store(q_dst + HALF, o2, mask=q_mask)
     tl.store(k_dst, o1, mask=k_mask)
     tl.store(k_dst + HALF, o2, mask=k_mask)
+    if STORE:   # the KV cache too (saves the separate store_kv launch per layer in decode)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        c_mask = k_mask & (slot >= 0)
+        c_off = slot * HK * head_dim + kh[:, None] * head_dim + d[None, :]
+        tl.store(kc_ptr + c_off, o1.to(kc_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(kc_ptr + c_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=c_mask)
+        v_off = t * stride_v + kh[:, None] * head_dim + d[None, :]
+        v1 = tl.load(v_ptr + v_off, mask=c_mask)
+        v2 = tl.load(v_ptr + v_off + HALF, mask=c_mask)
+        tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=c_mask)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  head_dim: int, q_norm_weight: torch.Tensor | None = None,
-                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, kv_store: KVStore | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton per-head RMSNorm (optional) + RoPE with `qk_norm_rope_ref`'s signature and rounding.
+    """Triton per-head RMSNorm (optional) + RoPE with `qk_norm_rope_ref`'s signature and rounding; with `kv_store`,
+    the program that writes a k head also writes it and the matching v head into the KV cache.
 
     q [T, Hq*D], k [T, Hk*D] (row strides free: they may be column slices of the packed qkv output; unit last
     stride), positions [T] int, cos_sin [max_pos, D] fp32 -> new contiguous q_out [T, Hq*D], k_out [T, Hk*D].
@@ -136,8 +173,24 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_half))
+    store = kv_store is not None
+    v = kv_store.v if store else q
+    if store:
+        _check_kv_store(kv_store, tokens, hk, head_dim)
+        v = v if v.stride(-1) == 1 else v.contiguous()
+    caches = (kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping) if store else (q_out, q_out, positions)
     _qk_norm_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
-        q, k, positions, cos_sin, qw, kw, q_out, k_out, hq, hk, q.stride(0), k.stride(0), cos_sin.stride(0),
-        eps, HALF=half, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
-        PDL=use_pdl(q), launch_pdl=use_pdl(q))
+        q, k, positions, cos_sin, qw, kw, q_out, k_out, v, *caches, hq, hk, q.stride(0), k.stride(0), v.stride(0),
+        cos_sin.stride(0), eps, HALF=half, HAS_NORM=has_norm, STORE=store, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=4, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return q_out, k_out
+
+
+def _check_kv_store(kv_store: KVStore, tokens: int, kv_heads: int, head_dim: int) -> None:
+    v, k_cache, v_cache, slots = kv_store
+    if (v.shape != (tokens, kv_heads * head_dim) or k_cache.shape != v_cache.shape
+            or tuple(k_cache.shape[2:]) != (kv_heads, head_dim) or slots.shape != (tokens,)):
+        raise ValueError(f"qk_norm_rope kv_store: v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, slots "
+                         f"{tuple(slots.shape)} do not match {tokens} tokens of {kv_heads} heads x {head_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("qk_norm_rope kv_store: the caches must be contiguous")

@@ -96,11 +96,12 @@ def _plane_dot(w, xps, BLOCK_N: tl.constexpr, GPT: tl.constexpr, SUB: tl.constex
 
 
 @triton.jit
-def _gemv_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
+def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
                G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, GPT: tl.constexpr,
                SUB: tl.constexpr):
-    """The accumulators plus one step's tiles (int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate and, GATED, up
-    rows): per group, s * (sum q x - z * sum x)."""
+    """The accumulators plus one step: int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate (and, GATED, up) rows; per
+    group, s * (sum q x - z * sum x)."""
+    w_g = tl.load(wg_ptrs + c0, eviction_policy="evict_first")
     c = c0 + cols
     xps, xg = _x_planes(x_ptr, (c // R) * (8 * R) + c % R, R, GPT, SUB)   # inputs of nibble 0 of each column c
     sg = r_ld[:, None] * stride_sg + (c0 // G8 + groups)[None, :]    # (GPT == 1: the one group of a sub-group tile)
@@ -108,6 +109,7 @@ def _gemv_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gr
     z = tl.load(zp_ptr + sg).to(tl.float32)
     acc_g += s * (_plane_dot(w_g, xps, BLOCK_N, GPT, SUB) - z * xg[None, :])
     if GATED:
+        w_u = tl.load(wg_ptrs + UP * stride_qw + c0, eviction_policy="evict_first")
         s = tl.load(sc_ptr + sg + UP * stride_sg).to(tl.float32)
         z = tl.load(zp_ptr + sg + UP * stride_sg).to(tl.float32)
         acc_u += s * (_plane_dot(w_u, xps, BLOCK_N, GPT, SUB) - z * xg[None, :])
@@ -118,39 +120,28 @@ def _gemv_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gr
 def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP,
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
-                    SUB: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr):
+                    SUB: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ld = tl.minimum(rows, N_OUT - 1).to(tl.int64)               # tail rows: computed twice, never stored
     cols = tl.arange(0, BLOCK_KP)
     groups = tl.arange(0, GPT)
     wg_ptrs = qw_ptr + r_ld[:, None] * stride_qw + cols[None, :]
-    wu_ptrs = wg_ptrs + UP * stride_qw
     acc_g = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
-    if ONE_STEP:
-        # The whole row in one tile (K / 8 == BLOCK_KP: Qwen's K = 4096): straight-line code (in a loop the compiler
-        # hoists the loop-invariant unpack and spills), and the weights, which are not the previous kernel's output,
-        # are requested before waiting on it (PDL), so their fetch overlaps its tail (gate_up 17.9 us against 19.7
-        # in a loop, runs 55 and 58)
-        w_g = tl.load(wg_ptrs, eviction_policy="evict_first")
-        w_u = w_g
-        if GATED:
-            w_u = tl.load(wu_ptrs, eviction_policy="evict_first")
-        if PDL:
-            gdc_wait()
-        acc_g, acc_u = _gemv_step(acc_g, acc_u, w_g, w_u, 0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
-                                  G8, R, GATED, BLOCK_N, GPT, SUB)
+    if PDL:
+        gdc_wait()
+    if UNROLL:
+        # A few steps (Qwen's K = 4096 is one, 12288 three): straight-line code. As a loop, the compiler pipelines
+        # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
+        # step, run 63).
+        for i in tl.static_range(STEPS):
+            acc_g, acc_u = _load_step(acc_g, acc_u, wg_ptrs, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                      stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
     else:
-        if PDL:
-            gdc_wait()
         for c0 in range(0, K8, BLOCK_KP):
-            w_g = tl.load(wg_ptrs + c0, eviction_policy="evict_first")
-            w_u = w_g
-            if GATED:
-                w_u = tl.load(wu_ptrs + c0, eviction_policy="evict_first")
-            acc_g, acc_u = _gemv_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                      stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
+            acc_g, acc_u = _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                      stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
     if PDL:
         gdc_launch_dependents()
     g = tl.sum(acc_g, axis=1) * 1.8446744073709552e+19             # 2^64: back from the planes' scale
@@ -160,6 +151,9 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + rows, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=rows < N_OUT)
+
+
+UNROLL_STEPS = 4   # rows of up to this many steps are straight-line code (`_w4_gemv_kernel`)
 
 
 class W4GemvConfig(NamedTuple):
@@ -203,9 +197,12 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n_out, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x1)
+    steps = k // 8 // block_kp
+    unroll = steps <= UNROLL_STEPS
     _w4_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x1, w.packed, w.scales, w.zeros, bias if bias is not None else out, out, n_out, k // 8,
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, G8=g8, R=r, HAS_BIAS=bias is not None,
         GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
-        ONE_STEP=block_kp == k // 8, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
+        STEPS=steps if unroll else 0, UNROLL=unroll, PDL=pdl,
+        num_warps=cfg.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from orinfer.kernels.rotary import KVStore
 from orinfer.layers.ops import Ops
 
 
@@ -50,13 +51,21 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D]."""
+    def kv_store(self, v: torch.Tensor, meta: AttentionMetadata) -> KVStore | None:
+        """Where this step's K/V go (for the RoPE kernel to write them: one launch less per layer), or None when
+        the forward runs without a cache."""
+        if self.k_cache is None or meta.slot_mapping is None:
+            return None
+        return KVStore(v, self.k_cache, self.v_cache, meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D]. kv_stored: k and v are already in the cache (`kv_store`)."""
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.k_cache is not None and meta.slot_mapping is not None:
+        if self.k_cache is not None and meta.slot_mapping is not None and not kv_stored:
             self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
             # Every prefill starts at position 0 (recompute after preemption re-runs the whole sequence), so the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orinfer.kernels.rotary import rope_cos_sin_cache
+from orinfer.kernels.rotary import KVStore, rope_cos_sin_cache
 from orinfer.layers.ops import Ops
 
 
@@ -20,12 +20,14 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(QK-norm +) RoPE of q and k at `positions`, rows of `cos_sin` (default: this module's table).
+                cos_sin: torch.Tensor | None = None, kv_store: KVStore | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(QK-norm +) RoPE of q and k at `positions`, rows of `cos_sin` (default: this module's table); with
+        `kv_store` (from `Attention.kv_store`), the new k and v also go into the layer's KV cache in the same kernel.
 
         A caller-made table serves M-RoPE: one row per token ([T, D], see layers/mrope.py) with positions arange(T).
         """
         return self.ops.qk_norm_rope(
             q, k, positions, self.cos_sin if cos_sin is None else cos_sin, self.head_dim,
             None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-            q_norm.eps if q_norm is not None else 1e-6)
+            q_norm.eps if q_norm is not None else 1e-6, kv_store=kv_store)

@@ -60,8 +60,9 @@ class QwenAttentionBlock(nn.Module):
                 cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size], dim=-1)
-        q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin)
-        return self.o_proj(self.attn(q, k, v, meta))
+        kv_store = self.attn.kv_store(v, meta)
+        q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin, kv_store)
+        return self.o_proj(self.attn(q, k, v, meta, kv_stored=kv_store is not None))
 
 
 class QwenMLP(nn.Module):

@@ -162,9 +162,10 @@ class W4GemvConfig(NamedTuple):
     num_warps: int
 
 
-# From scripts/w4_gemv_ab.py on the H200 (benchmarks/NOTES.md run 58): the fastest or within 2% of it on all four
-# Qwen3-8B projections (8 rows per program share each thread's x work over more weights).
-DEFAULT_GEMV = W4GemvConfig(8, 512, 4)
+# Chosen in the engine's batch-1 AWQ decode step (scripts/gpu_session6f.sh, benchmarks/NOTES.md runs 66-67): 2.08 ms
+# per step against 2.12 for (8, 512, 4), 2.20 for (4, 512, 4), 2.66 for (32, 512, 4), which runs out of registers.
+# More rows per program spread each thread's x work over more weights (2.95-3.2 SASS instructions per weight).
+DEFAULT_GEMV = W4GemvConfig(16, 512, 4)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
                 [(1, 512, 2), (2, 512, 2), (2, 256, 2), (4, 256, 4), (4, 512, 4), (2, 1024, 4), (8, 128, 4),
                  (4, 128, 2), (8, 256, 4), (1, 1024, 4), (2, 512, 4), (16, 128, 4)]]

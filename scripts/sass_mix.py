@@ -25,8 +25,8 @@ SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*
 def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512) -> tuple[str, str]:
     """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128."""
     const = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                 GPT=block_kp // 16, SUB=16, STEPS=k8 // block_kp, UNROLL=k8 // block_kp <= w4_gemv.UNROLL_STEPS,
-                 PDL=True)
+                 GPT=block_kp // 16, SUB=16,
+                 STEPS=k8 // block_kp if k8 // block_kp <= w4_gemv.UNROLL_STEPS else 0, PDL=True)
     sig = dict(SIGNATURE, **{name: "constexpr" for name in const})
     # the launcher specialises pointers and integer arguments divisible by 16 (vector loads); say so here too
     attrs = {(w4_gemv._w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE}

@@ -106,6 +106,18 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, stride_kt, stri
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+def check_kv_target(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, tokens: int,
+                    kv_heads: int, head_dim: int) -> None:
+    """ValueError unless the caches are contiguous [blocks, block_size, kv_heads, head_dim] and there is one slot per
+    token (shared by `store_kv` and the KV store fused into `rotary.qk_norm_rope`)."""
+    if (k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (kv_heads, head_dim)
+            or slot_mapping.shape != (tokens,)):
+        raise ValueError(f"{op}: cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} and slots "
+                         f"{tuple(slot_mapping.shape)} do not match {tokens} tokens of {kv_heads} kv heads x {head_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: the caches must be contiguous")
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Triton `store_kv_ref`: k, v [T, kv_heads, D] (unit last stride; token/head strides free, e.g. views of the
@@ -116,12 +128,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """
     check_device(k)
     tokens, kv_heads, head_dim = k.shape
-    if (v.shape != k.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (kv_heads, head_dim)
-            or slot_mapping.shape != (tokens,)):
-        raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
-                         f"slots {tuple(slot_mapping.shape)} do not match")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("store_kv: the caches must be contiguous")
+    if v.shape != k.shape:
+        raise ValueError(f"store_kv: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    check_kv_target("store_kv", k_cache, v_cache, slot_mapping, tokens, kv_heads, head_dim)
     if tokens == 0:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()

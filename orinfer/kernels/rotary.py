@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import store_kv_ref
+from orinfer.kernels.attention import check_kv_target, store_kv_ref
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -176,7 +176,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     store = kv_store is not None
     v = kv_store.v if store else q
     if store:
-        _check_kv_store(kv_store, tokens, hk, head_dim)
+        if tuple(v.shape) != (tokens, hk * head_dim):
+            raise ValueError(f"qk_norm_rope kv_store: v {tuple(v.shape)} does not match k {tuple(k.shape)}")
+        check_kv_target("qk_norm_rope kv_store", kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping, tokens,
+                        hk, head_dim)
         v = v if v.stride(-1) == 1 else v.contiguous()
     caches = (kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping) if store else (q_out, q_out, positions)
     _qk_norm_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
@@ -185,12 +188,3 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         num_warps=4, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return q_out, k_out
 
-
-def _check_kv_store(kv_store: KVStore, tokens: int, kv_heads: int, head_dim: int) -> None:
-    v, k_cache, v_cache, slots = kv_store
-    if (v.shape != (tokens, kv_heads * head_dim) or k_cache.shape != v_cache.shape
-            or tuple(k_cache.shape[2:]) != (kv_heads, head_dim) or slots.shape != (tokens,)):
-        raise ValueError(f"qk_norm_rope kv_store: v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, slots "
-                         f"{tuple(slots.shape)} do not match {tokens} tokens of {kv_heads} heads x {head_dim}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("qk_norm_rope kv_store: the caches must be contiguous")

@@ -4,7 +4,7 @@ Math: y[n] = sum_g s[n, g] * (sum_{k in g} q[n, k] x[k]  -  z[n, g] * sum_{k in 
 rounded once to x's dtype (fp16 clamped to +-65504). Zero points and scales leave the per-weight work.
 
 Per weight, one AND and one FMA. The GEMV is bound by ALU issue as much as by memory (run 44); this form took it from
-~7 instructions per weight to 3.2-3.7 in SASS (scripts/sass_mix.py) and a Qwen3-8B layer from 58 to 41 us (runs
+~7 instructions per weight to 2.95-3.7 in SASS (scripts/sass_mix.py) and a Qwen3-8B layer from 58 to 41 us (runs
 54-58). Nibble p of an int32 (of the int32 shifted right by 16 for p >= 4) is masked in place: bits 0..23 of an fp32
 read as the integer times 2^-149 (subnormal, or normal with the smallest exponent: the same linear formula), so the
 masked word *is* the float q * 16^(p % 4) * 2^-149, with no convert and no bias to subtract. x for plane p is
@@ -57,9 +57,20 @@ def _epilogue(g, u, bias, out_ty: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: t
     return _round_to(g, out_ty, CLAMP16)
 
 
+# Powers of two of the plane arithmetic (module docstring): x for plane p is scaled by 2^(85 - 4 (p % 4)), the sums of
+# x by 2^-64 like the products, and the row sums are scaled back by 2^64.
+_X_SCALE_0 = tl.constexpr(2.0 ** 85)
+_X_SCALE_1 = tl.constexpr(2.0 ** 81)
+_X_SCALE_2 = tl.constexpr(2.0 ** 77)
+_X_SCALE_3 = tl.constexpr(2.0 ** 73)
+_DOWN = tl.constexpr(2.0 ** -64)
+_UP = tl.constexpr(2.0 ** 64)
+
+
 @triton.jit
 def _nibble_plane(w, w_hi, P: tl.constexpr):
-    """Nibble P of each int32 of `w` (`w_hi` = w >> 16, logical) as the fp32 subnormal q * 16^(P % 4) * 2^-149: the
+    """Nibble P of each int32 of `w` (`w_hi` = w >> 16; the masks keep bits 0..15 of it, so the shift's sign fill
+    does not matter) as the fp32 subnormal q * 16^(P % 4) * 2^-149: the
     masked bits read as a float as they are (one AND, no convert, no bias to subtract)."""
     word = w if P < 4 else w_hi
     return (word & (15 << (4 * (P % 4)))).to(tl.float32, bitcast=True)
@@ -79,10 +90,9 @@ def _x_planes(x_ptr, kbase, R: tl.constexpr, GPT: tl.constexpr, SUB: tl.constexp
     x6 = tl.load(x_ptr + kbase + 6 * R).to(tl.float32)
     x7 = tl.load(x_ptr + kbase + 7 * R).to(tl.float32)
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    xg = tl.sum(tl.reshape(xs, (GPT, SUB)), axis=1) * 5.421010862427522e-20      # 2^-64
-    return ((x0 * 3.8685626227668134e+25, x1 * 2.4178516392292583e+24, x2 * 1.5111572745182865e+23,  # 2^85, 81, 77
-             x3 * 9.444732965739290e+21, x4 * 3.8685626227668134e+25, x5 * 2.4178516392292583e+24,    # 2^73, ...
-             x6 * 1.5111572745182865e+23, x7 * 9.444732965739290e+21), xg)
+    xg = tl.sum(tl.reshape(xs, (GPT, SUB)), axis=1) * _DOWN
+    return ((x0 * _X_SCALE_0, x1 * _X_SCALE_1, x2 * _X_SCALE_2, x3 * _X_SCALE_3,
+             x4 * _X_SCALE_0, x5 * _X_SCALE_1, x6 * _X_SCALE_2, x7 * _X_SCALE_3), xg)
 
 
 @triton.jit
@@ -120,7 +130,7 @@ def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gro
 def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP,
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
-                    SUB: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+                    SUB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ld = tl.minimum(rows, N_OUT - 1).to(tl.int64)               # tail rows: computed twice, never stored
@@ -131,7 +141,7 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     acc_u = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
     if PDL:
         gdc_wait()
-    if UNROLL:
+    if STEPS:
         # A few steps (Qwen's K = 4096 is one, 12288 three): straight-line code. As a loop, the compiler pipelines
         # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
         # step, run 63).
@@ -144,8 +154,8 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
                                       stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
     if PDL:
         gdc_launch_dependents()
-    g = tl.sum(acc_g, axis=1) * 1.8446744073709552e+19             # 2^64: back from the planes' scale
-    u = tl.sum(acc_u, axis=1) * 1.8446744073709552e+19
+    g = tl.sum(acc_g, axis=1) * _UP                                # back from the planes' scale
+    u = tl.sum(acc_u, axis=1) * _UP
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
@@ -153,7 +163,7 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     tl.store(out_ptr + rows, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=rows < N_OUT)
 
 
-UNROLL_STEPS = 4   # rows of up to this many steps are straight-line code (`_w4_gemv_kernel`)
+UNROLL_STEPS = 4   # rows of up to this many steps are straight-line code (the kernel's STEPS; 0: a runtime loop)
 
 
 class W4GemvConfig(NamedTuple):
@@ -199,11 +209,10 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
     out = torch.empty(n_out, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x1)
     steps = k // 8 // block_kp
-    unroll = steps <= UNROLL_STEPS
     _w4_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x1, w.packed, w.scales, w.zeros, bias if bias is not None else out, out, n_out, k // 8,
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, G8=g8, R=r, HAS_BIAS=bias is not None,
         GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
-        STEPS=steps if unroll else 0, UNROLL=unroll, PDL=pdl,
+        STEPS=steps if steps <= UNROLL_STEPS else 0, PDL=pdl,
         num_warps=cfg.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)

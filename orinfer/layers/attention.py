@@ -65,8 +65,9 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.k_cache is not None and meta.slot_mapping is not None and not kv_stored:
-            self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        target = None if kv_stored else self.kv_store(v, meta)
+        if target is not None:
+            self.ops.store_kv(k, v, target.k_cache, target.v_cache, target.slot_mapping)
         if meta.is_prefill:
             # Every prefill starts at position 0 (recompute after preemption re-runs the whole sequence), so the
             # fresh k/v are the whole context: a varlen flash kernel needs no reads from the cache.

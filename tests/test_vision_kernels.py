@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn, tol,
                            skip_module_without_kernels)
 from orinfer.kernels import vision
+from orinfer.layers.ops import TORCH_OPS, linear_bias_gelu_ref
 
 skip_module_without_kernels()
 
@@ -204,9 +206,11 @@ def test_qkv_split_rope(dtype, tokens, heads, head_dim):
     got = vision.qkv_split_rope(qkv, cos, sin, heads)
     ref = vision.qkv_split_rope_ref(qkv.double(), cos.double(), sin.double(), heads)
     for g, e in zip(got[:2], ref[:2]):
-        assert g.is_contiguous()
+        assert g.shape == (heads, tokens, head_dim) and g.transpose(0, 1).is_contiguous()  # token-major storage
         close(g, e, dtype)
-    assert got[2].is_contiguous() and torch.equal(got[2], qkv.view(tokens, 3, heads, head_dim)[:, 2].transpose(0, 1))
+    assert got[2].transpose(0, 1).is_contiguous()
+    assert torch.equal(got[2], qkv.view(tokens, 3, heads, head_dim)[:, 2].transpose(0, 1))
+    assert all(t.transpose(0, 1).is_contiguous() for t in ref)
     assert torch.equal(qkv, qkv0)
 
 
@@ -304,6 +308,21 @@ def test_wrappers_reject_mismatched_inputs():
         vision.vision_attention(q, q, q, cu([4]).float(), 4, 0.25)
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_linear_bias_gelu_matches_reference(approximate):
+    """The triton table's fc1 op (a cuBLASLt GELU epilogue on CUDA for the tanh GELU, else GEMM + bias_gelu) against
+    the fp64 reference: GEMM, bias, GELU of the chosen form. bf16 on CUDA, fp32 here."""
+    from orinfer.layers.triton_ops import linear_bias_gelu
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, w, b = randn(37, 64, dtype=dtype), randn(48, 64, dtype=dtype, scale=0.25), randn(48, dtype=dtype)
+    got = linear_bias_gelu(x, w, b, approximate)
+    want = F.gelu(F.linear(*doubles(x, w, b)), approximate=approximate)
+    assert got.shape == (37, 48) and got.dtype == dtype
+    close(got, want, dtype, scale=2)
+    assert TORCH_OPS.linear_bias_gelu is linear_bias_gelu_ref
+
+
 def test_triton_backend_uses_the_vision_kernels():
     from orinfer.layers.triton_ops import triton_ops
 
@@ -315,16 +334,23 @@ def test_triton_backend_uses_the_vision_kernels():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segment_flash_attention_matches_reference(dtype):
-    """The triton backend's vision attention (flash SDPA per segment for 16-bit, the Triton kernel for fp32) keeps
-    every token within its image, like the reference."""
+@pytest.mark.parametrize("bounds", [[0, 5, 6, 19], [0, 19]])
+@pytest.mark.parametrize("token_major", [False, True])
+def test_segment_flash_attention_matches_reference(dtype, bounds, token_major):
+    """The triton backend's vision attention (SDPA per segment for 16-bit, the Triton kernel for fp32) keeps
+    every token within its image, like the reference: several images or one (no output copy), q/k/v head-major or
+    stored token-major as `qkv_split_rope` leaves them."""
     from orinfer.layers.triton_ops import segment_flash_attention
 
-    heads, head_dim, bounds = 2, 40, [0, 5, 6, 19]
-    q, k, v = (torch.randn(heads, bounds[-1], head_dim, device=DEVICE).to(dtype) for _ in range(3))
+    heads, head_dim = 2, 40
+    shape = (bounds[-1], heads, head_dim) if token_major else (heads, bounds[-1], head_dim)
+    q, k, v = (torch.randn(*shape, device=DEVICE).to(dtype) for _ in range(3))
+    if token_major:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    got = segment_flash_attention(q, k, v, cu, 13, head_dim ** -0.5)
-    ref = vision.vision_attention_ref(q.double(), k.double(), v.double(), cu, 13, head_dim ** -0.5)
+    longest = max(end - begin for begin, end in zip(bounds[:-1], bounds[1:]))
+    got = segment_flash_attention(q, k, v, cu, longest, head_dim ** -0.5)
+    ref = vision.vision_attention_ref(q.double(), k.double(), v.double(), cu, longest, head_dim ** -0.5)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
 

@@ -9,9 +9,11 @@ Ops (shapes; all activations share one dtype, weights/biases may be 16-bit):
 - bias_gelu(x [N, D], bias [D], approximate) -> gelu(x + bias): after a bias-free GEMM; approximate "tanh"
   (the blocks' gelu_pytorch_tanh) or "none" (the mergers' exact erf GELU).
 - bias_residual(x [N, D], bias [D], residual [N, D]) -> x + bias + residual (the block's output projections).
-- qkv_split_rope(qkv [N, 3*H*Dh], cos [N, Dh/2], sin [N, Dh/2], num_heads) -> q, k, v each [H, N, Dh]
-  contiguous: splits the packed projection, rotates q and k (rotate-half convention over the full head:
-  out[:h] = x1*c - x2*s, out[h:] = x2*c + x1*s with h = Dh/2, in fp32), and transposes to head-major.
+- qkv_split_rope(qkv [N, 3*H*Dh], cos [N, Dh/2], sin [N, Dh/2], num_heads) -> q, k, v each [H, N, Dh], stored
+  token-major (each the transposed view of a contiguous [N, H, Dh]): splits the packed projection and rotates q
+  and k (rotate-half convention over the full head: out[:h] = x1*c - x2*s, out[h:] = x2*c + x1*s with h = Dh/2,
+  in fp32). Token-major storage is what cuDNN's attention reads as is (BSHD), and its output then is [N, H, Dh]
+  already: no transposing copy after it (run 73).
 - vision_attention(q, k, v [H, N, Dh], cu_seqlens [B+1] int32, max_seqlen, scale) -> [N, H*Dh]: softmax
   attention without a causal mask, each token seeing only the tokens of its own segment (image).
 
@@ -37,8 +39,8 @@ Decisions:
   accumulators; putting that into the shared kernel would touch every line of the causal path, which the text
   model's prefill depends on. (2) The loop is simpler: all full key tiles unmasked, one masked tail tile per
   segment, no diagonal. (3) GQA and the causal block ordering are not needed. Layouts are free through strides:
-  q/k/v head-major as `qkv_split_rope` writes them (each key tile is one contiguous BLOCK_N*Dh run) and the output
-  written token-major [N, H*Dh] directly, which removes the seed's separate `transpose_head_token_kernel`.
+  q/k/v as `qkv_split_rope` stores them (token-major: a key tile is BLOCK_N runs of Dh) and the output written
+  token-major [N, H*Dh] directly, which removes the seed's separate `transpose_head_token_kernel`.
 - No PDL (kernels/pdl.py): the tower runs once per image in eager mode, not in the decode loop PDL serves.
 """
 
@@ -82,8 +84,8 @@ def bias_residual_ref(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
 
 def qkv_split_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed [N, 3*H*Dh] -> rotated q, k and plain v, each [H, N, Dh] contiguous (see the module docstring).
-    cos, sin [N, Dh/2] (any float dtype, used as given: widened to fp32, not rounded to qkv's dtype)."""
+    """Packed [N, 3*H*Dh] -> rotated q, k and plain v, each [H, N, Dh] stored token-major (see the module
+    docstring). cos, sin [N, Dh/2] (any float dtype, used as given: widened to fp32, not rounded to qkv's dtype)."""
     tokens = qkv.shape[0]
     q, k, v = qkv.view(tokens, 3, num_heads, -1).unbind(1)  # each [N, H, Dh]
     c = torch.cat([cos, cos], dim=-1).float()[:, None, :]
@@ -95,8 +97,7 @@ def qkv_split_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
         return (xf * c + rotated * s).to(x.dtype)
 
-    return (rotate(q).transpose(0, 1).contiguous(), rotate(k).transpose(0, 1).contiguous(),
-            v.transpose(0, 1).contiguous())
+    return rotate(q).transpose(0, 1), rotate(k).transpose(0, 1), v.contiguous().transpose(0, 1)
 
 
 def vision_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -296,17 +297,19 @@ def bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -
 @triton.jit
 def _qkv_split_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, n_tokens, stride_qkv, stride_cos,
                            stride_sin, HALF: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    # The program's elements are flat (token, j) pairs, j < HALF = Dh/2: all BLOCK lanes do work whatever Dh is
-    # (a [tokens, next_pow2(36) = 64] tile would idle 44% of them), and each pair carries both rotation partners.
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    h = tl.program_id(1)
-    mask = idx < n_tokens * HALF
-    t = (idx // HALF).to(tl.int64)
-    j = idx % HALF
-    src = qkv_ptr + t * stride_qkv + h * (2 * HALF) + j  # q of head h; k and v follow WIDTH = H*Dh further on
+    # The program's elements are flat (token, head, j) triples, j < HALF = Dh/2: all BLOCK lanes do work whatever
+    # Dh is (a [tokens, next_pow2(36) = 64] tile would idle 44% of them), each carries both rotation partners, and
+    # consecutive lanes read consecutive q (k, v) elements of a token and write consecutive [N, H, Dh] elements.
+    HEADS: tl.constexpr = WIDTH // (2 * HALF)
+    idx = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = idx < n_tokens * (HEADS * HALF)
+    t = idx // (HEADS * HALF)
+    hj = idx % (HEADS * HALF)
+    j = hj % HALF
+    src = qkv_ptr + t * stride_qkv + (hj // HALF) * (2 * HALF) + j  # q of head hj // HALF; k, v WIDTH further on
     c = tl.load(cos_ptr + t * stride_cos + j, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_sin + j, mask=mask, other=0.0).to(tl.float32)
-    dst = (h.to(tl.int64) * n_tokens + t) * (2 * HALF) + j  # [H, N, Dh] contiguous
+    dst = (t * HEADS + hj // HALF) * (2 * HALF) + j  # [N, H, Dh] contiguous
     act_ty = q_ptr.dtype.element_ty
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -322,13 +325,13 @@ def _qkv_split_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, n_tok
 
 def qkv_split_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton `qkv_split_rope_ref`: one pass from the packed projection to rotated, head-major q, k and v.
+    """Triton `qkv_split_rope_ref`: one pass from the packed projection to rotated q, k and v.
 
     qkv [N, 3*H*Dh] (unit last stride, row stride free), cos/sin [N, Dh/2] (any float dtype, unit last stride)
-    -> q, k, v: new contiguous [H, N, Dh] in qkv's dtype. q/k: (x1*c - x2*s, x2*c + x1*s) in fp32, one rounding;
-    v copied exactly. Kernel: grid (cdiv(N*Dh/2, BLOCK), H) with BLOCK = 1024 (token, j) pairs and 4 warps; a
-    program reads the 6 values (q, k, v halves) and cos/sin of each pair and writes a contiguous run of BLOCK*2
-    elements in each output. Traffic: 6*N*H*Dh elements (read qkv, write q/k/v) + N*Dh cos/sin (L1/L2 hits for all
+    -> q, k, v: [H, N, Dh] in qkv's dtype, each the transposed view of a new contiguous [N, H, Dh]. q/k:
+    (x1*c - x2*s, x2*c + x1*s) in fp32, one rounding; v copied exactly. Kernel: grid (cdiv(N*H*Dh/2, BLOCK),) with
+    BLOCK = 1024 (token, head, j) triples and 4 warps; a program reads the 6 values (q, k, v halves) and cos/sin of
+    each triple and writes a contiguous run of BLOCK*2 elements in each output. Traffic: 6*N*H*Dh elements (read qkv, write q/k/v) + N*Dh cos/sin (L1/L2 hits for all
     heads but the first): bf16 N = 3072 is 42.5 MB + 0.9 MB fp32 cos/sin, 10.6 us at 4.1 TB/s; the unfused
     split -> rotate -> transpose sequence moves several times that.
     """
@@ -345,11 +348,12 @@ def qkv_split_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    q, k, v = (torch.empty(num_heads, tokens, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    q, k, v = (torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device).transpose(0, 1)
+               for _ in range(3))
     if tokens == 0 or head_dim == 0:
         return q, k, v
     block = 1024
-    _qkv_split_rope_kernel[(triton.cdiv(tokens * half, block), num_heads)](
+    _qkv_split_rope_kernel[(triton.cdiv(tokens * num_heads * half, block),)](
         qkv, cos, sin, q, k, v, tokens, qkv.stride(0), cos.stride(0), sin.stride(0),
         HALF=half, WIDTH=num_heads * head_dim, BLOCK=block, num_warps=4)
     return q, k, v

@@ -31,6 +31,13 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
+def linear_bias_gelu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh"
+                         ) -> torch.Tensor:
+    """gelu(x W^T + b): the bias-free GEMM, then `bias_gelu_ref` (the bias add rounded to x's dtype, as HF's Linear
+    with bias rounds it)."""
+    return bias_gelu_ref(linear_ref(x, weight), bias, approximate)
+
+
 @dataclass(frozen=True)
 class Ops:
     name: str
@@ -53,6 +60,8 @@ class Ops:
     bias_residual: Callable = bias_residual_ref
     qkv_split_rope: Callable = qkv_split_rope_ref
     vision_attention: Callable = vision_attention_ref
+    # fc1 of the vision MLP: gelu(x W^T + b) (linear_bias_gelu_ref's contract).
+    linear_bias_gelu: Callable = linear_bias_gelu_ref
 
 
 TORCH_OPS = Ops(

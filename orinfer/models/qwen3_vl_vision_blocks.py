@@ -2,7 +2,8 @@
 
 Attribute names follow HF's Qwen3VLVisionModel, so each parameter's name under the tower is its checkpoint name.
 Every op goes through the backend's table (kernels/vision.py defines the math): GEMMs run bias-free where the
-bias can ride on the following element-wise op (bias + GELU, bias + residual).
+bias can ride on the following element-wise op (bias + residual), fc1 with its bias and GELU as one op
+(`linear_bias_gelu`: a GEMM epilogue on CUDA).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x = norm2(residual) [N, D] -> residual + fc2(gelu(fc1(x))) [N, D]."""
-        h = self.ops.bias_gelu(self.ops.linear(x, self.linear_fc1.weight), self.linear_fc1.bias, self.approximate)
+        h = self.ops.linear_bias_gelu(x, self.linear_fc1.weight, self.linear_fc1.bias, self.approximate)
         return self.ops.bias_residual(self.ops.linear(h, self.linear_fc2.weight), self.linear_fc2.bias, residual)
 
 
@@ -137,5 +138,5 @@ class PatchMerger(nn.Module):
             x = self.norm(x.reshape(-1, self.fused))
         else:
             x = self.norm(x).reshape(-1, self.fused)
-        h = self.ops.bias_gelu(self.ops.linear(x, self.linear_fc1.weight), self.linear_fc1.bias, "none")
+        h = self.ops.linear_bias_gelu(x, self.linear_fc1.weight, self.linear_fc1.bias, "none")
         return self.linear_fc2(h)

@@ -1,5 +1,6 @@
 """Vision-tower op alternatives on Qwen3-VL-8B shapes for one 1024x768 image (3072 patches, D 1152, 16 heads of 72,
-MLP 4304), timed with CUDA events and checked against an fp32 reference (device). Usage: python3 scripts/vision_ops_ab.py
+MLP 4304), timed with CUDA events and checked against an fp32 reference (device).
+Usage: PYTHONPATH=. python3 scripts/vision_ops_ab.py
 
   attention: PyTorch SDPA per backend (flash, cuDNN, memory-efficient) on [1, 16, 3072, 72] bf16
   fc1 + bias + GELU-tanh: cuBLAS GEMM then our bias_gelu kernel, against the cuBLASLt GELU epilogue

@@ -331,9 +331,9 @@ def qkv_split_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     -> q, k, v: [H, N, Dh] in qkv's dtype, each the transposed view of a new contiguous [N, H, Dh]. q/k:
     (x1*c - x2*s, x2*c + x1*s) in fp32, one rounding; v copied exactly. Kernel: grid (cdiv(N*H*Dh/2, BLOCK),) with
     BLOCK = 1024 (token, head, j) triples and 4 warps; a program reads the 6 values (q, k, v halves) and cos/sin of
-    each triple and writes a contiguous run of BLOCK*2 elements in each output. Traffic: 6*N*H*Dh elements (read qkv, write q/k/v) + N*Dh cos/sin (L1/L2 hits for all
-    heads but the first): bf16 N = 3072 is 42.5 MB + 0.9 MB fp32 cos/sin, 10.6 us at 4.1 TB/s; the unfused
-    split -> rotate -> transpose sequence moves several times that.
+    each triple and writes a contiguous run of BLOCK*2 elements in each output. Traffic: 6*N*H*Dh elements (read
+    qkv, write q/k/v) + N*Dh cos/sin (L1/L2 hits for all heads but the first): bf16 N = 3072 is 42.5 MB + 0.9 MB
+    fp32 cos/sin, 10.6 us at 4.1 TB/s; the unfused split -> rotate -> transpose sequence moves several times that.
     """
     check_device(qkv)
     if qkv.dim() != 2 or qkv.dtype not in _ACT_DTYPES or num_heads <= 0 or qkv.shape[1] % (3 * num_heads):

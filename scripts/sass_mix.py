@@ -1,7 +1,7 @@
 """Compile the one-row W4 GEMV for sm_90 on any machine (no GPU needed: Triton ships ptxas and cuobjdump) and print
 its registers and the SASS instruction mix per weight, the count behind docs/performance.md's session 6 notes.
-Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS] [gated] [down]   (defaults: the module's DEFAULT_GEMV;
-`down`: K = 12288 instead of 4096)."""
+Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS] [gated] [down]   (defaults: the module's default tile for
+the row length; `down`: K = 12288 instead of 4096)."""
 from __future__ import annotations
 
 import collections
@@ -19,14 +19,15 @@ from orinfer.kernels import w4_gemv
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
-             "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32"}
+             "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32",
+             "trace_ptr": "*i64"}
 
 
 def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512) -> tuple[str, str]:
     """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128."""
     const = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
                  GPT=block_kp // 16, SUB=16,
-                 STEPS=k8 // block_kp if k8 // block_kp <= w4_gemv.UNROLL_STEPS else 0, PDL=True)
+                 STEPS=k8 // block_kp if k8 // block_kp <= w4_gemv.UNROLL_STEPS else 0, PDL=True, TRACE=False)
     sig = dict(SIGNATURE, **{name: "constexpr" for name in const})
     # the launcher specialises pointers and integer arguments divisible by 16 (vector loads); say so here too
     attrs = {(w4_gemv._w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE}
@@ -47,11 +48,11 @@ def opcode_mix(sass: str) -> collections.Counter:
 
 
 def main() -> None:
-    cfg = w4_gemv.DEFAULT_GEMV
+    k8 = 1536 if "down" in sys.argv else 512
+    cfg = w4_gemv.DEFAULT_GEMV if k8 <= w4_gemv.DEFAULT_GEMV.block_kp else w4_gemv.DEFAULT_GEMV_LONG_ROWS
     nums = [int(a) for a in sys.argv[1:] if a.isdigit()]
     block_n, block_kp, warps = nums if len(nums) == 3 else cfg
     gated = "gated" in sys.argv
-    k8 = 1536 if "down" in sys.argv else 512
     sass, usage = compile_gemv(block_n, block_kp, warps, gated, k8)
     mix = opcode_mix(sass)
     weights = block_n * k8 * 8 * (2 if gated else 1) / (32 * warps)   # per thread, whole kernel

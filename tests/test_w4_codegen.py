@@ -73,3 +73,38 @@ def test_unpack_runs_on_the_mma_operand_registers(ttgir, name, gated, x_type):
     spilled = re.findall(rf"ttg\.local_alloc %\S+ : \(tensor<{CONFIGS[name].block_n}x16x{elem}", ir)
     assert not spilled, f"{len(spilled)} unpacked weight tiles go through shared memory"
     assert "ttng.warp_group_dot" in ir  # Hopper's wgmma, with the weight slices as its register operand
+
+
+# The one-row GEMV's diagnostic timeline (`w4_gemv.TIMELINE`, scripts/step_timeline.py) only runs on a GPU: check here
+# that it still compiles for sm_90, and that without it the kernel reads no clock.
+_COMPILE_GEMV = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from orinfer.kernels import w4_gemv
+
+SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
+             "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32",
+             "trace_ptr": "*i64"}
+out = {}
+for trace in (False, True):
+    consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=False, CLAMP16=False, BLOCK_N=16, BLOCK_KP=512, GPT=32, SUB=16,
+                  STEPS=1, PDL=True, TRACE=trace)
+    sig = SIGNATURE | {k: "constexpr" for k in consts}
+    compiled = triton.compile(ASTSource(fn=w4_gemv._w4_gemv_kernel, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out[str(trace)] = compiled.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def test_gemv_timeline_compiles_and_is_off_by_default():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_GEMV], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
+    ptx = json.loads(done.stdout)
+    assert "%globaltimer" not in ptx["False"]
+    assert ptx["True"].count("%globaltimer") == 3  # resident, past the PDL wait, done
+    assert "griddepcontrol.wait" in ptx["True"] and "griddepcontrol.wait" in ptx["False"]

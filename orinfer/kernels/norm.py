@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+from orinfer.kernels.pdl import small_kernel_prologue, use_pdl
 
 from orinfer.kernels.gemv import check_device
 
@@ -37,8 +37,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner,
                      H: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                      PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
-        gdc_wait()
-        gdc_launch_dependents()
+        small_kernel_prologue()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1).to(tl.int64)

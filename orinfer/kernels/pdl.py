@@ -6,6 +6,12 @@ while its predecessor is still finishing: it waits in `gdc_wait()` (at its very 
 global memory, so ordering is exactly as without PDL) and the predecessor signals with `gdc_launch_dependents()`.
 Kernels launched with PDL must call `gdc_wait()` first; the flag is a constexpr, so without PDL (older GPUs, the
 Triton interpreter, ORINFER_PDL=0) the calls are compiled out.
+
+Short kernels (norms, RoPE, KV store, split combine) signal before they wait (`small_kernel_prologue`): their
+successor, often a W4 GEMV of hundreds of programs, is then placed on the SMs while they still wait for their own
+predecessor. That is safe: a successor's `gdc_wait()` still waits for this whole grid to finish, and every grid
+before it is fully resident by then, so a waiting grid never holds back one it depends on. The batch-1 AWQ decode
+step: 2.027 ms against 2.030-2.031 signalling after the wait (run 82).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import functools
 import os
 
 import torch
+import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401  (re-exported for kernels)
 
@@ -25,9 +32,17 @@ def _pdl_supported(device_index: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@triton.jit
+def small_kernel_prologue():
+    """PDL prologue of the short kernels: let the successor launch now (it still waits for this grid), then wait for
+    the predecessor before touching memory."""
+    gdc_launch_dependents()
+    gdc_wait()
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device launch with PDL (pass as the kernel's PDL constexpr and as launch_pdl)."""
     return t.is_cuda and _pdl_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["use_pdl", "gdc_wait", "gdc_launch_dependents", "tl"]
+__all__ = ["use_pdl", "gdc_wait", "gdc_launch_dependents", "small_kernel_prologue", "tl"]

@@ -17,7 +17,7 @@ import triton.language as tl
 from orinfer.kernels.attention import check_kv_target, store_kv_ref
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.norm import rms_norm_ref
-from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+from orinfer.kernels.pdl import small_kernel_prologue, use_pdl
 
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, base: float, device: torch.device | None = None
@@ -84,8 +84,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
                          HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
-        gdc_wait()
-        gdc_launch_dependents()
+        small_kernel_prologue()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)   # q heads 0..HQ-1, then k heads HQ..HQ+HK-1
     is_q = heads < HQ

@@ -127,11 +127,21 @@ def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gro
 
 
 @triton.jit
-def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP,
+def _globaltimer(dep):
+    """The GPU's global nanosecond clock (comparable across SMs). `dep`: any scalar; it only gives the asm a shape.
+    Not pure, so the read stays where it is written relative to the waits and stores around it."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP, trace_ptr,
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
-                    SUB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
+                    SUB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
+    if TRACE:  # diagnostic timeline (GemvTimeline): resident, past the PDL wait, done
+        t0 = _globaltimer(pid)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ld = tl.minimum(rows, N_OUT - 1).to(tl.int64)               # tail rows: computed twice, never stored
     cols = tl.arange(0, BLOCK_KP)
@@ -141,6 +151,8 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     acc_u = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
     if PDL:
         gdc_wait()
+    if TRACE:
+        t1 = _globaltimer(pid)
     if STEPS:
         # A few steps (Qwen's K = 4096 is one, 12288 three): straight-line code. As a loop, the compiler pipelines
         # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
@@ -161,8 +173,30 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + rows, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=rows < N_OUT)
+    if TRACE:
+        t2 = _globaltimer(pid)
+        tl.store(trace_ptr + pid * 3, t0)
+        tl.store(trace_ptr + pid * 3 + 1, t1)
+        tl.store(trace_ptr + pid * 3 + 2, t2)
 
 
+class GemvTimeline:
+    """Diagnostic (scripts/step_timeline.py): while `stamps` [slots, programs, 3] int64 is set, each launch of the
+    one-row GEMV takes the next slot (cyclically) and each of its programs writes three %globaltimer stamps there:
+    resident, past the PDL wait, done. Off (None) the kernel compiles without them."""
+
+    stamps: torch.Tensor | None = None
+    launches: int = 0
+
+    def next_slot(self) -> torch.Tensor | None:
+        if self.stamps is None:
+            return None
+        slot = self.stamps[self.launches % self.stamps.shape[0]]
+        self.launches += 1
+        return slot
+
+
+TIMELINE = GemvTimeline()
 UNROLL_STEPS = 4   # rows of up to this many steps are straight-line code (the kernel's STEPS; 0: a runtime loop)
 
 
@@ -176,6 +210,10 @@ class W4GemvConfig(NamedTuple):
 # per step against 2.12 for (8, 512, 4), 2.20 for (4, 512, 4), 2.66 for (32, 512, 4), which runs out of registers.
 # More rows per program spread each thread's x work over more weights (2.95-3.2 SASS instructions per weight).
 DEFAULT_GEMV = W4GemvConfig(16, 512, 4)
+# Rows longer than one step (Qwen3-8B's down: K = 12288, three steps) do better with half the rows per program: twice
+# the programs keep more loads in flight while each walks its steps (step 2.033 against 2.077 ms, run 80; 4 rows:
+# 2.127).
+DEFAULT_GEMV_LONG_ROWS = W4GemvConfig(8, 512, 4)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
                 [(1, 512, 2), (2, 512, 2), (2, 256, 2), (4, 256, 4), (4, 512, 4), (2, 1024, 4), (8, 128, 4),
                  (4, 128, 2), (8, 256, 4), (1, 1024, 4), (2, 512, 4), (16, 128, 4)]]
@@ -202,16 +240,21 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
     n_out = n // 2 if gated else n
     if bias is not None and tuple(bias.shape) != (n_out,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
-    cfg = cfg or DEFAULT_GEMV
+    cfg = cfg or (DEFAULT_GEMV if k // 8 <= DEFAULT_GEMV.block_kp else DEFAULT_GEMV_LONG_ROWS)
     g8, r = w.group_size // 8, w.chunk_int32
     block_kp, gpt, sub = _tile_groups(k // 8, g8, r, cfg.block_kp)
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n_out, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x1)
     steps = k // 8 // block_kp
-    _w4_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+    trace = TIMELINE.next_slot()
+    grid = triton.cdiv(n_out, cfg.block_n)
+    if trace is not None and trace.shape[0] < grid:
+        raise ValueError(f"GemvTimeline slots hold {trace.shape[0]} programs, this launch has {grid}")
+    _w4_gemv_kernel[(grid,)](
         x1, w.packed, w.scales, w.zeros, bias if bias is not None else out, out, n_out, k // 8,
-        w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, G8=g8, R=r, HAS_BIAS=bias is not None,
+        w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, out if trace is None else trace,
+        TRACE=trace is not None, G8=g8, R=r, HAS_BIAS=bias is not None,
         GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
         STEPS=steps if steps <= UNROLL_STEPS else 0, PDL=pdl,
         num_warps=cfg.num_warps, launch_pdl=pdl)

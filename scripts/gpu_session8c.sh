@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call (session 8): GPU tests of the W4 GEMV and decode attention (active-split combine), the step variants of
-# scripts/step_variants_8c.txt, decode_overhead's full report, and the batch-1 AWQ bench alone.
+# Device call (session 8): GPU tests of the W4 GEMV and decode attention (active-split combine, reverted after run 89),
+# the step variants of scripts/step_variants_8c.txt, decode_overhead's full report, and the batch-1 AWQ bench alone.
 # ORINFER_PDL_EARLY (small kernels signalling before their wait) was a temporary switch of this session; signalling
 # first is now the default and the variable is gone.
 set -uo pipefail

@@ -203,31 +203,25 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range (context 0, or a split past the end) writes zeros
     o = acc / l_safe[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
-    if SPLIT:  # splits past the context's last tile write nothing: the combine reads only the active ones
+    if SPLIT:
         idx = (b * HQ + heads).to(tl.int64) * num_splits + split
-        active = tile_lo < tile_hi
-        tl.store(part_o_ptr + idx[:, None] * D + d[None, :], o, mask=o_mask & active)
-        tl.store(part_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask & active)
+        tl.store(part_o_ptr + idx[:, None] * D + d[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
     else:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
-def _combine_splits_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
-                           D: tl.constexpr, TILE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                           PDL: tl.constexpr):
+def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
+                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         small_kernel_prologue()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    # The splits that own tiles (the decode kernel's ranges): at short contexts most of a graph's fixed split count
-    # is empty, and reading only the active ones keeps the merge short (run 81).
-    n_tiles = tl.cdiv(tl.load(ctx_ptr + b), TILE)
-    n_active = tl.cdiv(n_tiles, tl.maximum(tl.cdiv(n_tiles, num_splits), 1))
-    s_mask = s < n_active
+    s_mask = s < num_splits
     base = (b * HQ + h).to(tl.int64) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # log2 domain
     m = tl.max(lse, axis=0)
@@ -264,8 +258,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softmax (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp. Kernel 2, grid (B, Hq),
     merges the splits by their LSE. num_splits = 1 skips kernel 2 (kernel 1 writes the output). Default
     num_splits: enough programs for ~2 per SM, computed from shapes only (block_tables.shape[1] bounds the
-    context), so no device->host sync and the launch is CUDA-graph safe; splits past a sequence's end write nothing
-    and are not read (a context of 0 gives zeros).
+    context), so no device->host sync and the launch is CUDA-graph safe; splits past a sequence's end write zeros.
     Any cache block size and any head_dim (masked to the next power of two >= 16) work.
     Traffic: the context's K and V once (2*ctx*Hk*D elements per sequence) + q/out + 2*splits*Hq*(D+1) fp32.
     """
@@ -311,9 +304,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_F32=dot_f32, num_warps=4, num_stages=2, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     if split:
         _combine_splits_kernel[(batch, heads)](
-            part_o, part_lse, context_lens, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,
-            TILE=block_n, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
-            num_warps=4, PDL=use_pdl(q), launch_pdl=use_pdl(q))
+            part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+            PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return out
 
 

@@ -7,7 +7,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 for round in 1 2; do
     for tree in ${TREES:-. old_tree}; do
-        echo "round $round $tree: $(cd $tree && PYTHONPATH=$PWD timeout 200 python3 -m orinfer bench --synthetic qwen3-8b \
-            --quant awq --batch-sizes 1,8,32 --prompt-lens 128 2>&1 | grep 'decode batch' | tr '\n' ' ')"
+        echo "round $round $tree: $(cd $tree && PYTHONPATH=$PWD timeout 200 python3 -m orinfer bench \
+            --synthetic qwen3-8b --quant awq --batch-sizes 1,8,32 --prompt-lens 128 2>&1 \
+            | grep 'decode batch' | tr '\n' ' ')"
     done
 done

@@ -12,27 +12,15 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from orinfer.kernels import w4_gemv
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
-             "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32",
-             "trace_ptr": "*i64"}
 
 
 def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512) -> tuple[str, str]:
     """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128."""
-    const = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                 GPT=block_kp // 16, SUB=16,
-                 STEPS=k8 // block_kp if k8 // block_kp <= w4_gemv.UNROLL_STEPS else 0, PDL=True, TRACE=False)
-    sig = dict(SIGNATURE, **{name: "constexpr" for name in const})
-    # the launcher specialises pointers and integer arguments divisible by 16 (vector loads); say so here too
-    attrs = {(w4_gemv._w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE}
-    compiled = triton.compile(ASTSource(fn=w4_gemv._w4_gemv_kernel, signature=sig, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    compiled = w4_gemv.compile_sm90(block_n, block_kp, warps, gated, k8)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()

@@ -79,23 +79,9 @@ def test_unpack_runs_on_the_mma_operand_registers(ttgir, name, gated, x_type):
 # that it still compiles for sm_90, and that without it the kernel reads no clock.
 _COMPILE_GEMV = r"""
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from orinfer.kernels import w4_gemv
 
-SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
-             "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32",
-             "trace_ptr": "*i64"}
-out = {}
-for trace in (False, True):
-    consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=False, CLAMP16=False, BLOCK_N=16, BLOCK_KP=512, GPT=32, SUB=16,
-                  STEPS=1, PDL=True, TRACE=trace)
-    sig = SIGNATURE | {k: "constexpr" for k in consts}
-    compiled = triton.compile(ASTSource(fn=w4_gemv._w4_gemv_kernel, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out[str(trace)] = compiled.asm["ptx"]
-print(json.dumps(out))
+print(json.dumps({str(trace): w4_gemv.compile_sm90(16, 512, 4, trace=trace).asm["ptx"] for trace in (False, True)}))
 """
 
 

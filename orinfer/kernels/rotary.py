@@ -186,4 +186,3 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         cos_sin.stride(0), eps, HALF=half, HAS_NORM=has_norm, STORE=store, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=4, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return q_out, k_out
-

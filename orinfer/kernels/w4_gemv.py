@@ -259,3 +259,24 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
         STEPS=steps if steps <= UNROLL_STEPS else 0, PDL=pdl,
         num_warps=cfg.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)
+
+
+def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = False, k8: int = 512,
+                 trace: bool = False) -> triton.compiler.CompiledKernel:
+    """The kernel compiled ahead of time for sm_90, bf16 x, group size 128, K = 8 * k8 (Qwen3-8B: 512; down: 1536),
+    with the launcher's specialisations (pointers and ints divisible by 16). Needs no GPU: Triton ships ptxas. For
+    reading its code without a device (scripts/sass_mix.py, tests/test_w4_codegen.py); returns Triton's compiled
+    kernel (`.asm["ptx"]`, `.asm["cubin"]`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    args = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
+            "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32",
+            "trace_ptr": "*i64"}
+    steps = k8 // block_kp
+    consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
+                  GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, PDL=True, TRACE=trace)
+    signature = args | {name: "constexpr" for name in consts}
+    attrs = {(_w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args}
+    return triton.compile(ASTSource(fn=_w4_gemv_kernel, signature=signature, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

@@ -15,7 +15,7 @@ HEADS, HEAD_DIM = 32, 128
 
 def main() -> None:
     dev = torch.device("cuda")
-    splits = [4, 8, 16, 33, 64]
+    splits = [4, 8, 16, 32, 33, 64]
     print("ctx     " + "  ".join(f"splits {s:2d}" for s in splits) + "  (us)")
     for ctx in (256, 1024, 4096, 16384, 32768):
         k_cache, v_cache, tables, lens = _paged_cache(ctx, 1, 16, torch.bfloat16, dev)

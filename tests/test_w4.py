@@ -161,13 +161,27 @@ def test_leading_dims_and_empty_input():
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("g", [16, 64, 128])
-def test_w4_dequantize(dtype, g):
-    w, _ = random_w4(256, 40, g)
+@pytest.mark.parametrize("k", [256, 384])   # 384 with g = 128: three chunks, the program's fourth masked
+def test_w4_dequantize(dtype, g, k):
+    w, _ = random_w4(k, 40, g)
     got, ref = w4_dequantize(w, dtype), W.w4_dequantize_ref(w, dtype)
     if dtype == torch.bfloat16 and INTERPRET:  # the interpreter rounds fp32 -> bf16 by truncation (<= 1 ulp)
         torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
     else:
         assert torch.equal(got, ref)
+
+
+@needs_kernels
+@kernel_test
+def test_w4_dequantize_into_a_buffer():
+    w, _ = random_w4(256, 24, 128)
+    buf = torch.full((24, 256), float("nan"), dtype=torch.float32, device=DEVICE)
+    assert w4_dequantize(w, torch.float32, out=buf) is buf
+    assert torch.equal(buf, W.w4_dequantize_ref(w, torch.float32))
+    with pytest.raises(ValueError, match=r"contiguous \[24, 256\]"):
+        w4_dequantize(w, torch.float32, out=buf.t().contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        w4_dequantize(w, torch.bfloat16, out=buf)
 
 
 @needs_kernels

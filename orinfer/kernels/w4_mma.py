@@ -303,33 +303,44 @@ def w4_mma(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated
 @triton.jit
 def _w4_dequant_kernel(qw_ptr, sc_ptr, zp_ptr, out_ptr, N, K8, stride_qw, stride_sg, stride_o,
                        G8: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
-    pid_n = tl.program_id(0)
-    rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    """A program: BLOCK_N rows x CHUNKS chunks of R int32 each, loaded at once (CHUNKS * R * 4 contiguous bytes per
+    row) and stored at once (CHUNKS * 8R contiguous outputs per row); chunks past K8 are masked."""
+    rn = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
     p = tl.arange(0, 8)
     r = tl.arange(0, R)
-    for ch in range(tl.program_id(1) * CHUNKS, tl.minimum((tl.program_id(1) + 1) * CHUNKS, K8 // R)):
-        c0 = ch * R
-        w = tl.load(qw_ptr + rn[:, None] * stride_qw + c0 + r[None, :])                  # [BLOCK_N, R]
-        z = tl.load(zp_ptr + rn * stride_sg + c0 // G8).to(tl.float32)
-        s = tl.load(sc_ptr + rn * stride_sg + c0 // G8).to(tl.float32)
-        codes = (w[:, None, :] >> (4 * p)[None, :, None]) & 15                          # [BLOCK_N, 8, R]
-        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        val = (q - z[:, None, None]) * s[:, None, None]
-        k = c0 * 8 + p[None, :, None] * R + r[None, None, :]
-        tl.store(out_ptr + rn[:, None, None] * stride_o + k, val.to(out_ptr.dtype.element_ty))
+    first = tl.program_id(1) * (CHUNKS * R)                                             # first int32 column
+    col = first + c[:, None] * R + r[None, :]                                           # [CHUNKS, R]
+    w = tl.load(qw_ptr + rn[:, None, None] * stride_qw + col[None], mask=(col < K8)[None], other=0)
+    chunk_in = first + c * R < K8                                                       # [CHUNKS]
+    sg = rn[:, None] * stride_sg + ((first + c * R) // G8)[None, :]                     # one group per chunk
+    z = tl.load(zp_ptr + sg, mask=chunk_in[None, :], other=0).to(tl.float32)
+    s = tl.load(sc_ptr + sg, mask=chunk_in[None, :], other=0).to(tl.float32)
+    codes = (w[:, :, None, :] >> (4 * p)[None, None, :, None]) & 15                    # [BLOCK_N, CHUNKS, 8, R]
+    q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    val = (q - z[:, :, None, None]) * s[:, :, None, None]
+    k = first * 8 + c[:, None, None] * (8 * R) + p[None, :, None] * R + r[None, None, :]  # [CHUNKS, 8, R] inputs
+    tl.store(out_ptr + rn[:, None, None, None] * stride_o + k[None], val.to(out_ptr.dtype.element_ty),
+             mask=(k < K8 * 8)[None])
 
 
-def w4_dequantize(w: W4Weight, dtype: torch.dtype = torch.bfloat16, block_n: int = 16, chunks: int = 2,
-                  num_warps: int = 4) -> torch.Tensor:
+def w4_dequantize(w: W4Weight, dtype: torch.dtype = torch.bfloat16, block_n: int = 4, chunks: int = 4,
+                  num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] = (q - z) * s in `dtype` (computed in fp32, rounded once). Reads N*K*(0.5 + 3/G) bytes, writes
-    N*K*sizeof(dtype): bandwidth-bound. Grid (cdiv(N, block_n), cdiv(K/8R, chunks)); tail rows rewrite row N-1
-    (same values). The default tile is run 45's best (scripts/dequant_sweep.py): 62-73% of the read bandwidth on
-    Qwen3-8B's projections, 164 us per layer, which is most of AWQ prefill's gap to bf16 (about 9% at 2048 tokens)."""
+    N*K*sizeof(dtype): bandwidth-bound. Grid (cdiv(N, block_n), cdiv(K/8, chunks * R)); tail rows rewrite row N-1
+    (same values). The default tile is run 91's best (scripts/dequant_ab.py): 71-83% of the copy ceiling on Qwen3-8B's
+    projections, 145 us per layer (the earlier form, one chunk at a time: 160 us). The dequantisation is most of AWQ
+    prefill's gap to bf16 (about 10% at 2048 tokens). `out`: a contiguous [N, K] tensor of `dtype` to write into
+    (a reused buffer) instead of a new one."""
     check_device(w.packed)
     n, k = w.out_features, w.in_features
-    out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
+    elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous() or out.device != w.packed.device:
+        raise ValueError(f"w4_dequantize: out must be a contiguous [{n}, {k}] {dtype} tensor on {w.packed.device}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     r = w.chunk_int32
-    _w4_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8 // r, chunks))](
+    _w4_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, chunks * r))](
         w.packed, w.scales, w.zeros, out, n, k // 8, w.packed.stride(0), w.scales.stride(0), out.stride(0),
         G8=w.group_size // 8, R=r, BLOCK_N=block_n, CHUNKS=chunks, num_warps=num_warps)
     return out

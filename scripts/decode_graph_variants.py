@@ -1,0 +1,50 @@
+"""The batch-1 AWQ decode graph's replay time under different engine configurations, one engine at a time in one
+process: which of max_num_seqs (graph buckets sharing one memory pool), the KV-cache size or max_model_len (the
+decode attention's split count) makes the bench's graph (2.126 ms, run 91) slower than decode_overhead.py's (2.034).
+Usage (device): python3 scripts/decode_graph_variants.py [SEQS,KV,MAX_LEN ...] (default: the list below, in order);
+KV is GiB of cache budget, or a block count when it ends in "b". PRE_MATMUL=1: one cuBLAS matmul before the engine
+is built (does initialising cuBLAS first change the graph?)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+
+from decode_in_bench import replay_ms  # same folder
+from orinfer.bench.engine_bench import _prompts, build_synthetic_llm
+from orinfer.config import EngineConfig, QuantConfig, preset
+from orinfer.sampling_params import SamplingParams
+
+VARIANTS = [  # (max_num_seqs, KV-cache bytes, max_model_len)
+    (1, 1 << 30, 2048), (64, 1 << 30, 2064), (1, 4 << 30, 2064), (64, 4 << 30, 2064), (64, 4 << 30, 400),
+    (1, 1 << 30, 2048)]
+
+
+def main() -> None:
+    cfg = preset("qwen3-8b")
+    cfg.quantization = QuantConfig(group_size=128)
+    if os.environ.get("PRE_MATMUL") == "1":
+        a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+        (a @ a.t()).sum().item()
+    variants = [a.split(",") for a in sys.argv[1:]]
+    variants = [(int(s), kv if kv.endswith("b") else int(kv) << 30, int(n)) for s, kv, n in variants] or VARIANTS
+    for seqs, kv, max_len in variants:
+        kv_arg = {"num_kv_blocks": int(kv[:-1])} if isinstance(kv, str) else {"kv_cache_bytes": kv}
+        ecfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=8192, max_model_len=max_len, **kv_arg)
+        llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", ecfg)
+        llm.generate(_prompts(1, 128, cfg.vocab_size, 0), SamplingParams(max_tokens=32, temperature=0.0,
+                                                                        ignore_eos=True))
+        times = [replay_ms(llm) for _ in range(3)]
+        blocks = llm.engine.runner.num_blocks
+        print(f"max_num_seqs {seqs:3d}, KV {blocks} blocks, max_model_len {max_len}: replay "
+              f"{' / '.join(f'{t:.3f}' for t in times)} ms")
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

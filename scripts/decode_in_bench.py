@@ -1,0 +1,88 @@
+"""Why batch-1 decode measures slower inside `orinfer bench` (465 tok/s, run 90) than the graph replays back to back
+(2.034 ms -> 492 tok/s): the bench's engine (max_model_len 2064, 64-row graphs) decodes one sequence as the bench
+does, with each step's wall time recorded, before and after the bench's prefills, with Python's GC on and off; the
+graph replay is timed next to it. Usage (device): python3 scripts/decode_in_bench.py [--quant awq] [--max-len N]"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+
+import torch
+
+from orinfer.bench.engine_bench import _prompts, build_synthetic_llm
+from orinfer.config import EngineConfig, QuantConfig, preset
+from orinfer.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def decode_b1(llm, vocab: int, steps_log: list[float]) -> float:
+    """tok/s as bench_engine computes it (first token to last finish) for one 128-token prompt, 256 tokens."""
+    engine = llm.engine
+    real_step = engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = real_step()
+        steps_log.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed_step
+    try:
+        out = llm.generate(_prompts(1, 128, vocab, 101), SamplingParams(max_tokens=256, **GREEDY))[0]
+    finally:
+        engine.step = real_step
+    m = out.metrics
+    return (m.num_generated_tokens - 1) / (m.e2e_s - m.ttft_s)
+
+
+def replay_ms(llm) -> float:
+    graph = llm.engine.runner.graphs.graphs[1]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / 200 * 1000
+
+
+def report(label: str, tok_s: float, steps: list[float]) -> None:
+    ms = sorted(s * 1000 for s in steps[2:])
+    print(f"{label}: {tok_s:.1f} tok/s; engine.step wall ms p10 {ms[len(ms) // 10]:.3f} median "
+          f"{statistics.median(ms):.3f} p90 {ms[9 * len(ms) // 10]:.3f} max {ms[-1]:.3f} (n={len(ms)})")
+
+
+def main() -> None:
+    cfg = preset("qwen3-8b")
+    if "--quant" in sys.argv and sys.argv[sys.argv.index("--quant") + 1] == "awq":
+        cfg.quantization = QuantConfig(group_size=128)
+    max_len = int(sys.argv[sys.argv.index("--max-len") + 1]) if "--max-len" in sys.argv else 2064
+    seq_tokens = 128 + 256
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * 2 * 64 * (seq_tokens + 32)
+    ecfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=max_len,
+                        kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20))
+    llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", ecfg)
+    llm.generate(_prompts(1, 64, cfg.vocab_size, 0), SamplingParams(max_tokens=8, **GREEDY))
+    for label in ("fresh", "fresh again"):
+        steps: list[float] = []
+        report(label, decode_b1(llm, cfg.vocab_size, steps), steps)
+    print(f"graph replay {replay_ms(llm):.3f} ms")
+    for length in (512, 2048):
+        if length + 2 <= max_len:
+            for r in range(4):
+                llm.generate(_prompts(1, length, cfg.vocab_size, r), SamplingParams(max_tokens=1, **GREEDY))
+    for label in ("after prefills", "after prefills again"):
+        steps = []
+        report(label, decode_b1(llm, cfg.vocab_size, steps), steps)
+    gc.disable()
+    steps = []
+    report("gc off", decode_b1(llm, cfg.vocab_size, steps), steps)
+    gc.enable()
+    print(f"graph replay {replay_ms(llm):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -290,7 +290,8 @@ def w4_mma(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated
         x2, w.packed, w.scales, w.zeros, bias_arg, out, ws, m, n_out, k // 8, x2.stride(0), out.stride(0),
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, per_split, G8=w.group_size // 8,
         R=w.chunk_int32, HAS_BIAS=bias is not None, GATED=gated, PLAIN=x.dtype == torch.float32 or interpreting(),
-        FP16=x.dtype == torch.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=8, SPLIT=split, PREFETCH=cfg.prefetch, PDL=pdl,
+        FP16=x.dtype == torch.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=8, SPLIT=split,
+        PREFETCH=cfg.prefetch, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
@@ -328,10 +329,10 @@ def w4_dequantize(w: W4Weight, dtype: torch.dtype = torch.bfloat16, block_n: int
                   num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] = (q - z) * s in `dtype` (computed in fp32, rounded once). Reads N*K*(0.5 + 3/G) bytes, writes
     N*K*sizeof(dtype): bandwidth-bound. Grid (cdiv(N, block_n), cdiv(K/8, chunks * R)); tail rows rewrite row N-1
-    (same values). The default tile is run 91's best (scripts/dequant_ab.py): 71-83% of the copy ceiling on Qwen3-8B's
-    projections, 145 us per layer (the earlier form, one chunk at a time: 160 us). The dequantisation is most of AWQ
-    prefill's gap to bf16 (about 10% at 2048 tokens). `out`: a contiguous [N, K] tensor of `dtype` to write into
-    (a reused buffer) instead of a new one."""
+    (same values). The default tile is the best of runs 91-92 (scripts/dequant_sweep.py): 68-83% of the copy ceiling on
+    Qwen3-8B's projections, 145-148 us per layer (the earlier form, one chunk at a time: 160 us). The dequantisation is
+    most of AWQ prefill's gap to bf16 (about 8% of a 2048-token prefill). `out`: a contiguous [N, K] tensor of `dtype`
+    to write into (a reused buffer) instead of a new one."""
     check_device(w.packed)
     n, k = w.out_features, w.in_features
     if out is None:

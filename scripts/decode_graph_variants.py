@@ -13,10 +13,8 @@ import sys
 
 import torch
 
-from decode_in_bench import replay_ms  # same folder
-from orinfer.bench.engine_bench import _prompts, build_synthetic_llm
-from orinfer.config import EngineConfig, QuantConfig, preset
-from orinfer.sampling_params import SamplingParams
+from decode_in_bench import awq_engine, replays  # same folder
+from orinfer.config import EngineConfig
 
 VARIANTS = [  # (max_num_seqs, KV-cache bytes, max_model_len)
     (1, 1 << 30, 2048), (64, 1 << 30, 2064), (1, 4 << 30, 2064), (64, 4 << 30, 2064), (64, 4 << 30, 400),
@@ -24,8 +22,6 @@ VARIANTS = [  # (max_num_seqs, KV-cache bytes, max_model_len)
 
 
 def main() -> None:
-    cfg = preset("qwen3-8b")
-    cfg.quantization = QuantConfig(group_size=128)
     if os.environ.get("PRE_MATMUL") == "1":
         a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
         (a @ a.t()).sum().item()
@@ -33,14 +29,10 @@ def main() -> None:
     variants = [(int(s), kv if kv.endswith("b") else int(kv) << 30, int(n)) for s, kv, n in variants] or VARIANTS
     for seqs, kv, max_len in variants:
         kv_arg = {"num_kv_blocks": int(kv[:-1])} if isinstance(kv, str) else {"kv_cache_bytes": kv}
-        ecfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=8192, max_model_len=max_len, **kv_arg)
-        llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", ecfg)
-        llm.generate(_prompts(1, 128, cfg.vocab_size, 0), SamplingParams(max_tokens=32, temperature=0.0,
-                                                                        ignore_eos=True))
-        times = [replay_ms(llm) for _ in range(3)]
+        llm = awq_engine(EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=8192, max_model_len=max_len,
+                                      **kv_arg))
         blocks = llm.engine.runner.num_blocks
-        print(f"max_num_seqs {seqs:3d}, KV {blocks} blocks, max_model_len {max_len}: replay "
-              f"{' / '.join(f'{t:.3f}' for t in times)} ms")
+        print(f"max_num_seqs {seqs:3d}, KV {blocks} blocks, max_model_len {max_len}: replay {replays(llm)} ms")
         del llm
         gc.collect()
         torch.cuda.empty_cache()

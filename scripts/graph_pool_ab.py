@@ -8,53 +8,46 @@ import gc
 
 import torch
 
-from decode_in_bench import replay_ms  # same folder
-from orinfer.bench.engine_bench import _prompts, build_synthetic_llm
-from orinfer.config import EngineConfig, QuantConfig, preset
+from decode_in_bench import awq_engine, replays, warm_decode  # same folder
+from orinfer.config import EngineConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
-from orinfer.sampling_params import SamplingParams
 
 
-def recapture(runner, max_batch: int, order: str) -> None:
+def recapture(runner, max_blocks: int, max_batch: int, order: str) -> None:
+    """New decode graphs for up to `max_batch` rows. `order`: "one pool" (as the engine does: largest first, one
+    shared pool), "separate pools" (each bucket its own) or "smallest first" (one pool)."""
     runner.graphs = None
     gc.collect()
     torch.cuda.empty_cache()
-    graphs = DecodeGraphs(runner.model, max_batch, runner.max_blocks_for_graphs, torch.device("cuda"))
+    graphs = DecodeGraphs(runner.model, max_batch, max_blocks, torch.device("cuda"))
+    buckets = graphs.buckets
     if order == "separate pools":
-        for batch in reversed(graphs.buckets):
-            graphs.pool = None
-            graphs.buckets_backup = graphs.buckets
-            graphs.buckets = [batch]
+        for batch in reversed(buckets):
+            graphs.pool, graphs.buckets = None, [batch]
             graphs.capture()
-            graphs.buckets = graphs.buckets_backup
     elif order == "smallest first":
-        graphs.buckets = list(graphs.buckets)
-        buckets = graphs.buckets
-        graphs.buckets = list(reversed(buckets))   # capture() walks reversed(buckets): smallest first
+        graphs.buckets = list(reversed(buckets))   # capture() walks reversed(buckets)
         graphs.capture()
-        graphs.buckets = buckets
     else:
         graphs.capture()
+    graphs.buckets = buckets                       # run() picks the smallest bucket >= the batch: ascending
     runner.graphs = graphs
 
 
 def main() -> None:
-    cfg = preset("qwen3-8b")
-    cfg.quantization = QuantConfig(group_size=128)
-    ecfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=2048, kv_cache_bytes=1 << 30)
-    llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", ecfg)
+    llm = awq_engine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=2048,
+                                  kv_cache_bytes=1 << 30))
     runner = llm.engine.runner
-    runner.max_blocks_for_graphs = runner.graphs.max_blocks
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    for label, max_batch, order in [("as built (64, largest first, one pool)", 64, ""),
-                                    ("recaptured the same way", 64, "largest first"),
+    max_blocks = runner.graphs.max_blocks
+    print(f"as built (64, largest first, one pool): replay {replays(llm)} ms")
+    for label, max_batch, order in [("recaptured the same way", 64, "one pool"),
                                     ("separate pools", 64, "separate pools"),
                                     ("smallest first, one pool", 64, "smallest first"),
-                                    ("max batch 1", 1, ""), ("max batch 8", 8, ""), ("max batch 64 again", 64, "")]:
-        if order or max_batch != 64:
-            recapture(runner, max_batch, order)
-        llm.generate(_prompts(1, 128, cfg.vocab_size, 0), params)
-        print(f"{label}: replay {' / '.join(f'{replay_ms(llm):.3f}' for _ in range(3))} ms")
+                                    ("max batch 1", 1, "one pool"), ("max batch 8", 8, "one pool"),
+                                    ("max batch 64 again", 64, "one pool")]:
+        recapture(runner, max_blocks, max_batch, order)
+        warm_decode(llm)
+        print(f"{label}: replay {replays(llm)} ms")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ def main() -> None:
 
         def issue(i: int) -> None:
             w = weights[i]
-            side.wait_stream(main_stream) if i < 2 else side.wait_event(freed[i % 2])
+            if i < 2:                              # the buffer is still unused
+                side.wait_stream(main_stream)
+            else:                                  # the GEMM that read this buffer two weights ago is done
+                side.wait_event(freed[i % 2])
             with torch.cuda.stream(side):
                 w4_dequantize(w, out=bufs[i % 2][:w.out_features * w.in_features].view(w.out_features, w.in_features))
                 ready.append(torch.cuda.Event())

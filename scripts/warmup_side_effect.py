@@ -7,28 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from decode_in_bench import replay_ms  # same folder
-from orinfer.bench.engine_bench import _prompts, build_synthetic_llm
-from orinfer.config import EngineConfig, QuantConfig, preset
+from decode_in_bench import awq_engine, replays  # same folder
+from orinfer.config import EngineConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
-from orinfer.sampling_params import SamplingParams
 
 
 def main() -> None:
-    cfg = preset("qwen3-8b")
-    cfg.quantization = QuantConfig(group_size=128)
-    ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=8192, max_model_len=2048, num_kv_blocks=128)
-    llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", ecfg)
+    llm = awq_engine(EngineConfig(max_num_seqs=1, max_num_batched_tokens=8192, max_model_len=2048,
+                                  num_kv_blocks=128))
     runner = llm.engine.runner
-    llm.generate(_prompts(1, 128, cfg.vocab_size, 0), SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    print(f"fresh: replay {' / '.join(f'{replay_ms(llm):.3f}' for _ in range(3))} ms")
+    print(f"fresh: replay {replays(llm)} ms")
     eager = DecodeGraphs(runner.model, 64, runner.graphs.max_blocks, torch.device("cuda"))
     with torch.inference_mode():
         for rows in (2, 16, 64):
             eager._forward(rows)
             torch.cuda.synchronize()
-            print(f"after an eager {rows}-row decode forward: replay "
-                  f"{' / '.join(f'{replay_ms(llm):.3f}' for _ in range(3))} ms")
+            print(f"after an eager {rows}-row decode forward: replay {replays(llm)} ms")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ import gc
 
 import torch
 
-from decode_in_bench import replay_ms  # same folder
-from orinfer.bench.engine_bench import _prompts, build_synthetic_llm
-from orinfer.config import EngineConfig, QuantConfig, preset
+from decode_in_bench import awq_engine, replays, warm_decode  # same folder
+from orinfer.config import EngineConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
-from orinfer.sampling_params import SamplingParams
 
 ALIGN = 4096
 
@@ -33,14 +31,10 @@ def to_arena(model: torch.nn.Module) -> None:
 
 
 def main() -> None:
-    cfg = preset("qwen3-8b")
-    cfg.quantization = QuantConfig(group_size=128)
     ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=8192, max_model_len=2048, kv_cache_bytes=1 << 30)
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for build in range(3):
-        llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", ecfg)
-        llm.generate(_prompts(1, 128, cfg.vocab_size, 0), params)
-        print(f"build {build}: replay {' / '.join(f'{replay_ms(llm):.3f}' for _ in range(3))} ms")
+        llm = awq_engine(ecfg)
+        print(f"build {build}: replay {replays(llm)} ms")
         if build < 2:
             del llm
             gc.collect()
@@ -51,8 +45,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     runner.graphs = DecodeGraphs(runner.model, 1, runner.graphs.max_blocks, torch.device("cuda"))
     runner.graphs.capture()
-    llm.generate(_prompts(1, 128, cfg.vocab_size, 0), params)
-    print(f"build 2, weights in one buffer: replay {' / '.join(f'{replay_ms(llm):.3f}' for _ in range(3))} ms")
+    warm_decode(llm)
+    print(f"build 2, weights in one buffer: replay {replays(llm)} ms")
 
 
 if __name__ == "__main__":

@@ -41,13 +41,14 @@ from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_gemv import _epilogue
 
 
-def _unpack_asm(magic: int, one: int, ptx_type: str) -> str:
+def _unpack_asm(magic: int, one: int, ptx_type: str, subtract: bool = True) -> str:
     """PTX for one pair of int32 words that the MMA operand's registers hold side by side (inputs k and k + 1 of one
     weight row): the eight 16-bit pairs (q_p(k) - z, q_p(k + 1) - z), p = 0..7, in outputs $0..$7. prmt gathers byte
     p // 2 of both words into the two 16-bit halves; lop3 keeps nibble p (after a shift by 4 for odd p) and ORs in the
     exponent bits of B, giving the exact value B + q; an fma adds $10, which holds -(B + z) in both halves (the value
     is exact: a small integer). Two weights per lop3 and per fma, one prmt and one shift per four: 1.5 instructions
-    per weight, where unpacking one code per 16-bit element costs ~3. fma.rn.bf16x2 needs sm_80 or newer."""
+    per weight, where unpacking one code per 16-bit element costs ~3. fma.rn.bf16x2 needs sm_80 or newer. Without
+    `subtract`: B + q, no fma and no $10 (scripts/w4_tc_proto.py takes the zero point out after the MMA)."""
     lines = ["{", ".reg .b32 t<4>, one;", f"mov.b32 one, {one:#x};"]
     for b in range(4):
         lines.append(f"prmt.b32 t{b}, $8, $9, 0x{4 + b:x}{4 + b:x}{b:x}{b:x};")
@@ -57,7 +58,8 @@ def _unpack_asm(magic: int, one: int, ptx_type: str) -> str:
                 lines.append(f"shr.u32 t{b}, t{b}, 4;")
             out = f"${2 * b + odd}"
             lines.append(f"lop3.b32 {out}, t{b}, 0x000F000F, {magic:#x}, 0xEA;")
-            lines.append(f"fma.rn.{ptx_type} {out}, {out}, one, $10;")
+            if subtract:
+                lines.append(f"fma.rn.{ptx_type} {out}, {out}, one, $10;")
     return "\n".join(lines + ["}"])
 
 

@@ -6,6 +6,8 @@
 #          benchmarks (scripts/gpu_session4b.sh) (run 106)
 #   regs   the gated GEMV (gate_up) held to 96 or 80 registers, so that more of its 768 programs are resident at once
 #          (run 107)
+#   cache  the GEMV's weight loads as ld.global.cg (no L1 allocation, default L2 policy) instead of L1/L2 evict_first
+#          (run 108)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 PARTS=${PARTS:-tc}
@@ -34,4 +36,10 @@ if [[ $PARTS == *regs* ]]; then
         timeout 100 python3 scripts/step_ab.py "import orinfer.kernels.w4_gemv as m; k = m._w4_gemv_kernel; run = k.run
 k.run = lambda *a, **kw: run(*a, **(kw | ({'maxnreg': $n} if kw.get('GATED') else {})))" 2>&1 | grep -i "replay\|error"
     done
+fi
+if [[ $PARTS == *cache* ]]; then
+    echo "weights ld.global.cg"
+    timeout 100 python3 scripts/step_ab.py "import orinfer.kernels.w4_gemv as m; f = m._load_step
+f._unsafe_update_src(f.src.replace('eviction_policy=\"evict_first\"', 'cache_modifier=\".cg\"'))
+m._w4_gemv_kernel.hash = None" 2>&1 | grep -i "replay\|error"
 fi

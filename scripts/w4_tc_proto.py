@@ -49,7 +49,9 @@ def _idx2(n0: gl.constexpr, n1: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(acc, w, xs, ones, zp_ptr, sc_ptr, sz, G8: gl.constexpr):
+def _chunk(acc, w, xs, ones, zp_ptr, sc_ptr, sz):
+    """acc + s * (sum_p (128 + q_p) x_p - (128 + z) sum x) for one chunk: the int32 tile `w`, x's eight slices `xs`
+    (B operands), `ones` an all-ones A operand, `sz` the offsets of the chunk's scales and zero points."""
     planes = gl.inline_asm_elementwise(_UNPACK_MAGIC, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
                                        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
     part = mma_v2(planes[0], xs[0], gl.zeros_like(acc))
@@ -82,15 +84,15 @@ def w4_tc_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, out_ptr, N_OUT, stride_qw, 
     ss, rs = _idx2(S, BLOCK_N, SM)
     s_row = gl.minimum(row0 + rs, N_OUT - 1) * stride_sg
     sb, kb, nb = _idx3(S, 16, 8, B_L)
-    x_off = sb * 128 + kb + nb * 0
+    x_off = sb * 128 + kb + nb * 0                   # (+ nb * 0: broadcast to the operand's [S, 16, 8] shape)
     x_mask = (nb == 0) & (kb >= 0) & (sb >= 0)
     acc_g = gl.zeros([S, BLOCK_N, 8], gl.float32, MMA)
     acc_u = gl.zeros([S, BLOCK_N, 8], gl.float32, MMA)
     ones = gl.full([S, BLOCK_N, 16], 1.0, gl.bfloat16, A_L)
     if PDL:
         gdc_wait()
-    # All of the program's loads first (STEPS is small): the compiler keeps program order, and a load issued after
-    # the previous step's MMAs waits out a whole memory latency per step.
+    # All of the program's loads written first (STEPS is small), so that a step's loads are not issued only after
+    # the previous step's MMAs (run 103's order). ptxas still moves some of them between the MMAs (run 104's SASS).
     wgs = ()
     wus = ()
     xss = ()
@@ -107,9 +109,9 @@ def w4_tc_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, out_ptr, N_OUT, stride_qw, 
     for i in gl.static_range(STEPS):
         c = i * S
         sz = s_row + (c + ss) * 16 // G8
-        acc_g = _chunk(acc_g, wgs[i], xss[i], ones, zp_ptr, sc_ptr, sz, G8)
+        acc_g = _chunk(acc_g, wgs[i], xss[i], ones, zp_ptr, sc_ptr, sz)
         if GATED:
-            acc_u = _chunk(acc_u, wus[i], xss[i], ones, zp_ptr, sc_ptr, sz + UP * stride_sg, G8)
+            acc_u = _chunk(acc_u, wus[i], xss[i], ones, zp_ptr, sc_ptr, sz + UP * stride_sg)
     if PDL:
         gdc_launch_dependents()
     g = gl.sum(gl.sum(acc_g, axis=2), axis=0)

@@ -112,7 +112,8 @@ def check_kv_target(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_
     if (k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (kv_heads, head_dim)
             or slot_mapping.shape != (tokens,)):
         raise ValueError(f"{op}: cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} and slots "
-                         f"{tuple(slot_mapping.shape)} do not match {tokens} tokens of {kv_heads} kv heads x {head_dim}")
+                         f"{tuple(slot_mapping.shape)} do not match {tokens} tokens of {kv_heads} kv heads x "
+                         f"{head_dim}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"{op}: the caches must be contiguous")
 

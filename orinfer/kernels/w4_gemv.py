@@ -70,8 +70,8 @@ _UP = tl.constexpr(2.0 ** 64)
 @triton.jit
 def _nibble_plane(w, w_hi, P: tl.constexpr):
     """Nibble P of each int32 of `w` (`w_hi` = w >> 16; the masks keep bits 0..15 of it, so the shift's sign fill
-    does not matter) as the fp32 subnormal q * 16^(P % 4) * 2^-149: the
-    masked bits read as a float as they are (one AND, no convert, no bias to subtract)."""
+    does not matter) as the fp32 subnormal q * 16^(P % 4) * 2^-149: the masked bits read as a float as they are
+    (one AND, no convert, no bias to subtract)."""
     word = w if P < 4 else w_hi
     return (word & (15 << (4 * (P % 4)))).to(tl.float32, bitcast=True)
 

@@ -293,8 +293,7 @@ def w4_mma(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, per_split, G8=w.group_size // 8,
         R=w.chunk_int32, HAS_BIAS=bias is not None, GATED=gated, PLAIN=x.dtype == torch.float32 or interpreting(),
         FP16=x.dtype == torch.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=8, SPLIT=split,
-        PREFETCH=cfg.prefetch, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        PREFETCH=cfg.prefetch, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
         _w4_splitk_reduce_kernel[(m, triton.cdiv(n_out, block))](

@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from orinfer.kernels.w4 import W4Weight
-from w4_tc_proto import _idx3
+from orinfer.kernels.w4_gemv import _DOWN, _UP, _X_SCALE_0, _X_SCALE_1, _X_SCALE_2, _X_SCALE_3
+from w4_tc_proto import _idx3, _round16
 
 
 @gluon.jit
@@ -98,10 +99,9 @@ def _x_planes_direct(xb):
     x5 = gl.load(xb + 80).to(gl.float32)
     x6 = gl.load(xb + 96).to(gl.float32)
     x7 = gl.load(xb + 112).to(gl.float32)
-    xs = gl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=2) * 5.421010862427522e-20  # 2^-64
-    return (x0 * 3.8685626227668134e+25, x1 * 2.4178516392292583e+24, x2 * 1.5111572745182865e+23,
-            x3 * 9.444732965739290e+21, x4 * 3.8685626227668134e+25, x5 * 2.4178516392292583e+24,
-            x6 * 1.5111572745182865e+23, x7 * 9.444732965739290e+21, xs)
+    xs = gl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=2) * _DOWN
+    return (x0 * _X_SCALE_0, x1 * _X_SCALE_1, x2 * _X_SCALE_2, x3 * _X_SCALE_3,
+            x4 * _X_SCALE_0, x5 * _X_SCALE_1, x6 * _X_SCALE_2, x7 * _X_SCALE_3, xs)
 
 
 @gluon.jit
@@ -144,7 +144,7 @@ def w4_pipe_kernel(x_ptr, qw_ptr, sz_ptr, out_ptr, N_OUT, stride_qw, stride_sz, 
                 xv = gl.load(xb + p * 16).to(gl.float32)
                 xsum += xv
                 x_smem.index(k * 8 + p).store(xv * (2.0 ** (85 - 4 * (p % 4))))
-            xs_smem.index(k).store(gl.sum(xsum, axis=1) * 5.421010862427522e-20)
+            xs_smem.index(k).store(gl.sum(xsum, axis=1) * _DOWN)
         gl.thread_barrier()
     for t in gl.static_range(STAGES - 1):
         _issue(t, n_iter, pid, NPROG, N_OUT, stride_qw, stride_sz, UP, qw_ptr, sz_ptr, w_smem, sz_smem, r3, l3, j3,
@@ -175,11 +175,11 @@ def w4_pipe_kernel(x_ptr, qw_ptr, sz_ptr, out_ptr, N_OUT, stride_qw, stride_sz, 
             sz = sz_smem.index(slot * NB + 1).load(L2)
             acc_u += _step_sum(w, sz, x0, x1, x2, x3, x4, x5, x6, x7, xs)
         if ks == KS - 1:
-            g = gl.sum(acc_g, axis=1) * 1.8446744073709552e+19   # 2^64
+            g = gl.sum(acc_g, axis=1) * _UP
             if GATED:
-                u = gl.sum(acc_u, axis=1) * 1.8446744073709552e+19
-                g = g.to(gl.bfloat16).to(gl.float32)
-                g = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32) * u.to(gl.bfloat16).to(gl.float32)
+                u = gl.sum(acc_u, axis=1) * _UP
+                g = _round16(g)
+                g = _round16(g / (1.0 + gl.exp(-g))) * _round16(u)
             rows = (pid + (i // KS) * NPROG) * BLOCK_N + gl.arange(0, BLOCK_N, layout=g.type.layout)
             gl.store(out_ptr + rows, g.to(gl.bfloat16), mask=rows < N_OUT)
             acc_g = gl.zeros([BLOCK_N, 32], gl.float32, L2)     # the next row block starts from zero

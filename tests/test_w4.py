@@ -12,7 +12,8 @@ import torch
 from kernel_checks import DEVICE, poison_allocations, randn
 from orinfer.kernels import awq as A
 from orinfer.kernels import w4 as W
-from orinfer.kernels.w4_gemv import GEMV_CONFIGS, UNROLL_STEPS, W4GemvConfig, w4_gemv
+from orinfer.kernels import w4_int_step as WI
+from orinfer.kernels.w4_gemv import GEMV_CONFIGS, UNROLL_STEPS, W4GemvConfig, w4_gemv, w4_gemv_int
 from orinfer.kernels.w4_mma import MMA_CONFIGS, W4MmaConfig, w4_dequantize, w4_mma
 from orinfer.kernels.w4_ops import MMA_MAX_ROWS, w4_gate_up_silu, w4_linear
 from test_awq import INTERPRET, needs_kernels, random_awq, tol
@@ -72,16 +73,18 @@ def _ref(x, awq, g, bias=None, gated=False):
 
 @needs_kernels
 @kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dtype", [(w4_gemv, dt) for dt in DTYPES]
+                         + [(w4_gemv_int, dt) for dt in (torch.float16, torch.bfloat16)])   # int: 16-bit x only
 @pytest.mark.parametrize("cfg", [W4GemvConfig(2, 64, 2), W4GemvConfig(4, 16, 1), W4GemvConfig(1, 512, 4), None])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("k", [384, 512])
-def test_w4_gemv(dtype, cfg, gated, k):
-    """One row; N = 80 (not a multiple of the row tile). K = 384: 3 groups of 128 (not a power of two), 3 steps per
-    row; K = 512: one step (the whole row in one tile) for the configs with 64+ int32 per step."""
+def test_w4_gemv(kernel, dtype, cfg, gated, k):
+    """One row, both steps (fp32 planes, integer); N = 80 (not a multiple of the row tile). K = 384: 3 groups of 128
+    (not a power of two), 3 steps per row; K = 512: one step (the whole row in one tile) for the configs with 64+
+    int32 per step."""
     w, awq = random_w4(k, 80, 128)
     x, bias = randn(1, k, dtype=dtype), None if gated else randn(80, dtype=dtype, scale=0.5)
-    got = w4_gemv(x, w, bias, gated=gated, cfg=cfg)
+    got = kernel(x, w, bias, gated=gated, cfg=cfg)
     assert got.shape == (1, 40 if gated else 80) and got.dtype == dtype
     torch.testing.assert_close(got.double(), _ref(x, awq, 128, bias, gated), **tol(dtype, 3))
 
@@ -111,6 +114,80 @@ def test_w4_gemv_activation_range(dtype, scale):
     got = w4_gemv(x, w, None)
     want = _ref(x, awq, 128, None, False)
     torch.testing.assert_close(got.double() / scale, want / scale, **tol(dtype, 3))
+
+
+def _x_rounded16(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """x as `w4_gemv_int` multiplies it (its docstring): per chunk of `chunk` inputs, rounded (half to even) to
+    multiples of 2^(e - 14), e = floor(log2 of the chunk's largest |x|), in fp64."""
+    xc = x.double().reshape(-1, chunk)
+    _, ex = torch.frexp(xc.abs().amax(dim=1, keepdim=True))        # amax = m 2^ex, m in [0.5, 1): e = ex - 1
+    f = torch.ldexp(torch.ones_like(xc[:, :1]), 15 - ex.clamp(min=-111))
+    return (torch.round(xc * f) / f).reshape(x.shape)
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("g,k", [(16, 64), (32, 96), (64, 256), (256, 512)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_w4_gemv_int_group_sizes(g, k, gated):
+    """Chunks of 8R inputs for groups below 128 (R = g / 8), and two chunks per group at 256."""
+    w, awq = random_w4(k, 32, g)
+    x = randn(1, k, dtype=torch.bfloat16)
+    got = w4_gemv_int(x, w, gated=gated, cfg=W4GemvConfig(4, 64, 2))
+    torch.testing.assert_close(got.double(), _ref(x, awq, g, None, gated), **tol(torch.bfloat16, 3))
+
+
+@needs_kernels
+@kernel_test
+def test_w4_gemv_int_many_steps():
+    """More steps than `UNROLL_STEPS`: the runtime loop."""
+    cfg = W4GemvConfig(2, 32, 2)
+    assert 2048 // 8 // cfg.block_kp > UNROLL_STEPS
+    w, awq = random_w4(2048, 48, 128)
+    x = randn(1, 2048, dtype=torch.bfloat16)
+    for gated in (False, True):
+        got = w4_gemv_int(x, w, gated=gated, cfg=cfg)
+        torch.testing.assert_close(got.double(), _ref(x, awq, 128, None, gated), **tol(torch.bfloat16, 3))
+
+
+@needs_kernels
+@kernel_test
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** 100, 2.0 ** -100])
+def test_w4_gemv_int_rounds_x_to_16_bits_per_chunk(scale):
+    """With outliers 1000x the rest (a chunk's small inputs then keep few bits) and at both ends of bf16's range, the
+    result is the exact product with x rounded as the docstring says (`_x_rounded16`), to fp32 summation error and
+    the output's rounding; fp32 x is refused (it takes `w4_gemv`)."""
+    w, awq = random_w4(512, 48, 128)
+    x = randn(1, 512, dtype=torch.float32)
+    x[0, ::97] *= 1000
+    x = (x * scale).to(torch.bfloat16)
+    got = w4_gemv_int(x, w).double()
+    want = A.awq_linear_ref(_x_rounded16(x, 128), *awq, 128)
+    # the output's rounding: half an ulp of bf16 (a whole one in the interpreter, which truncates); the fp32 sums'
+    # error: far below 2^-16 of the largest output
+    rtol = 2 ** -7 if INTERPRET else 2 ** -8
+    torch.testing.assert_close(got / scale, want / scale, atol=2 ** -16 * (want / scale).abs().max().item(), rtol=rtol)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        w4_gemv_int(x.float(), w)
+    with pytest.raises(ValueError, match="one row"):
+        w4_gemv_int(x.expand(2, 512), w)
+
+
+@needs_kernels
+@kernel_test
+def test_w4_gemv_int_non_finite_x_gives_nan():
+    w, _ = random_w4(256, 16, 128)
+    x = randn(1, 256, dtype=torch.bfloat16)
+    x[0, 3] = float("inf")
+    assert torch.isnan(w4_gemv_int(x, w)).all()
+
+
+def test_w4_gemv_int_takes_16_bit_gated_and_long_rows():
+    w_short, w_long = random_w4(4096, 8, 128, "cpu")[0], random_w4(4096 + 128, 8, 128, "cpu")[0]
+    bf16, fp32 = torch.zeros(4096, dtype=torch.bfloat16), torch.zeros(4096)
+    assert WI.takes(bf16, w_short, gated=True) and not WI.takes(bf16, w_short, gated=False)
+    assert WI.takes(torch.zeros(4224, dtype=torch.float16), w_long, gated=False)
+    assert not WI.takes(fp32, w_short, gated=True)
 
 
 @needs_kernels
@@ -235,14 +312,16 @@ def test_gpu_w4_gate_up_qwen3_8b(dtype, rows):
 def test_gpu_every_config_is_correct(dtype):
     """Each config a sweep may promote to default computes the same thing."""
     w, awq = random_w4(2048, 1536, 128)
-    for rows, kernel, cfgs in ((1, w4_gemv, GEMV_CONFIGS), (8, w4_mma, MMA_CONFIGS)):
+    one_row = ((1, w4_gemv, GEMV_CONFIGS), (1, w4_gemv_int, GEMV_CONFIGS))
+    for rows, kernel, cfgs in one_row + ((8, w4_mma, MMA_CONFIGS),):
         x = randn(rows, 2048, dtype=dtype)
         exact = A.awq_linear_ref(x.float(), *awq, 128)
         exact_g = A.awq_fused_gate_up_silu_ref(x.float(), *awq, 128).float()
         for cfg in cfgs:
-            torch.testing.assert_close(kernel(x, w, cfg=cfg).float(), exact, **tol(dtype, 4), msg=lambda m: f"{cfg}: {m}")
+            torch.testing.assert_close(kernel(x, w, cfg=cfg).float(), exact, **tol(dtype, 4),
+                                       msg=lambda m: f"{kernel.__name__} {cfg}: {m}")
             torch.testing.assert_close(kernel(x, w, gated=True, cfg=cfg).float(), exact_g, **tol(dtype, 4),
-                                       msg=lambda m: f"{cfg} gated: {m}")
+                                       msg=lambda m: f"{kernel.__name__} {cfg} gated: {m}")
 
 
 @gpu

@@ -94,3 +94,40 @@ def test_gemv_timeline_compiles_and_is_off_by_default():
     assert "%globaltimer" not in ptx["False"]
     assert ptx["True"].count("%globaltimer") == 3  # resident, past the PDL wait, done
     assert "griddepcontrol.wait" in ptx["True"] and "griddepcontrol.wait" in ptx["False"]
+
+
+# The one-row GEMV's integer step (`w4_gemv_int`) is fast only while each int32 of weights costs four dp2a and a few
+# logic ops and nothing spills: check its default tiles' SASS for sm_90 (cuobjdump ships with Triton).
+_COMPILE_GEMV_INT = r"""
+import json, os, subprocess, tempfile
+import triton
+from orinfer.kernels import w4_gemv
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {}
+for name, cfg, gated, k8 in (("gated", w4_gemv.INT_GATED, True, 512), ("long", w4_gemv.INT_LONG_ROWS, False, 1536)):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(w4_gemv.compile_sm90(*cfg, gated, k8, integer=True).asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    # int32 words per thread: rows (gate and up when gated) x K / 8 over the program's threads
+    words = cfg.block_n * (2 if gated else 1) * k8 // (cfg.num_warps * 32)
+    out[name] = {"sass": sass, "words": words}
+print(json.dumps(out))
+"""
+
+
+def test_gemv_int_sass_is_dp2a_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_GEMV_INT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
+    for name, got in json.loads(done.stdout).items():
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", got["sass"])
+        assert ops.count("IDP") == 4 * got["words"], f"{name}: {ops.count('IDP')} dp2a for {got['words']} words"
+        assert "LDL" not in ops and "STL" not in ops, f"{name}: registers spill to local memory"
+        # Instructions per weight in all, x work included: gated 1.97, long 3.08 (its 4-row programs each make the
+        # words of 12288 inputs for 4 rows; w4_gemv's (8, 512, 4) takes ~3.2 there). 10% above that fails.
+        per_weight = len(ops) / (8 * got["words"])
+        assert per_weight <= {"gated": 1.97, "long": 3.08}[name] * 1.1, f"{name}: {per_weight:.2f} per weight"

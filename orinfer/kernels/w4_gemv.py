@@ -20,6 +20,11 @@ small programs per SM) keeps enough bytes in flight. No split-K, no workspace, o
 weights + N*K/G*3 of scales and zeros + K*2 of x (from L2) -> the target time is N*K*(0.5 + 3/G) / HBM bandwidth.
 GATED (packed gate_up [2I, K/8], gate rows first): a program also reads the up rows I + n and writes silu(g) * u
 with g and u rounded to the activation dtype first, as the unfused GEMV + `silu_and_mul` do.
+
+Two steps share this kernel: the fp32 planes above (`w4_gemv`), and with INT the integer step of
+`kernels/w4_int_step.py` (`w4_gemv_int`: x rounded to int16 per 128-input chunk, dp2a against the nibbles, exact
+int32 sums; ~2 instructions per weight), which batch-1 decode takes for the gated and long-row projections with 16-bit
+activations.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.gemv import check_device
+from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.w4 import W4Weight
+from orinfer.kernels.w4_int_step import _int_step, _x_plane_loads
 
 
 @triton.jit
@@ -81,14 +87,7 @@ def _x_planes(x_ptr, kbase, R: tl.constexpr, GPT: tl.constexpr, SUB: tl.constexp
     """x for the eight nibble planes of a tile's int32 columns (plane p: inputs kbase + p * R), each scaled by
     2^(149 - 4 (p % 4) - 64) so that times the plane's subnormal q * 16^(p % 4) * 2^-149 it gives q * x * 2^-64; and
     the per-group sums of x [GPT] times 2^-64 (for the zero points)."""
-    x0 = tl.load(x_ptr + kbase).to(tl.float32)
-    x1 = tl.load(x_ptr + kbase + R).to(tl.float32)
-    x2 = tl.load(x_ptr + kbase + 2 * R).to(tl.float32)
-    x3 = tl.load(x_ptr + kbase + 3 * R).to(tl.float32)
-    x4 = tl.load(x_ptr + kbase + 4 * R).to(tl.float32)
-    x5 = tl.load(x_ptr + kbase + 5 * R).to(tl.float32)
-    x6 = tl.load(x_ptr + kbase + 6 * R).to(tl.float32)
-    x7 = tl.load(x_ptr + kbase + 7 * R).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_plane_loads(x_ptr, kbase, R)
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     xg = tl.sum(tl.reshape(xs, (GPT, SUB)), axis=1) * _DOWN
     return ((x0 * _X_SCALE_0, x1 * _X_SCALE_1, x2 * _X_SCALE_2, x3 * _X_SCALE_3,
@@ -127,6 +126,19 @@ def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gro
 
 
 @triton.jit
+def _step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+          G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+          GPT: tl.constexpr, SUB: tl.constexpr, INT: tl.constexpr, ASM: tl.constexpr):
+    """One tile of the row: the fp32 planes (`_load_step`: GPT groups of SUB int32), or INT the integer dot products
+    (`w4_int_step._int_step`: GPT chunks of R int32)."""
+    if INT:
+        return _int_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+                         G8, R, GATED, BLOCK_N, BLOCK_KP, ASM)
+    return _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+                      G8, R, GATED, BLOCK_N, GPT, SUB)
+
+
+@triton.jit
 def _globaltimer(dep):
     """The GPU's global nanosecond clock (comparable across SMs). `dep`: any scalar; it only gives the asm a shape.
     Not pure, so the read stays where it is written relative to the waits and stores around it."""
@@ -138,7 +150,8 @@ def _globaltimer(dep):
 def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP, trace_ptr,
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
-                    SUB: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+                    SUB: tl.constexpr, STEPS: tl.constexpr, INT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                    TRACE: tl.constexpr):
     pid = tl.program_id(0)
     if TRACE:  # diagnostic timeline (GemvTimeline): resident, past the PDL wait, done
         t0 = _globaltimer(pid)
@@ -158,16 +171,17 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
         # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
         # step, run 63).
         for i in tl.static_range(STEPS):
-            acc_g, acc_u = _load_step(acc_g, acc_u, wg_ptrs, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                      stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
+            acc_g, acc_u = _step(acc_g, acc_u, wg_ptrs, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                 stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
     else:
         for c0 in range(0, K8, BLOCK_KP):
-            acc_g, acc_u = _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                      stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, GPT, SUB)
+            acc_g, acc_u = _step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                 stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
     if PDL:
         gdc_launch_dependents()
-    g = tl.sum(acc_g, axis=1) * _UP                                # back from the planes' scale
-    u = tl.sum(acc_u, axis=1) * _UP
+    back = 1.0 if INT else _UP                                      # back from the planes' scale
+    g = tl.sum(acc_g, axis=1) * back
+    u = tl.sum(acc_u, axis=1) * back
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
@@ -214,6 +228,10 @@ DEFAULT_GEMV = W4GemvConfig(16, 512, 4)
 # the programs keep more loads in flight while each walks its steps (step 2.033 against 2.077 ms, run 80; 4 rows:
 # 2.127).
 DEFAULT_GEMV_LONG_ROWS = W4GemvConfig(8, 512, 4)
+# The integer step's tiles, chosen in the batch-1 AWQ step (runs 114-116) from the Qwen3-8B shapes' best: gate_up
+# (8, 512, 4) 15.4 us (16 rows: 16.5), down (4, 512, 4) 10.1 us (8 rows: 10.3).
+INT_GATED = W4GemvConfig(8, 512, 4)
+INT_LONG_ROWS = W4GemvConfig(4, 512, 4)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
                 [(1, 512, 2), (2, 512, 2), (2, 256, 2), (4, 256, 4), (4, 512, 4), (2, 1024, 4), (8, 128, 4),
                  (4, 128, 2), (8, 256, 4), (1, 1024, 4), (2, 512, 4), (16, 128, 4)]]
@@ -233,6 +251,20 @@ def _tile_groups(k8: int, g8: int, r: int, block_kp: int) -> tuple[int, int, int
 def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated: bool = False,
             cfg: W4GemvConfig | None = None) -> torch.Tensor:
     """One row: x [..., K] (one row in all) -> [..., N] (gated: [..., N/2] = silu(gate) * up) in x's dtype."""
+    cfg = cfg or (DEFAULT_GEMV if w.in_features // 8 <= DEFAULT_GEMV.block_kp else DEFAULT_GEMV_LONG_ROWS)
+    return _launch(x, w, bias, gated, cfg, integer=False)
+
+
+def w4_gemv_int(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gated: bool = False,
+                cfg: W4GemvConfig | None = None) -> torch.Tensor:
+    """`w4_gemv` with the integer step (`kernels/w4_int_step.py`: x rounded to int16 per chunk, dp2a): bf16/fp16 x."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"w4_gemv_int takes bf16 or fp16 activations, got {x.dtype}")
+    return _launch(x, w, bias, gated, cfg or (INT_GATED if gated else INT_LONG_ROWS), integer=True)
+
+
+def _launch(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None, gated: bool, cfg: W4GemvConfig,
+            integer: bool) -> torch.Tensor:
     check_device(x)
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k or x.numel() != k:
@@ -240,9 +272,10 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
     n_out = n // 2 if gated else n
     if bias is not None and tuple(bias.shape) != (n_out,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
-    cfg = cfg or (DEFAULT_GEMV if k // 8 <= DEFAULT_GEMV.block_kp else DEFAULT_GEMV_LONG_ROWS)
     g8, r = w.group_size // 8, w.chunk_int32
     block_kp, gpt, sub = _tile_groups(k // 8, g8, r, cfg.block_kp)
+    if integer:   # per chunk of R int32 rather than per group
+        gpt, sub = block_kp // r, r
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n_out, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x1)
@@ -256,13 +289,13 @@ def w4_gemv(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, gate
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, out if trace is None else trace,
         TRACE=trace is not None, G8=g8, R=r, HAS_BIAS=bias is not None,
         GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
-        STEPS=steps if steps <= UNROLL_STEPS else 0, PDL=pdl,
+        STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, ASM=not interpreting(), PDL=pdl,
         num_warps=cfg.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)
 
 
 def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = False, k8: int = 512,
-                 trace: bool = False) -> triton.compiler.CompiledKernel:
+                 trace: bool = False, integer: bool = False) -> triton.compiler.CompiledKernel:
     """The kernel compiled ahead of time for sm_90, bf16 x, group size 128, K = 8 * k8 (Qwen3-8B: 512; down: 1536),
     with the launcher's specialisations (pointers and ints divisible by 16). Needs no GPU: Triton ships ptxas. For
     reading its code without a device (scripts/sass_mix.py, tests/test_w4_codegen.py); returns Triton's compiled
@@ -275,7 +308,8 @@ def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = Fals
             "trace_ptr": "*i64"}
     steps = k8 // block_kp
     consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                  GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, PDL=True, TRACE=trace)
+                  GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, ASM=True,
+                  PDL=True, TRACE=trace)
     signature = args | {name: "constexpr" for name in consts}
     attrs = {(_w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args}
     return triton.compile(ASTSource(fn=_w4_gemv_kernel, signature=signature, constexprs=consts, attrs=attrs),

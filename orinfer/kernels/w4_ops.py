@@ -1,6 +1,8 @@
 """The INT4 linear entry points of the triton backend: pick the W4 kernel for the row count.
 
-  1 row                     -> `w4_gemv` (CUDA cores, whole rows of W per program: decode at batch 1)
+  1 row                     -> `w4_gemv_int` for 16-bit x on the gate/up and long-row projections (integer dot
+                               products, x rounded to 16 bits per 128 inputs), else `w4_gemv` (fp32 FMAs); both
+                               CUDA cores, whole rows of W per program: decode at batch 1
   2..MMA_MAX_ROWS rows      -> `w4_mma`: 16- or 32-row tiles, split-K (decode batches; exact codes on tensor cores), for
                                group sizes that are multiples of 128 (AWQ's usual 128); smaller groups take the
                                prefill path below
@@ -16,9 +18,10 @@ import torch
 
 import torch.nn.functional as F
 
+from orinfer.kernels import w4_int_step
 from orinfer.kernels.activation import silu_and_mul
 from orinfer.kernels.w4 import W4Weight, w4_gate_up_silu_ref, w4_linear_ref
-from orinfer.kernels.w4_gemv import w4_gemv
+from orinfer.kernels.w4_gemv import w4_gemv, w4_gemv_int
 from orinfer.kernels.w4_mma import w4_dequantize, w4_mma
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,13 +38,19 @@ def _mma_fits(rows: int, w: W4Weight) -> bool:
     return rows <= MMA_MAX_ROWS and w.group_size % 128 == 0
 
 
+def _one_row(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    if w4_int_step.takes(x, w, gated):
+        return w4_gemv_int(x, w, bias, gated)
+    return w4_gemv(x, w, bias, gated)
+
+
 def w4_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) in x's dtype (`w4_linear_ref`'s contract)."""
     if x.dtype not in _FLOAT_TYPES:
         return w4_linear_ref(x, w, bias)
     rows = _rows(x)
     if rows == 1:
-        return w4_gemv(x, w, bias)
+        return _one_row(x, w, bias, False)
     if _mma_fits(rows, w):
         return w4_mma(x, w, bias)
     return _dequant_matmul(x, w, bias)
@@ -63,7 +72,7 @@ def w4_gate_up_silu(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
         raise ValueError(f"a packed gate/up weight needs out_features divisible by 16, got {w.out_features}")
     rows = _rows(x)
     if rows == 1:
-        return w4_gemv(x, w, gated=True)
+        return _one_row(x, w, None, True)
     if _mma_fits(rows, w):
         return w4_mma(x, w, gated=True)
     return silu_and_mul(_dequant_matmul(x, w, None))

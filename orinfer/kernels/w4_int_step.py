@@ -161,5 +161,6 @@ def _int_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, chun
 def takes(x: torch.Tensor, w: W4Weight, gated: bool) -> bool:
     """Whether batch-1 decode uses the integer step (`w4_gemv.w4_gemv_int`): 16-bit x, and the gated or long-row
     (K > 4096) projections. For Qwen3-8B's qkv and o (K = 4096) it is no faster than `w4_gemv` alone and slower in the
-    step (1.96 against 1.92 ms, run 114), and fp32 x keeps `w4_gemv`'s fp32-exact products."""
+    step (every projection 1.963 ms, against 1.932 with gate_up and down only: runs 114-115), and fp32 x keeps
+    `w4_gemv`'s fp32-exact products."""
     return x.dtype in (torch.bfloat16, torch.float16) and (gated or w.in_features > 4096)

@@ -75,7 +75,8 @@ def _ref(x, awq, g, bias=None, gated=False):
 @kernel_test
 @pytest.mark.parametrize("kernel,dtype", [(w4_gemv, dt) for dt in DTYPES]
                          + [(w4_gemv_int, dt) for dt in (torch.float16, torch.bfloat16)])   # int: 16-bit x only
-@pytest.mark.parametrize("cfg", [W4GemvConfig(2, 64, 2), W4GemvConfig(4, 16, 1), W4GemvConfig(1, 512, 4), None])
+@pytest.mark.parametrize("cfg", [W4GemvConfig(2, 64, 2), W4GemvConfig(4, 16, 1), W4GemvConfig(1, 512, 4),
+                                 W4GemvConfig(4, 16, 1, preload=True), None])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("k", [384, 512])
 def test_w4_gemv(kernel, dtype, cfg, gated, k):

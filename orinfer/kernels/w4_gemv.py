@@ -105,12 +105,11 @@ def _plane_dot(w, xps, BLOCK_N: tl.constexpr, GPT: tl.constexpr, SUB: tl.constex
 
 
 @triton.jit
-def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+def _load_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
                G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, GPT: tl.constexpr,
                SUB: tl.constexpr):
-    """The accumulators plus one step: int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate (and, GATED, up) rows; per
-    group, s * (sum q x - z * sum x)."""
-    w_g = tl.load(wg_ptrs + c0, eviction_policy="evict_first")
+    """The accumulators plus one step: int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate (and, GATED, up) rows, whose
+    tiles `w_g`, `w_u` are loaded (`_load_tiles`); per group, s * (sum q x - z * sum x)."""
     c = c0 + cols
     xps, xg = _x_planes(x_ptr, (c // R) * (8 * R) + c % R, R, GPT, SUB)   # inputs of nibble 0 of each column c
     sg = r_ld[:, None] * stride_sg + (c0 // G8 + groups)[None, :]    # (GPT == 1: the one group of a sub-group tile)
@@ -118,7 +117,6 @@ def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gro
     z = tl.load(zp_ptr + sg).to(tl.float32)
     acc_g += s * (_plane_dot(w_g, xps, BLOCK_N, GPT, SUB) - z * xg[None, :])
     if GATED:
-        w_u = tl.load(wg_ptrs + UP * stride_qw + c0, eviction_policy="evict_first")
         s = tl.load(sc_ptr + sg + UP * stride_sg).to(tl.float32)
         z = tl.load(zp_ptr + sg + UP * stride_sg).to(tl.float32)
         acc_u += s * (_plane_dot(w_u, xps, BLOCK_N, GPT, SUB) - z * xg[None, :])
@@ -126,15 +124,25 @@ def _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, gro
 
 
 @triton.jit
-def _step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+def _load_tiles(wg_ptrs, c0, up_offset, GATED: tl.constexpr):
+    """The gate (and, GATED, up) rows' int32 tiles at column c0 (without GATED the second is the first again)."""
+    w_g = tl.load(wg_ptrs + c0, eviction_policy="evict_first")
+    w_u = w_g
+    if GATED:
+        w_u = tl.load(wg_ptrs + up_offset + c0, eviction_policy="evict_first")
+    return w_g, w_u
+
+
+@triton.jit
+def _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
           G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
           GPT: tl.constexpr, SUB: tl.constexpr, INT: tl.constexpr, ASM: tl.constexpr):
-    """One tile of the row: the fp32 planes (`_load_step`: GPT groups of SUB int32), or INT the integer dot products
-    (`w4_int_step._int_step`: GPT chunks of R int32)."""
+    """One tile of the row, its weights loaded: the fp32 planes (`_load_step`: GPT groups of SUB int32), or INT the
+    integer dot products (`w4_int_step._int_step`: GPT chunks of R int32)."""
     if INT:
-        return _int_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+        return _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
                          G8, R, GATED, BLOCK_N, BLOCK_KP, ASM)
-    return _load_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_qw, stride_sg, UP,
+    return _load_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
                       G8, R, GATED, BLOCK_N, GPT, SUB)
 
 
@@ -151,7 +159,7 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
                     SUB: tl.constexpr, STEPS: tl.constexpr, INT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                    TRACE: tl.constexpr):
+                    PRELOAD: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     if TRACE:  # diagnostic timeline (GemvTimeline): resident, past the PDL wait, done
         t0 = _globaltimer(pid)
@@ -162,6 +170,11 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     wg_ptrs = qw_ptr + r_ld[:, None] * stride_qw + cols[None, :]
     acc_g = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
+    up_offset = UP * stride_qw
+    if PRELOAD:
+        # The weights are constants, so the first tiles may load before the PDL wait: the programs of a GEMV launched
+        # under a short kernel (a norm, the split combine) fetch their weights while it runs, instead of idling.
+        w_g, w_u = _load_tiles(wg_ptrs, 0, up_offset, GATED)
     if PDL:
         gdc_wait()
     if TRACE:
@@ -169,14 +182,24 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     if STEPS:
         # A few steps (Qwen's K = 4096 is one, 12288 three): straight-line code. As a loop, the compiler pipelines
         # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
-        # step, run 63).
+        # step, run 63). PRELOAD also issues each step's loads before the step ahead of it is computed.
+        if not PRELOAD:
+            w_g, w_u = _load_tiles(wg_ptrs, 0, up_offset, GATED)
         for i in tl.static_range(STEPS):
-            acc_g, acc_u = _step(acc_g, acc_u, wg_ptrs, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                 stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
+            if PRELOAD and i + 1 < STEPS:
+                next_g, next_u = _load_tiles(wg_ptrs, (i + 1) * BLOCK_KP, up_offset, GATED)
+            acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                 stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
+            if i + 1 < STEPS:
+                if PRELOAD:
+                    w_g, w_u = next_g, next_u
+                else:
+                    w_g, w_u = _load_tiles(wg_ptrs, (i + 1) * BLOCK_KP, up_offset, GATED)
     else:
         for c0 in range(0, K8, BLOCK_KP):
-            acc_g, acc_u = _step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                 stride_qw, stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
+            w_g, w_u = _load_tiles(wg_ptrs, c0, up_offset, GATED)
+            acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
+                                 stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
     if PDL:
         gdc_launch_dependents()
     back = 1.0 if INT else _UP                                      # back from the planes' scale
@@ -218,6 +241,11 @@ class W4GemvConfig(NamedTuple):
     block_n: int     # output rows per program
     block_kp: int    # int32 per row per step (8 * block_kp inputs)
     num_warps: int
+    # Rows of up to UNROLL_STEPS steps: the first tiles load before the PDL wait, and each next step's before the
+    # step ahead of it is computed. The tiles then stay in registers longer (Qwen3-8B qkv: 112 -> 168 per thread,
+    # gated: 80 -> 128, sm_90 SASS), so it pays only where fewer programs per SM still keep enough loads in flight:
+    # on down, not on qkv/o or gate_up (INT_LONG_ROWS).
+    preload: bool = False
 
 
 # Chosen in the engine's batch-1 AWQ decode step (scripts/gpu_session6f.sh, benchmarks/NOTES.md runs 66-67): 2.08 ms
@@ -228,10 +256,12 @@ DEFAULT_GEMV = W4GemvConfig(16, 512, 4)
 # the programs keep more loads in flight while each walks its steps (step 2.033 against 2.077 ms, run 80; 4 rows:
 # 2.127).
 DEFAULT_GEMV_LONG_ROWS = W4GemvConfig(8, 512, 4)
-# The integer step's tiles, chosen in the batch-1 AWQ step (runs 114-116) from the Qwen3-8B shapes' best: gate_up
-# (8, 512, 4) 15.4 us (16 rows: 16.5), down (4, 512, 4) 10.1 us (8 rows: 10.3).
+# The integer step's tiles, chosen in the batch-1 AWQ step from the Qwen3-8B shapes' best: gate_up (8, 512, 4) 15.4 us
+# (16 rows: 16.5; runs 114-116). down (8, 512, 4) with preload: the step (a fresh engine per variant) 1.910 ms against
+# 2.056 for session 12's tile, (4, 512, 4), without; 1.952 for (4, 512, 4) with, 1.962 for (8, 512, 4) without;
+# preloading gate_up or qkv/o as well: 1.960 and 1.966 (runs 130-131).
 INT_GATED = W4GemvConfig(8, 512, 4)
-INT_LONG_ROWS = W4GemvConfig(4, 512, 4)
+INT_LONG_ROWS = W4GemvConfig(8, 512, 4, preload=True)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
                 [(1, 512, 2), (2, 512, 2), (2, 256, 2), (4, 256, 4), (4, 512, 4), (2, 1024, 4), (8, 128, 4),
                  (4, 128, 2), (8, 256, 4), (1, 1024, 4), (2, 512, 4), (16, 128, 4)]]
@@ -290,12 +320,12 @@ def _launch(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None, gated: bool
         TRACE=trace is not None, G8=g8, R=r, HAS_BIAS=bias is not None,
         GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
         STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, ASM=not interpreting(), PDL=pdl,
-        num_warps=cfg.num_warps, launch_pdl=pdl)
+        PRELOAD=cfg.preload and steps <= UNROLL_STEPS, num_warps=cfg.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)
 
 
 def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = False, k8: int = 512,
-                 trace: bool = False, integer: bool = False) -> triton.compiler.CompiledKernel:
+                 trace: bool = False, integer: bool = False, preload: bool = False) -> triton.compiler.CompiledKernel:
     """The kernel compiled ahead of time for sm_90, bf16 x, group size 128, K = 8 * k8 (Qwen3-8B: 512; down: 1536),
     with the launcher's specialisations (pointers and ints divisible by 16). Needs no GPU: Triton ships ptxas. For
     reading its code without a device (scripts/sass_mix.py, tests/test_w4_codegen.py); returns Triton's compiled
@@ -309,7 +339,7 @@ def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = Fals
     steps = k8 // block_kp
     consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, ASM=True,
-                  PDL=True, TRACE=trace)
+                  PDL=True, PRELOAD=preload and steps <= UNROLL_STEPS, TRACE=trace)
     signature = args | {name: "constexpr" for name in consts}
     attrs = {(_w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args}
     return triton.compile(ASTSource(fn=_w4_gemv_kernel, signature=signature, constexprs=consts, attrs=attrs),

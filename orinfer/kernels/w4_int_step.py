@@ -126,10 +126,9 @@ def _half(word, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
 
 
 @triton.jit
-def _rows_step(acc, w_ptrs, xw, sc_ptr, zp_ptr, sg, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, R: tl.constexpr,
+def _rows_step(acc, w, xw, sc_ptr, zp_ptr, sg, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, R: tl.constexpr,
                ASM: tl.constexpr):
-    """acc [BLOCK_N, CHUNKS] + one tile's s / f * (sum q v - z sum v) per row and chunk."""
-    w = tl.load(w_ptrs, eviction_policy="evict_first")
+    """acc [BLOCK_N, CHUNKS] + one loaded int32 tile's s / f * (sum q v - z sum v) per row and chunk."""
     s = tl.load(sc_ptr + sg).to(tl.float32)
     z = tl.load(zp_ptr + sg).to(tl.float32)
     # A thread's two adjacent columns share one dp2a chain: half the adds of the per-chunk reduction.
@@ -144,17 +143,18 @@ def _rows_step(acc, w_ptrs, xw, sc_ptr, zp_ptr, sg, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _int_step(acc_g, acc_u, wg_ptrs, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, chunks, stride_qw, stride_sg, UP,
+def _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, chunks, stride_sg, UP,
               G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_KP: tl.constexpr, ASM: tl.constexpr):
-    """The accumulators plus int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate (and, GATED, up) rows."""
+    """The accumulators plus int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate (and, GATED, up) rows, whose tiles
+    `w_g`, `w_u` are loaded."""
     c = c0 + cols
     xw = _x_words(x_ptr, (c // R) * (8 * R) + c % R, R, BLOCK_KP // R, ASM)
     sg = r_ld[:, None] * stride_sg + ((c0 + chunks * R) // G8)[None, :]
-    acc_g = _rows_step(acc_g, wg_ptrs + c0, xw, sc_ptr, zp_ptr, sg, BLOCK_N, BLOCK_KP, R, ASM)
+    acc_g = _rows_step(acc_g, w_g, xw, sc_ptr, zp_ptr, sg, BLOCK_N, BLOCK_KP, R, ASM)
     if GATED:
-        acc_u = _rows_step(acc_u, wg_ptrs + UP * stride_qw + c0, xw, sc_ptr + UP * stride_sg,
-                           zp_ptr + UP * stride_sg, sg, BLOCK_N, BLOCK_KP, R, ASM)
+        acc_u = _rows_step(acc_u, w_u, xw, sc_ptr + UP * stride_sg, zp_ptr + UP * stride_sg, sg, BLOCK_N, BLOCK_KP,
+                           R, ASM)
     return acc_g, acc_u
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.w4 import W4Weight
-from orinfer.kernels.w4_gemv import W4GemvConfig, _epilogue, _tile_groups
+from orinfer.kernels.w4_gemv import W4GemvConfig, _epilogue, _load_tiles, _tile_groups
 from orinfer.kernels.w4_int_step import _rows_step
 
 
@@ -53,10 +53,11 @@ def _words_kernel(xw_ptr, inv_ptr, sv_ptr, qw_ptr, sc_ptr, zp_ptr, out_ptr, N_OU
               tl.load(xw_ptr + 3 * K8 + c0 + cols), tl.load(inv_ptr + ch), tl.load(sv_ptr + ch),
               tl.zeros([CHUNKS], dtype=tl.float32))
         sg = r_ld[:, None] * stride_sg + ((c0 + chunks * R) // G8)[None, :]
-        acc_g = _rows_step(acc_g, wg_ptrs + c0, xw, sc_ptr, zp_ptr, sg, BLOCK_N, BLOCK_KP, R, True)
+        w_g, w_u = _load_tiles(wg_ptrs, c0, UP * stride_qw, GATED)
+        acc_g = _rows_step(acc_g, w_g, xw, sc_ptr, zp_ptr, sg, BLOCK_N, BLOCK_KP, R, True)
         if GATED:
-            acc_u = _rows_step(acc_u, wg_ptrs + UP * stride_qw + c0, xw, sc_ptr + UP * stride_sg,
-                               zp_ptr + UP * stride_sg, sg, BLOCK_N, BLOCK_KP, R, True)
+            acc_u = _rows_step(acc_u, w_u, xw, sc_ptr + UP * stride_sg, zp_ptr + UP * stride_sg, sg, BLOCK_N,
+                               BLOCK_KP, R, True)
     if PDL:
         gdc_launch_dependents()
     out = _epilogue(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), 0.0, out_ptr.dtype.element_ty, False, GATED, False)

@@ -183,18 +183,15 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
         # A few steps (Qwen's K = 4096 is one, 12288 three): straight-line code. As a loop, the compiler pipelines
         # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
         # step, run 63). PRELOAD also issues each step's loads before the step ahead of it is computed.
-        if not PRELOAD:
-            w_g, w_u = _load_tiles(wg_ptrs, 0, up_offset, GATED)
         for i in tl.static_range(STEPS):
-            if PRELOAD and i + 1 < STEPS:
+            if not PRELOAD:
+                w_g, w_u = _load_tiles(wg_ptrs, i * BLOCK_KP, up_offset, GATED)
+            elif i + 1 < STEPS:
                 next_g, next_u = _load_tiles(wg_ptrs, (i + 1) * BLOCK_KP, up_offset, GATED)
             acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
                                  stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
-            if i + 1 < STEPS:
-                if PRELOAD:
-                    w_g, w_u = next_g, next_u
-                else:
-                    w_g, w_u = _load_tiles(wg_ptrs, (i + 1) * BLOCK_KP, up_offset, GATED)
+            if PRELOAD and i + 1 < STEPS:
+                w_g, w_u = next_g, next_u
     else:
         for c0 in range(0, K8, BLOCK_KP):
             w_g, w_u = _load_tiles(wg_ptrs, c0, up_offset, GATED)

@@ -18,19 +18,23 @@ from orinfer.config import EngineConfig
 REPLAYS = 20
 
 
+def cuda_events(graph: torch.cuda.CUDAGraph, replays: int) -> list:
+    """The profiler's CUDA kernel events of `replays` back-to-back replays of `graph`, in start order."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
 def main() -> None:
     seqs = int(sys.argv[1])
     llm = awq_engine(EngineConfig(max_num_seqs=seqs, max_model_len=2048, num_kv_blocks=128))
     print(f"max_num_seqs {seqs}: replay {replays(llm)} ms")
-    graph = llm.engine.runner.graphs.graphs[1]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
     per_name: dict[str, list[float]] = collections.defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[e.name].append(e.device_time)
+    for e in cuda_events(llm.engine.runner.graphs.graphs[1], REPLAYS):
+        per_name[e.name].append(e.device_time)
     rows = sorted(((sum(t) / REPLAYS, len(t) / REPLAYS, sum(t) / len(t), n) for n, t in per_name.items()),
                   reverse=True)
     print(f"| us per replay | launches per replay | us each | kernel |\n| --- | --- | --- | --- |")

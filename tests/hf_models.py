@@ -39,11 +39,12 @@ def randomize_parameters(model, seed: int):
     return model
 
 
-def build_hf_model(kind: str, vocab_size: int = 211, seed: int = 0):
-    """An HF Qwen2/Qwen3 causal LM with weights large enough that greedy choices are not near-ties."""
+def build_hf_model(kind: str, vocab_size: int = 211, seed: int = 0, **overrides):
+    """An HF Qwen2/Qwen3 causal LM with weights large enough that greedy choices are not near-ties; `overrides`
+    replace fields of CONFIGS[kind] (e.g. sizes that are multiples of 128 for AWQ's group size)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    spec = dict(CONFIGS[kind])
+    spec = dict(CONFIGS[kind]) | overrides
     arch = spec.pop("arch")
     config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_cls(vocab_size=vocab_size, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,

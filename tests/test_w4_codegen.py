@@ -137,3 +137,65 @@ def test_gemv_int_sass_is_dp2a_without_spills():
         # preload: the first step's weight tiles (16-byte evict-first loads) are issued before the PDL wait (ACQBULK)
         early = len(re.findall(r"LDG\.E\.EF\.128", got["sass"].split("ACQBULK")[0]))
         assert early == (got["step_loads"] if got["preload"] else 0), f"{name}: {early} weight loads before the wait"
+
+
+# The words' producer (`kernels/w4_words.py`) and the RMSNorm are short chains of memory round trips: a load issued
+# after a store waits for it (the compiler cannot tell the addresses apart), which made the words kernel 3.7 us
+# instead of 1.5 (benchmarks/NOTES.md runs 134-135). Check their sm_90 SASS issues every global load before the first
+# global store; and that the GEMV on words keeps four dp2a per int32 without spills.
+_COMPILE_WORDS = r"""
+import json, os, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from orinfer.kernels import norm, w4_gemv, w4_words
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def cubin_sass(cubin):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(fn, args, consts, warps):
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in args.items() if t != "fp32"}
+    compiled = triton.compile(ASTSource(fn=fn, signature=args | {k: "constexpr" for k in consts}, constexprs=consts,
+                                        attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return cubin_sass(compiled.asm["cubin"])
+
+
+out = {}
+ptrs = {n: "*bf16" for n in ("x_ptr", "r_ptr", "w_ptr", "res_ptr")}
+out["words"] = sass(w4_words._rms_norm_words_kernel,
+                    ptrs | {"words_ptr": "*i32", "meta_ptr": "*fp32", "K8": "i32", "C": "i32"},
+                    dict(R=16, HAS_RES=True, ASM=True, PDL=True), 1)
+out["norm"] = sass(norm._rms_norm_kernel,
+                   {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+                    "n_rows": "i32", "n_inner": "i32", "eps": "fp32", "stride_xo": "i32", "stride_xi": "i32",
+                    "stride_ro": "i32", "stride_ri": "i32"},
+                   dict(H=4096, HAS_RES=True, ROWS=1, BLOCK_H=4096, PDL=True), 8)
+for name, cfg, gated in (("gemv_gated", w4_gemv.WORDS_GATED, True), ("gemv_short", w4_gemv.WORDS_SHORT, False)):
+    out[name] = cubin_sass(w4_gemv.compile_sm90(cfg.block_n, cfg.block_kp, cfg.num_warps, gated, words=True,
+                                                rms=True, preload=cfg.preload).asm["cubin"])
+    out[name + "_words"] = cfg.block_n * (2 if gated else 1) * 512 // (cfg.num_warps * 32)
+print(json.dumps(out))
+"""
+
+
+def test_words_kernels_sass():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_WORDS], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
+    got = json.loads(done.stdout)
+    for name in ("words", "norm"):
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", got[name])
+        assert "LDG" in ops and "STG" in ops
+        assert "LDG" not in ops[ops.index("STG"):], f"{name}: a global load waits behind a store"
+    for name in ("gemv_gated", "gemv_short"):
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", got[name])
+        assert ops.count("IDP") == 4 * got[name + "_words"], f"{name}: {ops.count('IDP')} dp2a"
+        assert "LDL" not in ops and "STL" not in ops, f"{name}: registers spill to local memory"

@@ -99,9 +99,10 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, stride_kt, stri
     slot = tl.load(slot_ptr + t).to(tl.int64)
     mask = (h < HK)[:, None] & (d < D)[None, :] & (slot >= 0)
     dst = slot * HK * D + h[:, None] * D + d[None, :]
+    # both loads before the first store: the compiler cannot tell them apart, and would wait for the first store
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 

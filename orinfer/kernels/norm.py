@@ -49,6 +49,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner,
     act_ty = x_ptr.dtype.element_ty
     x_off = (outer * stride_xo + inner * stride_xi)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    # w is loaded before the residual store: the compiler cannot tell them apart, so a load after it would wait for
+    # the inputs' round trip to memory before starting its own.
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dense = rows[:, None] * H + cols[None, :]  # outputs are contiguous [n_rows, H]
     if HAS_RES:
         r_off = (outer * stride_ro + inner * stride_ri)[:, None] + cols[None, :]
@@ -58,7 +61,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner,
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
     y = (x * rstd[:, None]).to(act_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + dense, (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -98,11 +98,21 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
     q_off = t * stride_q + heads[:, None] * head_dim + d[None, :]
     k_off = t * stride_k + kh[:, None] * head_dim + d[None, :]
     act_ty = q_out_ptr.dtype.element_ty
+    # Every load before the first store, the position's first (the cos/sin rows depend on it): the compiler cannot
+    # tell the stores from the inputs, so a load after a store would wait for a round trip to memory first.
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     # Each head row comes from q or from k: two masked loads, merged.
     x1 = tl.where(is_q[:, None], tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(tl.float32),
                   tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(tl.float32))
     x2 = tl.where(is_q[:, None], tl.load(q_ptr + q_off + HALF, mask=q_mask, other=0.0).to(tl.float32),
                   tl.load(k_ptr + k_off + HALF, mask=k_mask, other=0.0).to(tl.float32))
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        v_off = t * stride_v + kh[:, None] * head_dim + d[None, :]
+        v1 = tl.load(v_ptr + v_off, mask=k_mask)
+        v2 = tl.load(v_ptr + v_off + HALF, mask=k_mask)
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)[None, :]
     if HAS_NORM:
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim + eps)
         w1 = tl.where(is_q[:, None], tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
@@ -112,9 +122,6 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
         # rms_norm_ref rounding: normalised value to the dtype, times the weight, to the dtype again.
         x1 = (w1 * (x1 * rstd[:, None]).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
         x2 = (w2 * (x2 * rstd[:, None]).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0).to(act_ty).to(tl.float32)[None, :]
     # The reference computes x*cos + rotate_half(x)*sin in the activation dtype: every product and the sum round.
     o1 = ((x1 * cos).to(act_ty).to(tl.float32) - (x2 * sin).to(act_ty).to(tl.float32)).to(act_ty)
     o2 = ((x2 * cos).to(act_ty).to(tl.float32) + (x1 * sin).to(act_ty).to(tl.float32)).to(act_ty)
@@ -125,14 +132,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
     tl.store(k_dst, o1, mask=k_mask)
     tl.store(k_dst + HALF, o2, mask=k_mask)
     if STORE:   # the KV cache too (saves the separate store_kv launch per layer in decode)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         c_mask = k_mask & (slot >= 0)
         c_off = slot * HK * head_dim + kh[:, None] * head_dim + d[None, :]
         tl.store(kc_ptr + c_off, o1.to(kc_ptr.dtype.element_ty), mask=c_mask)
         tl.store(kc_ptr + c_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=c_mask)
-        v_off = t * stride_v + kh[:, None] * head_dim + d[None, :]
-        v1 = tl.load(v_ptr + v_off, mask=c_mask)
-        v2 = tl.load(v_ptr + v_off + HALF, mask=c_mask)
         tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=c_mask)
         tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=c_mask)
 

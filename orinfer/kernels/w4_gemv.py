@@ -24,7 +24,7 @@ with g and u rounded to the activation dtype first, as the unfused GEMV + `silu_
 Two steps share this kernel: the fp32 planes above (`w4_gemv`), and with INT the integer step of
 `kernels/w4_int_step.py` (`w4_gemv_int`: x rounded to int16 per 128-input chunk, dp2a against the nibbles, exact
 int32 sums; ~2 instructions per weight), which batch-1 decode takes for the gated and long-row projections with 16-bit
-activations.
+activations; `w4_gemv_words` runs the integer step on words made beforehand by x's producer (`kernels/w4_words.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_int_step import _int_step, _x_plane_loads
+from orinfer.kernels.w4_words import R as WORDS_R
+from orinfer.kernels.w4_words import W4Words
 
 
 @triton.jit
@@ -134,14 +136,14 @@ def _load_tiles(wg_ptrs, c0, up_offset, GATED: tl.constexpr):
 
 
 @triton.jit
-def _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
+def _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
           G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-          GPT: tl.constexpr, SUB: tl.constexpr, INT: tl.constexpr, ASM: tl.constexpr):
+          GPT: tl.constexpr, SUB: tl.constexpr, INT: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
     """One tile of the row, its weights loaded: the fp32 planes (`_load_step`: GPT groups of SUB int32), or INT the
-    integer dot products (`w4_int_step._int_step`: GPT chunks of R int32)."""
+    integer dot products (`w4_int_step._int_step`: GPT chunks of R int32; WORDS: x's words made beforehand)."""
     if INT:
-        return _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
-                         G8, R, GATED, BLOCK_N, BLOCK_KP, ASM)
+        return _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr, r_ld, cols, groups,
+                         stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, WORDS, ASM)
     return _load_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups, stride_sg, UP,
                       G8, R, GATED, BLOCK_N, GPT, SUB)
 
@@ -156,9 +158,11 @@ def _globaltimer(dep):
 
 @triton.jit
 def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP, trace_ptr,
+                    meta_ptr, C, eps,
                     G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
-                    SUB: tl.constexpr, STEPS: tl.constexpr, INT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                    SUB: tl.constexpr, STEPS: tl.constexpr, INT: tl.constexpr, WORDS: tl.constexpr,
+                    RMS: tl.constexpr, C_P2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
                     PRELOAD: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     if TRACE:  # diagnostic timeline (GemvTimeline): resident, past the PDL wait, done
@@ -177,6 +181,9 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
         w_g, w_u = _load_tiles(wg_ptrs, 0, up_offset, GATED)
     if PDL:
         gdc_wait()
+    if RMS:  # words of an RMSNorm's h * w (`w4_words.rms_norm_words`): its per-chunk sums of h^2, loaded early
+        sq_chunks = tl.arange(0, C_P2)
+        sq = tl.load(meta_ptr + 2 * C + sq_chunks, mask=sq_chunks < C, other=0.0)
     if TRACE:
         t1 = _globaltimer(pid)
     if STEPS:
@@ -188,20 +195,25 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
                 w_g, w_u = _load_tiles(wg_ptrs, i * BLOCK_KP, up_offset, GATED)
             elif i + 1 < STEPS:
                 next_g, next_u = _load_tiles(wg_ptrs, (i + 1) * BLOCK_KP, up_offset, GATED)
-            acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, i * BLOCK_KP, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                 stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
+            acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, i * BLOCK_KP, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr,
+                                 r_ld, cols, groups, stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT,
+                                 WORDS, ASM)
             if PRELOAD and i + 1 < STEPS:
                 w_g, w_u = next_g, next_u
     else:
         for c0 in range(0, K8, BLOCK_KP):
             w_g, w_u = _load_tiles(wg_ptrs, c0, up_offset, GATED)
-            acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, groups,
-                                 stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, ASM)
+            acc_g, acc_u = _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr, r_ld, cols,
+                                 groups, stride_sg, UP, G8, R, GATED, BLOCK_N, BLOCK_KP, GPT, SUB, INT, WORDS, ASM)
     if PDL:
         gdc_launch_dependents()
     back = 1.0 if INT else _UP                                      # back from the planes' scale
     g = tl.sum(acc_g, axis=1) * back
     u = tl.sum(acc_u, axis=1) * back
+    if RMS:  # the norm's 1 / sqrt(mean(h^2) + eps), as `kernels/norm.py` computes it
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / (K8 * 8) + eps)
+        g *= rstd
+        u *= rstd
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
@@ -259,6 +271,10 @@ DEFAULT_GEMV_LONG_ROWS = W4GemvConfig(8, 512, 4)
 # preloading gate_up or qkv/o as well: 1.960 and 1.966 (runs 130-131).
 INT_GATED = W4GemvConfig(8, 512, 4)
 INT_LONG_ROWS = W4GemvConfig(8, 512, 4, preload=True)
+# With x's words made beforehand (`w4_gemv_words`): the best tiles of run 118 on the Qwen3-8B shapes, in isolation
+# (qkv 4.9 us, o 3.7, gate_up 14.0).
+WORDS_SHORT = W4GemvConfig(8, 512, 4)
+WORDS_GATED = W4GemvConfig(4, 512, 4)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
                 [(1, 512, 2), (2, 512, 2), (2, 256, 2), (4, 256, 4), (4, 512, 4), (2, 1024, 4), (8, 128, 4),
                  (4, 128, 2), (8, 256, 4), (1, 1024, 4), (2, 512, 4), (16, 128, 4)]]
@@ -290,12 +306,27 @@ def w4_gemv_int(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, 
     return _launch(x, w, bias, gated, cfg or (INT_GATED if gated else INT_LONG_ROWS), integer=True)
 
 
-def _launch(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None, gated: bool, cfg: W4GemvConfig,
+def w4_gemv_words(xw: W4Words, w: W4Weight, bias: torch.Tensor | None = None, gated: bool = False,
+                  cfg: W4GemvConfig | None = None) -> torch.Tensor:
+    """`w4_gemv_int` on x's words made by x's producer (`kernels/w4_words.py`); with an RMSNorm's words (xw.eps set)
+    the sums are multiplied by the norm's 1 / rms before the bias or SwiGLU."""
+    if xw.in_features != w.in_features or w.chunk_int32 != WORDS_R:
+        raise ValueError(f"words of {xw.in_features} inputs do not fit a W4 weight of {w.in_features} inputs and "
+                         f"group size {w.group_size}")
+    return _launch(xw, w, bias, gated, cfg or (WORDS_GATED if gated else WORDS_SHORT), integer=True)
+
+
+def _launch(x: torch.Tensor | W4Words, w: W4Weight, bias: torch.Tensor | None, gated: bool, cfg: W4GemvConfig,
             integer: bool) -> torch.Tensor:
-    check_device(x)
+    words = x if isinstance(x, W4Words) else None
     k, n = w.in_features, w.out_features
-    if x.shape[-1] != k or x.numel() != k:
-        raise ValueError(f"w4_gemv takes one row of {k} inputs, got x {tuple(x.shape)}")
+    if words is None:
+        check_device(x)
+        if x.shape[-1] != k or x.numel() != k:
+            raise ValueError(f"w4_gemv takes one row of {k} inputs, got x {tuple(x.shape)}")
+        x1, meta, dtype, shape = x.reshape(k).contiguous(), None, x.dtype, tuple(x.shape)
+    else:
+        x1, meta, dtype, shape = words.words, words.meta, words.dtype, words.shape
     n_out = n // 2 if gated else n
     if bias is not None and tuple(bias.shape) != (n_out,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
@@ -303,41 +334,47 @@ def _launch(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None, gated: bool
     block_kp, gpt, sub = _tile_groups(k // 8, g8, r, cfg.block_kp)
     if integer:   # per chunk of R int32 rather than per group
         gpt, sub = block_kp // r, r
-    x1 = x.reshape(k).contiguous()
-    out = torch.empty(n_out, dtype=x.dtype, device=x.device)
+    out = torch.empty(n_out, dtype=dtype, device=x1.device)
     pdl = use_pdl(x1)
     steps = k // 8 // block_kp
     trace = TIMELINE.next_slot()
     grid = triton.cdiv(n_out, cfg.block_n)
     if trace is not None and trace.shape[0] < grid:
         raise ValueError(f"GemvTimeline slots hold {trace.shape[0]} programs, this launch has {grid}")
+    rms = words is not None and words.eps is not None
     _w4_gemv_kernel[(grid,)](
         x1, w.packed, w.scales, w.zeros, bias if bias is not None else out, out, n_out, k // 8,
         w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, out if trace is None else trace,
+        x1 if meta is None else meta, k // (8 * r), words.eps if rms else 0.0,
         TRACE=trace is not None, G8=g8, R=r, HAS_BIAS=bias is not None,
-        GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
-        STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, ASM=not interpreting(), PDL=pdl,
+        GATED=gated, CLAMP16=dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
+        STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, WORDS=words is not None, RMS=rms,
+        C_P2=triton.next_power_of_2(k // (8 * r)), ASM=not interpreting(), PDL=pdl,
         PRELOAD=cfg.preload and steps <= UNROLL_STEPS, num_warps=cfg.num_warps, launch_pdl=pdl)
-    return out.reshape(*x.shape[:-1], n_out)
+    return out.reshape(*shape[:-1], n_out)
 
 
 def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = False, k8: int = 512,
-                 trace: bool = False, integer: bool = False, preload: bool = False) -> triton.compiler.CompiledKernel:
-    """The kernel compiled ahead of time for sm_90, bf16 x, group size 128, K = 8 * k8 (Qwen3-8B: 512; down: 1536),
+                 trace: bool = False, integer: bool = False, preload: bool = False, words: bool = False,
+                 rms: bool = False) -> triton.compiler.CompiledKernel:
+    """The kernel compiled ahead of time for sm_90, bf16 x (words: its words made beforehand, rms: an RMSNorm's),
+    group size 128, K = 8 * k8 (Qwen3-8B: 512; down: 1536),
     with the launcher's specialisations (pointers and ints divisible by 16). Needs no GPU: Triton ships ptxas. For
     reading its code without a device (scripts/sass_mix.py, tests/test_w4_codegen.py); returns Triton's compiled
     kernel (`.asm["ptx"]`, `.asm["cubin"]`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    args = {"x_ptr": "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8", "b_ptr": "*bf16",
-            "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32", "stride_sg": "i32", "UP": "i32",
-            "trace_ptr": "*i64"}
+    args = {"x_ptr": "*i32" if words else "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8",
+            "b_ptr": "*bf16", "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32",
+            "stride_sg": "i32", "UP": "i32", "trace_ptr": "*i64", "meta_ptr": "*fp32", "C": "i32"}
     steps = k8 // block_kp
     consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                  GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, ASM=True,
-                  PDL=True, PRELOAD=preload and steps <= UNROLL_STEPS, TRACE=trace)
-    signature = args | {name: "constexpr" for name in consts}
+                  GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer or words,
+                  WORDS=words, RMS=rms, C_P2=triton.next_power_of_2(k8 // 16), ASM=True, PDL=True,
+                  PRELOAD=preload and steps <= UNROLL_STEPS, TRACE=trace)
     attrs = {(_w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args}
+    args["eps"] = "fp32"
+    signature = args | {name: "constexpr" for name in consts}
     return triton.compile(ASTSource(fn=_w4_gemv_kernel, signature=signature, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

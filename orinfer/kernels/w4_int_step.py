@@ -94,9 +94,16 @@ def _x_plane_loads(x_ptr, kbase, R: tl.constexpr):
 
 @triton.jit
 def _x_words(x_ptr, kbase, R: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr):
-    """x for a tile's int32 columns (input kbase + p R for nibble p of column c): the four int16-pair words per column,
-    and per chunk of R columns the scale back 1/f, the sum of v, and a nan guard (0, or nan for a non-finite x)."""
+    """x for a tile's int32 columns (input kbase + p R for nibble p of column c): `_words_of` its eight planes."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_plane_loads(x_ptr, kbase, R)
+    return _words_of(x0, x1, x2, x3, x4, x5, x6, x7, R, CHUNKS, ASM)
+
+
+@triton.jit
+def _words_of(x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr):
+    """The eight fp32 planes of CHUNKS chunks of R int32 columns (x_p[c]: the input of nibble p of column c) as the
+    four int16-pair words per column, and per chunk the scale back 1/f, the sum of v, and a nan guard (0, or nan
+    for a non-finite x)."""
     m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
     amax = tl.max(tl.reshape(m, (CHUNKS, R)), axis=1)
@@ -116,6 +123,15 @@ def _x_words(x_ptr, kbase, R: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.conste
     v_sum = tl.sum(tl.reshape(((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), (CHUNKS, R)), axis=1)
     return (_pair16(v0, v2, ASM), _pair16(v4, v6, ASM), _pair16(v1, v3, ASM), _pair16(v5, v7, ASM),
             inv_f, v_sum.to(tl.float32), amax - amax)
+
+
+@triton.jit
+def _loaded_words(words_ptr, meta_ptr, K8, C, c, ch):
+    """`_words_of`'s results made beforehand: the words of int32 columns `c` and the 1/f (nan for a non-finite chunk:
+    the guard is folded in) and sum of v of chunks `ch`."""
+    inv_f = tl.load(meta_ptr + ch)
+    return (tl.load(words_ptr + c), tl.load(words_ptr + K8 + c), tl.load(words_ptr + 2 * K8 + c),
+            tl.load(words_ptr + 3 * K8 + c), inv_f, tl.load(meta_ptr + C + ch), tl.zeros_like(inv_f))
 
 
 @triton.jit
@@ -143,13 +159,17 @@ def _rows_step(acc, w, xw, sc_ptr, zp_ptr, sg, BLOCK_N: tl.constexpr, BLOCK_KP: 
 
 
 @triton.jit
-def _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, sc_ptr, zp_ptr, r_ld, cols, chunks, stride_sg, UP,
-              G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_KP: tl.constexpr, ASM: tl.constexpr):
+def _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr, r_ld, cols, chunks, stride_sg,
+              UP, G8: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_KP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
     """The accumulators plus int32 columns c0 .. c0 + BLOCK_KP - 1 of the gate (and, GATED, up) rows, whose tiles
-    `w_g`, `w_u` are loaded."""
+    `w_g`, `w_u` are loaded. x is made into words here, or WORDS: x_ptr holds them ([4, K8] int32) and meta_ptr
+    their per-chunk 1/f and sum of v ([2, C] fp32 at least)."""
     c = c0 + cols
-    xw = _x_words(x_ptr, (c // R) * (8 * R) + c % R, R, BLOCK_KP // R, ASM)
+    if WORDS:   # made beforehand (`kernels/w4_words.py`)
+        xw = _loaded_words(x_ptr, meta_ptr, K8, C, c, c0 // R + chunks)
+    else:
+        xw = _x_words(x_ptr, (c // R) * (8 * R) + c % R, R, BLOCK_KP // R, ASM)
     sg = r_ld[:, None] * stride_sg + ((c0 + chunks * R) // G8)[None, :]
     acc_g = _rows_step(acc_g, w_g, xw, sc_ptr, zp_ptr, sg, BLOCK_N, BLOCK_KP, R, ASM)
     if GATED:

@@ -2,7 +2,8 @@
 
   1 row                     -> `w4_gemv_int` for 16-bit x on the gate/up and long-row projections (integer dot
                                products, x rounded to 16 bits per 128 inputs), else `w4_gemv` (fp32 FMAs); both
-                               CUDA cores, whole rows of W per program: decode at batch 1
+                               CUDA cores, whole rows of W per program: decode at batch 1. x made into int16 words
+                               by its RMSNorm (`kernels/w4_words.py`, qkv and gate/up) -> `w4_gemv_words`
   2..MMA_MAX_ROWS rows      -> `w4_mma`: 16- or 32-row tiles, split-K (decode batches; exact codes on tensor cores), for
                                group sizes that are multiples of 128 (AWQ's usual 128); smaller groups take the
                                prefill path below
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from orinfer.kernels import w4_int_step
 from orinfer.kernels.activation import silu_and_mul
 from orinfer.kernels.w4 import W4Weight, w4_gate_up_silu_ref, w4_linear_ref
-from orinfer.kernels.w4_gemv import w4_gemv, w4_gemv_int
+from orinfer.kernels.w4_gemv import w4_gemv, w4_gemv_int, w4_gemv_words
 from orinfer.kernels.w4_mma import w4_dequantize, w4_mma
+from orinfer.kernels.w4_words import W4Words
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 MMA_MAX_ROWS = 64   # run 51: at 48-64 rows, 32-row MMA tiles take half the time of dequantise + cuBLAS
@@ -44,8 +46,10 @@ def _one_row(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None, gated: boo
     return w4_gemv(x, w, bias, gated)
 
 
-def w4_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) in x's dtype (`w4_linear_ref`'s contract)."""
+def w4_linear(x: torch.Tensor | W4Words, w: W4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) in x's dtype (`w4_linear_ref`'s contract); x may come as its words (`kernels/w4_words.py`)."""
+    if isinstance(x, W4Words):
+        return w4_gemv_words(x, w, bias)
     if x.dtype not in _FLOAT_TYPES:
         return w4_linear_ref(x, w, bias)
     rows = _rows(x)
@@ -63,9 +67,11 @@ def _dequant_matmul(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None) -> 
     return y
 
 
-def w4_gate_up_silu(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+def w4_gate_up_silu(x: torch.Tensor | W4Words, w: W4Weight) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) from a packed gate_up W4 weight (gate rows first), in one pass over the weight and
-    without the [rows, 2I] intermediate (`w4_gate_up_silu_ref`'s contract)."""
+    without the [rows, 2I] intermediate (`w4_gate_up_silu_ref`'s contract); x may come as its words."""
+    if isinstance(x, W4Words):
+        return w4_gemv_words(x, w, gated=True)
     if x.dtype not in _FLOAT_TYPES:
         return w4_gate_up_silu_ref(x, w)
     if w.out_features % 16:

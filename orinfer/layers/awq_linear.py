@@ -29,6 +29,7 @@ from torch import nn
 
 from orinfer.errors import ConfigError, WeightsError
 from orinfer.kernels.w4 import W4Weight, check_group_size, repack_awq, w4_dequantize_ref, w4_to_awq
+from orinfer.kernels.w4_words import W4Words, words_fit
 from orinfer.layers.linear import default_weight_loader, shard_offsets
 from orinfer.layers.ops import Ops
 
@@ -80,13 +81,19 @@ class AWQLinear(nn.Module):
         # The pre-dequantised W [out, in] (`pre_dequantize`); a buffer, not a parameter: it is no checkpoint tensor.
         self.register_buffer("dense_weight", None, persistent=False)
 
-    def uses_dense(self, x: torch.Tensor) -> bool:
+    def uses_dense(self, x: torch.Tensor | W4Words) -> bool:
         """Whether `x` goes through the pre-dequantised copy: one exists in x's dtype and x has more than
-        PRE_DEQUANT_ROWS rows (prefill); decode-sized inputs keep the INT4 kernels."""
+        PRE_DEQUANT_ROWS rows (prefill); decode-sized inputs (and words) keep the INT4 kernels."""
         w = self.dense_weight
-        return w is not None and w.dtype == x.dtype and x.numel() > PRE_DEQUANT_ROWS * max(x.shape[-1], 1)
+        return (w is not None and not isinstance(x, W4Words) and w.dtype == x.dtype
+                and x.numel() > PRE_DEQUANT_ROWS * max(x.shape[-1], 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_words(self, x: torch.Tensor) -> bool:
+        """Whether x's producer may hand this layer x's int16 words instead of x (`kernels/w4_words.py`): one row of
+        16-bit activations for a group size of 128 or a multiple (the producer's backend decides whether it can)."""
+        return words_fit(x, self.group_size)
+
+    def forward(self, x: torch.Tensor | W4Words) -> torch.Tensor:
         if self.uses_dense(x):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x, self.dense_weight, bias)

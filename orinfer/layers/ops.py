@@ -54,6 +54,10 @@ class Ops:
     # w4_gate_up_silu(x, w4) for decode (None: w4_linear + silu_and_mul).
     w4_linear: Callable = w4_linear_ref
     w4_gate_up_silu: Callable | None = None
+    # RMSNorm (+ residual add) whose output goes to a batch-1 AWQ linear as int16 words (`kernels/w4_words.py`):
+    # rms_norm's signature, a `W4Words` in place of the normed row; w4_linear and w4_gate_up_silu then take those.
+    # None: the backend has no words (the torch reference).
+    rms_norm_words: Callable | None = None
     # The Qwen3-VL vision tower's ops (kernels/vision.py documents each signature).
     layer_norm: Callable = layer_norm_ref
     bias_gelu: Callable = bias_gelu_ref

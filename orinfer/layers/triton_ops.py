@@ -18,6 +18,7 @@ from orinfer.kernels.attention import paged_attention, store_kv, varlen_attentio
 from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.norm import rms_norm
+from orinfer.kernels.w4_words import rms_norm_words
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
 from orinfer.layers.ops import Ops, linear_ref
@@ -80,7 +81,7 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         name="triton", linear=triton_linear, rms_norm=rms_norm, qk_norm_rope=qk_norm_rope,
         silu_and_mul=silu_and_mul, store_kv=store_kv, paged_attention=paged_attention,
         varlen_attention=varlen_attention, fused_gate_up_silu=fused_gate_up_silu if fused_ffn else None,
-        w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else None,
+        w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else None, rms_norm_words=rms_norm_words,
         layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual, qkv_split_rope=qkv_split_rope,
         vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
     )

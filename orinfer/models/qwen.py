@@ -100,13 +100,14 @@ class QwenDecoderLayer(nn.Module):
                 meta: AttentionMetadata, cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
         A None residual means `hidden` already is the full stream (first layer, or after an `after_layer` hook)."""
+        qkv = self.self_attn.qkv_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, feeds=qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, feeds=qkv)
         hidden = self.self_attn(positions, hidden, meta, cos_sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, feeds=self.mlp.gate_up_proj)
         return self.mlp(hidden, is_decode=not meta.is_prefill), residual
 
 

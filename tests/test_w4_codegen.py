@@ -50,15 +50,41 @@ print(json.dumps(out))
 """
 
 
+def _compile_in_child(script: str, *args: str) -> dict:
+    """Runs a compile script in a child process without the CPU interpreter (conftest.py turns it on, and interpreted
+    @triton.jit functions cannot be compiled) and returns the JSON it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout)
+
+
+def _opcodes(sass: str) -> list[str]:
+    """The opcodes of a cuobjdump SASS listing, in order (predicates dropped)."""
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+
+
+# Prefix of the SASS-reading compile scripts: cubin -> SASS listing (cuobjdump ships with Triton).
+_SASS_OF_CUBIN = r"""
+import json, os, subprocess, tempfile
+import triton
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def cubin_sass(cubin):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+"""
+
+
 @pytest.fixture(scope="module")
 def ttgir() -> dict[str, str]:
     """TTGIR of `_w4_mma_kernel` for sm_90 per (config, gated, x dtype)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps({k: list(v) for k, v in CONFIGS.items()})],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout)
+    return _compile_in_child(_COMPILE, json.dumps({k: list(v) for k, v in CONFIGS.items()}))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -86,11 +112,7 @@ print(json.dumps({str(trace): w4_gemv.compile_sm90(16, 512, 4, trace=trace).asm[
 
 
 def test_gemv_timeline_compiles_and_is_off_by_default():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_GEMV], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    ptx = json.loads(done.stdout)
+    ptx = _compile_in_child(_COMPILE_GEMV)
     assert "%globaltimer" not in ptx["False"]
     assert ptx["True"].count("%globaltimer") == 3  # resident, past the PDL wait, done
     assert "griddepcontrol.wait" in ptx["True"] and "griddepcontrol.wait" in ptx["False"]
@@ -99,18 +121,12 @@ def test_gemv_timeline_compiles_and_is_off_by_default():
 # The one-row GEMV's integer step (`w4_gemv_int`) is fast only while each int32 of weights costs four dp2a and a few
 # logic ops and nothing spills: check its default tiles' SASS for sm_90 (cuobjdump ships with Triton).
 _COMPILE_GEMV_INT = r"""
-import json, os, subprocess, tempfile
-import triton
 from orinfer.kernels import w4_gemv
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
 for name, cfg, gated, k8 in (("gated", w4_gemv.INT_GATED, True, 512), ("long", w4_gemv.INT_LONG_ROWS, False, 1536)):
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(w4_gemv.compile_sm90(cfg.block_n, cfg.block_kp, cfg.num_warps, gated, k8, integer=True,
-                                     preload=cfg.preload).asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = cubin_sass(w4_gemv.compile_sm90(cfg.block_n, cfg.block_kp, cfg.num_warps, gated, k8, integer=True,
+                                           preload=cfg.preload).asm["cubin"])
     # int32 words per thread: rows (gate and up when gated) x K / 8 over the program's threads
     words = cfg.block_n * (2 if gated else 1) * k8 // (cfg.num_warps * 32)
     out[name] = {"sass": sass, "words": words, "preload": cfg.preload,
@@ -120,13 +136,8 @@ print(json.dumps(out))
 
 
 def test_gemv_int_sass_is_dp2a_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_GEMV_INT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    for name, got in json.loads(done.stdout).items():
-        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", got["sass"])
+    for name, got in _compile_in_child(_SASS_OF_CUBIN + _COMPILE_GEMV_INT).items():
+        ops = _opcodes(got["sass"])
         assert ops.count("IDP") == 4 * got["words"], f"{name}: {ops.count('IDP')} dp2a for {got['words']} words"
         assert "LDL" not in ops and "STL" not in ops, f"{name}: registers spill to local memory"
         # Instructions per weight in all, x work included: gated 1.97, long 2.19 (its 8-row programs each make the
@@ -144,20 +155,9 @@ def test_gemv_int_sass_is_dp2a_without_spills():
 # instead of 1.5 (benchmarks/NOTES.md runs 134-135). Check their sm_90 SASS issues every global load before the first
 # global store; and that the GEMV on words keeps four dp2a per int32 without spills.
 _COMPILE_WORDS = r"""
-import json, os, subprocess, tempfile
-import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from orinfer.kernels import norm, w4_gemv, w4_words
-
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def cubin_sass(cubin):
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def sass(fn, args, consts, warps):
@@ -186,16 +186,12 @@ print(json.dumps(out))
 
 
 def test_words_kernels_sass():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_WORDS], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    got = json.loads(done.stdout)
+    got = _compile_in_child(_SASS_OF_CUBIN + _COMPILE_WORDS)
     for name in ("words", "norm"):
-        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", got[name])
+        ops = _opcodes(got[name])
         assert "LDG" in ops and "STG" in ops
         assert "LDG" not in ops[ops.index("STG"):], f"{name}: a global load waits behind a store"
     for name in ("gemv_gated", "gemv_short"):
-        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", got[name])
+        ops = _opcodes(got[name])
         assert ops.count("IDP") == 4 * got[name + "_words"], f"{name}: {ops.count('IDP')} dp2a"
         assert "LDL" not in ops and "STL" not in ops, f"{name}: registers spill to local memory"

@@ -10,23 +10,16 @@ Usage (device): python3 scripts/capture_order_ab.py SEQS [b1-first | graph-b1-fi
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
-from decode_in_bench import awq_engine, replays  # same folder
+from decode_in_bench import awq_engine, replays, timed_ms  # same folder
 from orinfer.config import EngineConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 
 
 def graph_ms(graph: torch.cuda.CUDAGraph, n: int = 100) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1000
+    return timed_ms(graph.replay, n, warm=1)
 
 
 def main() -> None:

@@ -39,14 +39,22 @@ def decode_b1(llm, vocab: int, steps_log: list[float]) -> float:
     return (m.num_generated_tokens - 1) / (m.e2e_s - m.ttft_s)
 
 
-def replay_ms(llm) -> float:
-    graph = llm.engine.runner.graphs.graphs[1]
+def timed_ms(body, iters: int = 200, warm: int = 0) -> float:
+    """Milliseconds per call of `body` (queued back to back, the device synchronised around them), after `warm`
+    untimed calls."""
+    for _ in range(warm):
+        body()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(200):
-        graph.replay()
+    for _ in range(iters):
+        body()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / 200 * 1000
+    return (time.perf_counter() - t) / iters * 1000
+
+
+def replay_ms(llm) -> float:
+    """The engine's batch-1 graph, replayed back to back."""
+    return timed_ms(llm.engine.runner.graphs.graphs[1].replay)
 
 
 def replays(llm, times: int = 3) -> str:

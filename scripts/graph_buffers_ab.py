@@ -8,25 +8,16 @@ Usage (device): python3 scripts/graph_buffers_ab.py [SEQS]"""
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
-from decode_in_bench import awq_engine, decode_b1
+from decode_in_bench import awq_engine, decode_b1, timed_ms
 from orinfer.config import EngineConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 
 
-def replay_ms(graphs: DecodeGraphs, iters: int = 300) -> float:
-    graph = graphs.graphs[1]
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1000
+def replay_ms(graphs: DecodeGraphs) -> float:
+    return timed_ms(graphs.graphs[1].replay, 300, warm=10)
 
 
 def copy_inputs(src: DecodeGraphs, dst: DecodeGraphs) -> None:

@@ -5,25 +5,17 @@ python3 scripts/graph_launch_gap.py"""
 
 from __future__ import annotations
 
-import time
 
 import torch
 
-from decode_in_bench import awq_engine
+from decode_in_bench import awq_engine, timed_ms
 from orinfer.config import EngineConfig
 
 ITERS = 200
 
 
 def per_iteration_ms(body) -> float:
-    for _ in range(5):
-        body()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(ITERS):
-        body()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / ITERS * 1000
+    return timed_ms(body, ITERS, warm=5)
 
 
 def main() -> None:

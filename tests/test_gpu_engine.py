@@ -55,6 +55,34 @@ def test_graphs_are_used(tiny_path):
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.buckets == [1, 2, 4, 8]
 
 
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"repetition_penalty": 1.3}])
+def test_greedy_decode_takes_the_graphs_argmax(tiny_path, monkeypatch, extra):
+    """Plain greedy decode steps replayed from graphs take the graph's own argmax and launch no sampler; with
+    log-probabilities or a penalty the sampler runs. Tokens (and log-probabilities) as without graphs."""
+    from orinfer.engine import model_runner
+
+    sampled_in = []   # for each sampler call: whether its step was a prefill
+    real_sample, real_execute = model_runner.sample, model_runner.ModelRunner.execute
+
+    def execute(self, seqs, is_prefill, *args, **kwargs):
+        monkeypatch.setattr(model_runner, "sample", lambda *a: sampled_in.append(is_prefill) or real_sample(*a))
+        return real_execute(self, seqs, is_prefill, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "execute", execute)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **extra)
+    outs, decode_samples = {}, {}
+    for graphs in (True, False):
+        sampled_in.clear()
+        llm = LLM(tiny_path, dtype="float32", device="cuda", progress=False, kv_cache_bytes=64 << 20, max_num_seqs=8,
+                  cuda_graph=graphs)
+        outs[graphs] = llm.generate(PROMPTS, params)
+        decode_samples[graphs] = sampled_in.count(False)
+    assert decode_samples[False] > 0 and (decode_samples[True] > 0) == bool(extra)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs])
+
+
 def test_qwen3_8b_logits_within_bf16_tolerance_of_hf():
     """Random full-size Qwen3-8B: orinfer (triton, bf16) vs HF (bf16), both judged against HF in fp32."""
     import transformers

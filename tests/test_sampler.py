@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,3 +91,16 @@ def test_logprobs_are_those_of_the_model():
     logp = torch.log_softmax(logits, -1)
     torch.testing.assert_close(out.logprobs, logp.max(-1).values)
     torch.testing.assert_close(out.top_logprobs, logp.topk(3, -1).values)
+
+
+def test_plain_argmax_only_for_greedy_rows_without_penalties_or_logprobs():
+    """The decode graphs' own argmax stands in for `sample` exactly when this holds (engine/cuda_graph.py)."""
+    assert SamplingBatch.greedy_only().plain_argmax
+    logits = torch.randn(2, 50)
+    assert torch.equal(sample(logits, SamplingBatch.greedy_only()).token_ids, logits.argmax(dim=-1))
+    greedy = batch_of(2, temperature=torch.zeros(2), all_greedy=True, use_repetition_penalty=False,
+                      use_presence_frequency=False)
+    assert greedy.plain_argmax
+    for change in ({"want_logprobs": True}, {"use_repetition_penalty": True}, {"use_presence_frequency": True},
+                   {"all_greedy": False}):
+        assert not dataclasses.replace(greedy, **change).plain_argmax, change

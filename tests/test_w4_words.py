@@ -167,8 +167,9 @@ def test_decoder_layer_hands_words_to_awq_linears(monkeypatch, fused_ffn):
     attn = layer.self_attn.attn
     attn.k_cache, attn.v_cache = (randn(4, 16, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     i32 = dict(dtype=torch.int32, device=DEVICE)
+    # 40 tokens: the new one (position 39) goes to table entry 2 = block 3, offset 7, flat slot 55.
     decode = AttentionMetadata(False, torch.tensor([0, 1], **i32), torch.tensor([40], **i32), 1, 40,
-                               torch.tensor([39], device=DEVICE), torch.tensor([[2, 0, 3, 1]], **i32))
+                               torch.tensor([55], device=DEVICE), torch.tensor([[2, 0, 3, 1]], **i32))
     prefill = AttentionMetadata(True, torch.tensor([0, 2], **i32), torch.tensor([2], **i32), 2, 2)
     for meta, rows, expected in ((decode, 1, ["norm", "norm"]), (prefill, 2, [])):
         x, r = randn(rows, 256, dtype=torch.bfloat16), randn(rows, 256, dtype=torch.bfloat16)

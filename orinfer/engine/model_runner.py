@@ -256,6 +256,8 @@ class ModelRunner:
         sampling = self.sampling_batch(seqs, pending=device_ids)
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, self.block_size, device_ids)
+            if sampling.plain_argmax:  # what `sample` would compute, done inside the graph
+                return SamplerOutput(token_ids=self.graphs.greedy_ids(len(seqs)))
         else:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
             if device_ids is not None:

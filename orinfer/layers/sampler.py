@@ -37,6 +37,12 @@ class SamplingBatch:
     want_logprobs: bool = False
 
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Whether `sample` reduces to argmax of the raw logits: greedy rows, no penalties, no log-probabilities."""
+        return (self.all_greedy and not self.want_logprobs and not self.use_repetition_penalty
+                and not self.use_presence_frequency)
+
     @classmethod
     def greedy_only(cls) -> "SamplingBatch":
         """A batch where every row is greedy with no penalties and no log-probabilities: argmax needs nothing else."""

@@ -55,11 +55,16 @@ def test_graphs_are_used(tiny_path):
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.buckets == [1, 2, 4, 8]
 
 
-@pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"repetition_penalty": 1.3}])
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"repetition_penalty": 1.3}, {"in_place_rows": 0}])
 def test_greedy_decode_takes_the_graphs_argmax(tiny_path, monkeypatch, extra):
     """Plain greedy decode steps replayed from graphs take the graph's own argmax and launch no sampler; with
-    log-probabilities or a penalty the sampler runs. Tokens (and log-probabilities) as without graphs."""
-    from orinfer.engine import model_runner
+    log-probabilities or a penalty the sampler runs. Tokens (and log-probabilities) as without graphs, also when the
+    graph's ids are copied rather than read in place (as above IN_PLACE_MAX_ROWS rows)."""
+    from orinfer.engine import cuda_graph, model_runner
+
+    extra = dict(extra)
+    if "in_place_rows" in extra:
+        monkeypatch.setattr(cuda_graph, "IN_PLACE_MAX_ROWS", extra.pop("in_place_rows"))
 
     sampled_in = []   # for each sampler call: whether its step was a prefill
     real_sample, real_execute = model_runner.sample, model_runner.ModelRunner.execute

@@ -19,6 +19,13 @@ from orinfer.layers.attention import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
+# Greedy lookahead steps of up to this many rows read their ids where the previous replay left them (`run`). AWQ
+# bench (benchmarks/NOTES.md runs 165-166), in place against copied: batch 1 561 against 544 tok/s; batch 32 6346
+# against 6827, for a reason not found yet, so larger batches keep the copy. (Against the sampler outside the graph
+# and the copy: batch 16 4712 against 4582, batch 48 7667 against 7749.)
+IN_PLACE_MAX_ROWS = 16
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16 up to max_batch (as vLLM does: fewer wasted rows for mid-size batches)."""
     buckets = [b for b in (1, 2, 4, 8) if b <= max_batch]
@@ -113,8 +120,10 @@ class DecodeGraphs:
         tables[batch:bucket, 0] = 0
         # A copy right before the replay, even of 8 bytes, made the batch-1 AWQ replay that follows it 0.05 ms slower
         # (run 161, scripts/host_wait.py): ids already in place skip both it and the ids row of the upload.
-        in_place = (device_ids is not None and device_ids.data_ptr() == self.input_ids.data_ptr()
-                    and device_ids.shape[0] == batch)
+        aliased = device_ids is not None and device_ids.data_ptr() == self.input_ids.data_ptr()
+        in_place = aliased and device_ids.shape[0] == batch and batch <= IN_PLACE_MAX_ROWS
+        if aliased and not in_place:
+            device_ids = device_ids.clone()  # the upload below rewrites the row they live in
         first_row = 1 if in_place else 0
         self.dev_i64[first_row:].copy_(stage.i64[first_row:], non_blocking=True)
         used = n + bucket * self.max_blocks

@@ -17,7 +17,7 @@ import torch
 
 from decode_in_bench import awq_engine, decode_b1
 from orinfer.config import EngineConfig
-from orinfer.engine import cuda_graph, in_flight, model_runner
+from orinfer.engine import in_flight, model_runner
 
 
 class _NoCopy:
@@ -66,7 +66,7 @@ def main() -> None:
         events.append((before, after))
 
     in_flight.InFlightStep.wait, model_runner.ModelRunner.execute = wait, execute
-    cuda_graph.torch.cuda.CUDAGraph.replay = replay
+    torch.cuda.CUDAGraph.replay = replay
     steps: list[float] = []
     try:
         tok_s = decode_b1(llm, llm.engine.parts.model_config.vocab_size, steps)
@@ -77,14 +77,18 @@ def main() -> None:
     body = slice(20, -5)  # steady decode steps
     replays = [a.elapsed_time(b) for a, b in events][body]
     gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)][body]
-    ms = lambda xs: f"median {statistics.median(xs) * 1000:.3f} ms (p10 {sorted(xs)[len(xs) // 10] * 1000:.3f}, " \
-                    f"p90 {sorted(xs)[len(xs) * 9 // 10] * 1000:.3f})"
-    dev = lambda xs: f"median {statistics.median(xs):.3f} ms (p10 {sorted(xs)[len(xs) // 10]:.3f}, " \
-                     f"p90 {sorted(xs)[len(xs) * 9 // 10]:.3f})"
-    print(f"{seqs} sequences, skipping {skip or 'nothing'}: {tok_s:.1f} tok/s; engine.step {ms(steps[body])}")
-    print(f"host blocked on the previous step's ids: {ms(waits[body])}")
-    print(f"host queuing a step (execute): {ms(launches[body])}")
-    print(f"device: graph replay {dev(replays)}; replay end -> next replay start {dev(gaps)}")
+    ms = [x * 1000 for x in steps[body]], [x * 1000 for x in waits[body]], [x * 1000 for x in launches[body]]
+    print(f"{seqs} sequences, skipping {skip or 'nothing'}: {tok_s:.1f} tok/s; engine.step {_spread(ms[0])}")
+    print(f"host blocked on the previous step's ids: {_spread(ms[1])}")
+    print(f"host queuing a step (execute): {_spread(ms[2])}")
+    print(f"device: graph replay {_spread(replays)}; replay end -> next replay start {_spread(gaps)}")
+
+
+def _spread(values_ms: list[float]) -> str:
+    """Median and 10th / 90th percentiles of per-step milliseconds."""
+    ordered = sorted(values_ms)
+    return (f"median {statistics.median(ordered):.3f} ms (p10 {ordered[len(ordered) // 10]:.3f}, "
+            f"p90 {ordered[len(ordered) * 9 // 10]:.3f})")
 
 
 if __name__ == "__main__":

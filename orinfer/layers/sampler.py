@@ -36,7 +36,6 @@ class SamplingBatch:
     num_logprobs: int = 0              # top log-probabilities to return per row (0: only the sampled token's)
     want_logprobs: bool = False
 
-
     @property
     def plain_argmax(self) -> bool:
         """Whether `sample` reduces to argmax of the raw logits: greedy rows, no penalties, no log-probabilities."""

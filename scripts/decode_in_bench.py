@@ -54,7 +54,7 @@ def timed_ms(body, iters: int = 200, warm: int = 0) -> float:
 
 def replay_ms(llm) -> float:
     """The engine's batch-1 graph, replayed back to back."""
-    return timed_ms(llm.engine.runner.graphs.graphs[1].replay)
+    return timed_ms(llm.engine.runner.graphs.graph_for(1, 1)[0].replay)  # what a short-context step replays
 
 
 def replays(llm, times: int = 3) -> str:

@@ -34,7 +34,7 @@ def main() -> None:
         engine.step()
     step_ms = (time.perf_counter() - t) / n * 1000
 
-    graph = runner.graphs.graphs[1]
+    graph, _ = runner.graphs.graph_for(1, seq.num_tokens)  # the graph the steps above replayed
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):

@@ -70,7 +70,7 @@ def main() -> None:
             ("64 rows, all buckets", 64, False, ""), ("64 rows, batch-1 bucket only", 64, True, ""),
             ("1 row", 1, True, ""), ("the engine's inputs", own.max_batch, True, "inputs"),
             ("the engine's pool", own.max_batch, True, "pool")):
-        graphs = DecodeGraphs(model, max_batch, max_blocks, own.device)
+        graphs = DecodeGraphs(model, max_batch, max_blocks, own.device, runner.block_size)
         graphs.label = name
         if only_b1:
             graphs.buckets = [1]

@@ -18,7 +18,8 @@ def extra_graphs(runner, max_batch: int, copies: int = 1) -> list[DecodeGraphs]:
     """`copies` more sets of decode graphs for up to `max_batch` rows, each in its own pool, kept alive."""
     sets = []
     for _ in range(copies):
-        graphs = DecodeGraphs(runner.model, max_batch, runner.graphs.max_blocks, torch.device("cuda"))
+        graphs = DecodeGraphs(runner.model, max_batch, runner.graphs.max_blocks, torch.device("cuda"),
+                              runner.block_size)
         graphs.capture()
         sets.append(graphs)
     return sets

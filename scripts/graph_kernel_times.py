@@ -33,7 +33,7 @@ def main() -> None:
     llm = awq_engine(EngineConfig(max_num_seqs=seqs, max_model_len=2048, num_kv_blocks=128))
     print(f"max_num_seqs {seqs}: replay {replays(llm)} ms")
     per_name: dict[str, list[float]] = collections.defaultdict(list)
-    for e in cuda_events(llm.engine.runner.graphs.graphs[1], REPLAYS):
+    for e in cuda_events(llm.engine.runner.graphs.graph_for(1, 1)[0], REPLAYS):
         per_name[e.name].append(e.device_time)
     rows = sorted(((sum(t) / REPLAYS, len(t) / REPLAYS, sum(t) / len(t), n) for n, t in per_name.items()),
                   reverse=True)

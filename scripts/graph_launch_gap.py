@@ -22,7 +22,7 @@ def main() -> None:
     llm = awq_engine(EngineConfig(max_num_seqs=1, max_num_batched_tokens=8192, max_model_len=2064,
                                   kv_cache_bytes=2 * 2064 * 2**20))
     g = llm.engine.runner.graphs
-    graph, logits, stage = g.graphs[1], g.logits[1], g.staging[0]
+    (graph, logits), stage = g.graph_for(1, 1), g.staging[0]  # the graph of a short-context batch-1 step
     prev_ids = torch.zeros(1, dtype=torch.int64, device="cuda")
     host_ids = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     used = g.max_batch + g.max_blocks

@@ -19,7 +19,7 @@ def recapture(runner, max_blocks: int, max_batch: int, order: str) -> None:
     runner.graphs = None
     gc.collect()
     torch.cuda.empty_cache()
-    graphs = DecodeGraphs(runner.model, max_batch, max_blocks, torch.device("cuda"))
+    graphs = DecodeGraphs(runner.model, max_batch, max_blocks, torch.device("cuda"), runner.block_size)
     buckets = graphs.buckets
     if order == "separate pools":
         for batch in reversed(buckets):

@@ -20,7 +20,7 @@ def main() -> None:
 
     llm = awq_engine(EngineConfig(max_num_seqs=1, max_model_len=2048, num_kv_blocks=128))
     print(f"replay {replays(llm)} ms")
-    events = cuda_events(llm.engine.runner.graphs.graphs[1], REPLAYS)
+    events = cuda_events(llm.engine.runner.graphs.graph_for(1, 1)[0], REPLAYS)
     per_replay = len(events) // REPLAYS
     layers = llm.engine.parts.model_config.num_hidden_layers
     outside = (per_replay % layers) or layers   # the launches outside the layers (embedding, final norm, head, ...)

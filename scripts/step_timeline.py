@@ -26,7 +26,7 @@ def main() -> None:
     llm = build_synthetic_llm(cfg, torch.bfloat16, dev, "triton",
                               EngineConfig(max_num_seqs=1, max_model_len=2048, kv_cache_bytes=1 << 30))
     llm.generate([list(range(1000, 1128))], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    graph = llm.engine.runner.graphs.graphs[1]
+    graph = llm.engine.runner.graphs.graph_for(1, 1)[0]  # the graph of a short-context batch-1 step
     for _ in range(20):
         graph.replay()
     for rep in range(3):

@@ -17,7 +17,7 @@ def main() -> None:
                                   num_kv_blocks=128))
     runner = llm.engine.runner
     print(f"fresh: replay {replays(llm)} ms")
-    eager = DecodeGraphs(runner.model, 64, runner.graphs.max_blocks, torch.device("cuda"))
+    eager = DecodeGraphs(runner.model, 64, runner.graphs.max_blocks, torch.device("cuda"), runner.block_size)
     with torch.inference_mode():
         for rows in (2, 16, 64):
             eager._forward(rows)

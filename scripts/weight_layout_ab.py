@@ -43,7 +43,7 @@ def main() -> None:
     to_arena(runner.model)
     gc.collect()
     torch.cuda.empty_cache()
-    runner.graphs = DecodeGraphs(runner.model, 1, runner.graphs.max_blocks, torch.device("cuda"))
+    runner.graphs = DecodeGraphs(runner.model, 1, runner.graphs.max_blocks, torch.device("cuda"), runner.block_size)
     runner.graphs.capture()
     warm_decode(llm)
     print(f"build 2, weights in one buffer: replay {replays(llm)} ms")

@@ -88,6 +88,34 @@ def test_greedy_decode_takes_the_graphs_argmax(tiny_path, monkeypatch, extra):
         torch.testing.assert_close([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs])
 
 
+def test_short_context_graphs_serve_short_contexts(tiny_path, monkeypatch):
+    """Batches of up to SHORT_CONTEXT_MAX_BATCH rows replay a graph over the block table's first SHORT_CONTEXT_TOKENS
+    tokens while their longest context fits in it (fewer attention splits), and the full graph after; the tokens
+    across the switch are those decoded without graphs."""
+    from orinfer.engine import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "SHORT_CONTEXT_TOKENS", 64)
+    replayed = []
+    real_replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replayed.append(self) or real_replay(self))
+    prompt, params = list(range(3, 43)), SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM(tiny_path, dtype="float32", device="cuda", progress=False, block_size=16, kv_cache_bytes=64 << 20,
+                  max_num_seqs=4, cuda_graph=graphs)
+        replayed.clear()
+        outs[graphs] = llm.generate([prompt], params)[0].token_ids
+        if graphs:
+            g = llm.engine.runner.graphs
+            assert g.short_buckets == [1, 2] and g.short_tokens == 64 and g.short_blocks == 4
+            short, full = g.short_graphs[1], g.graphs[1]
+            assert g.graph_for(1, 64)[0] is short and g.graph_for(1, 65)[0] is full
+            assert g.graph_for(2, 1)[0] is g.short_graphs[2] and g.graph_for(4, 1)[0] is g.graphs[4]
+            # 47 decode steps at contexts 41..87 tokens: those up to 64 replay the short graph.
+            assert sum(r is short for r in replayed) == 24 and sum(r is full for r in replayed) == 23
+    assert outs[True] == outs[False]
+
+
 def test_qwen3_8b_logits_within_bf16_tolerance_of_hf():
     """Random full-size Qwen3-8B: orinfer (triton, bf16) vs HF (bf16), both judged against HF in fp32."""
     import transformers

@@ -25,6 +25,15 @@ log = logging.getLogger(__name__)
 # and the copy: batch 16 4712 against 4582, batch 48 7667 against 7749.)
 IN_PLACE_MAX_ROWS = 16
 
+# Decode attention bounds its split count by the width of the block table it is given (kernels/attention.py). Over the
+# full table, batch 1 splits every context 32 ways (Qwen3-8B: 8 kv heads, 132 SMs) and at a few hundred tokens most
+# splits are empty; a step then takes ~20 us longer (run 169, step replay: 1.813 ms with 32 splits, 1.794 with 16,
+# 1.792 with 8; empty splits skipping all of their work inside the kernel: 1.813-1.818). So the smallest buckets get
+# a second graph over the table's first SHORT_CONTEXT_TOKENS tokens, replayed while the batch's longest context fits
+# in it: 16 splits at batch 1, the fastest count up to ~1k tokens (run 82). Longer contexts replay the full graph.
+SHORT_CONTEXT_TOKENS = 1024
+SHORT_CONTEXT_MAX_BATCH = 2  # buckets above it get no more splits than the short table allows anyway
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16 up to max_batch (as vLLM does: fewer wasted rows for mid-size batches)."""
@@ -36,8 +45,12 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device,
+                 block_size: int) -> None:
+        """Graphs for up to `max_batch` rows of up to `max_blocks_per_seq` KV-cache blocks of `block_size` tokens.
+        Buckets of up to SHORT_CONTEXT_MAX_BATCH rows also get a graph for contexts of up to SHORT_CONTEXT_TOKENS
+        tokens (see there), when the full table is wider than that."""
+        self.model, self.device, self.block_size = model, device, block_size
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n, self.max_blocks = self.max_batch, max_blocks_per_seq
@@ -58,39 +71,56 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        short = -(-SHORT_CONTEXT_TOKENS // block_size)
+        self.short_blocks = short if short < max_blocks_per_seq else 0
+        self.short_tokens = self.short_blocks * block_size
+        self.short_buckets = [b for b in self.buckets if b <= SHORT_CONTEXT_MAX_BATCH] if self.short_blocks else []
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, batch: int, max_context_len: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _forward(self, batch: int, blocks: int) -> torch.Tensor:
+        """The decode step over the first `blocks` columns of the block table (contexts of up to that many blocks)."""
+        meta = AttentionMetadata(
             is_prefill=False, query_start_loc=self.query_start_loc[:batch + 1],
-            context_lens=self.context_lens[:batch], max_query_len=1, max_context_len=max_context_len,
-            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch])
-
-    def _forward(self, batch: int) -> torch.Tensor:
-        meta = self._meta(batch, self.block_tables.shape[1])
+            context_lens=self.context_lens[:batch], max_query_len=1, max_context_len=blocks * self.block_size,
+            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch, :blocks])
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], meta)
         return self.model.compute_logits(hidden)
 
+    def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._forward(batch, blocks)  # warm-up: compiles Triton kernels and fixes autotuning outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(batch, blocks)
+            # The greedy samples go where the next step reads its input ids (`greedy_ids`): a greedy lookahead step
+            # then needs neither sampler launches nor a copy of the ids before its replay. Other batches ignore them
+            # (a ~10 us reduction against their sampler's sort over the vocabulary).
+            torch.argmax(logits, dim=-1, out=self.input_ids[:batch])
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, logits
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket, largest first so that smaller graphs reuse its memory pool."""
+        """Captures every bucket, largest first so that smaller graphs reuse its memory pool, then the short-context
+        graphs."""
         for batch in reversed(self.buckets):
-            self._forward(batch)  # warm-up: compiles Triton kernels and fixes autotuning outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[batch] = self._forward(batch)
-                # The greedy samples go where the next step reads its input ids (`greedy_ids`): a greedy lookahead
-                # step then needs neither sampler launches nor a copy of the ids before its replay. Other batches
-                # ignore them (a ~10 us reduction against their sampler's sort over the vocabulary).
-                torch.argmax(self.logits[batch], dim=-1, out=self.input_ids[:batch])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[batch], self.logits[batch] = self._capture(batch, self.max_blocks)
+        for batch in reversed(self.short_buckets):
+            self.short_graphs[batch], self.short_logits[batch] = self._capture(batch, self.short_blocks)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured decode CUDA graphs for batch sizes %s (and %s for contexts of up to %d tokens)",
+                 self.buckets, self.short_buckets, self.short_tokens)
 
-    def run(self, seqs: list, block_size: int, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def graph_for(self, bucket: int, longest_context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph (and its logits) that replays `bucket` rows whose longest context is `longest_context` tokens."""
+        if bucket in self.short_graphs and longest_context <= self.short_tokens:
+            return self.short_graphs[bucket], self.short_logits[bucket]
+        return self.graphs[bucket], self.logits[bucket]
+
+    def run(self, seqs: list, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the bucket for these decoding sequences; returns logits [B, V] (a view of the graph's output).
 
         Each sequence contributes its newest token, at position num_tokens - 1 (plus its M-RoPE delta: a Qwen3-VL
@@ -99,7 +129,7 @@ class DecodeGraphs:
         host copies do not exist yet); they are copied over the ids row on the device, unless they are the previous
         replay's `greedy_ids` for this same batch, already in place.
         """
-        batch = len(seqs)
+        batch, block_size = len(seqs), self.block_size
         bucket = next(b for b in self.buckets if b >= batch)
         stage = self.staging[self.turn]
         self.turn ^= 1
@@ -108,11 +138,13 @@ class DecodeGraphs:
         n = self.max_batch
         lens = stage.np_i32[:n]
         tables = stage.np_i32[n:].reshape(n, self.max_blocks)
+        longest = 0
         for i, seq in enumerate(seqs):
             pos = seq.num_tokens - 1
             ids[i], positions[i] = seq.token_ids[-1], pos + seq.rope_delta  # M-RoPE: shifted, same on all axes
             slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
             lens[i] = seq.num_tokens
+            longest = max(longest, seq.num_tokens)
             tables[i, :len(seq.block_table)] = seq.block_table
         # Padding rows of the bucket write no KV (slot -1) and attend over one slot of block 0.
         ids[batch:bucket], positions[batch:bucket], slots[batch:bucket] = 0, 0, -1
@@ -131,8 +163,9 @@ class DecodeGraphs:
         stage.copied.record()
         if device_ids is not None and not in_place:
             self.input_ids[:batch].copy_(device_ids)  # queued after the upload above, so it wins
-        self.graphs[bucket].replay()
-        return self.logits[bucket][:batch]
+        graph, logits = self.graph_for(bucket, longest)
+        graph.replay()
+        return logits[:batch]
 
     def greedy_ids(self, batch: int) -> torch.Tensor:
         """The last replay's argmax of the logits [batch] int64: a view of the input ids row, which the next step's

@@ -42,7 +42,7 @@ class ModelRunner:
         # Graphs need a backend whose decode path never syncs with the host (the torch reference does).
         if engine_config.cuda_graph and device.type == "cuda" and graph_safe:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
-            self.graphs = DecodeGraphs(model, engine_config.max_num_seqs, max_blocks, device)
+            self.graphs = DecodeGraphs(model, engine_config.max_num_seqs, max_blocks, device, self.block_size)
             self.graphs.capture()
             if hasattr(model, "enable_vision_graphs"):
                 model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph
@@ -255,7 +255,7 @@ class ModelRunner:
         # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens.
         sampling = self.sampling_batch(seqs, pending=device_ids)
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.run(seqs, self.block_size, device_ids)
+            logits = self.graphs.run(seqs, device_ids)
             if sampling.plain_argmax:  # what `sample` would compute, done inside the graph
                 return SamplerOutput(token_ids=self.graphs.greedy_ids(len(seqs)))
         else:

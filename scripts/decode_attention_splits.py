@@ -22,6 +22,7 @@ def main() -> None:
         # the engine's graph bounds the context by its max_model_len, not by this sequence: give the table room
         tables = torch.nn.functional.pad(tables, (0, 4096 - tables.shape[1]))
         q = torch.randn(1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        torch.cuda.synchronize()  # do_bench_cudagraph runs on a new stream, which does not wait for the inputs
         times = [triton.testing.do_bench_cudagraph(
             lambda s=s: paged_decode_attention(q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5, num_splits=s))
             for s in splits]

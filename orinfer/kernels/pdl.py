@@ -2,10 +2,15 @@
 
 A decode step at batch 1 is ~360 short kernels back to back; between two of them the GPU idles for the launch
 latency (~1-2 us), which at 36 layers x 10 kernels is several percent of a step. With PDL a kernel may be launched
-while its predecessor is still finishing: it waits in `gdc_wait()` (at its very start, before it reads or writes any
-global memory, so ordering is exactly as without PDL) and the predecessor signals with `gdc_launch_dependents()`.
-Kernels launched with PDL must call `gdc_wait()` first; the flag is a constexpr, so without PDL (older GPUs, the
-Triton interpreter, ORINFER_PDL=0) the calls are compiled out.
+while its predecessor is still finishing: it waits in `gdc_wait()` (before it reads anything an earlier kernel
+wrote, or writes anything, so ordering is as without PDL) and the predecessor signals with `gdc_launch_dependents()`.
+Kernels launched with PDL must call `gdc_wait()` before touching memory that an earlier kernel of the step writes;
+the flag is a constexpr, so without PDL (older GPUs, the Triton interpreter, ORINFER_PDL=0) the calls are compiled
+out. Memory that no kernel of the step writes (the step's inputs, uploaded before its first kernel) may be read
+before the wait: every kernel here signals only after its own wait, so by the time a kernel is launched, everything
+queued before its predecessor has finished. Decode attention reads its context lengths and block table that way.
+Weights, though constant, are read after the wait: reading them earlier made the GEMVs slower in every engine
+measurement (docs/performance.md, sessions 7-8).
 
 Short kernels (norms, RoPE, KV store, split combine) signal right after their wait (`small_kernel_prologue`).
 Signalling before the wait, so that a successor such as a W4 GEMV is placed on the SMs even earlier, gained only

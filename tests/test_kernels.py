@@ -198,6 +198,20 @@ def test_gemv_even_k_and_leading_dims(x_dtype, w_dtype):
     close(got, gemv.gemv_ref(x.double(), w.double()), x_dtype, scale=2)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("rows,cfg", ROW_CONFIGS, ids=ROW_CONFIG_IDS)
+def test_gemv_fp32_out_holds_the_rounded_result(x_dtype, w_dtype, rows, cfg):
+    """out_dtype=fp32 (the lm_head's logits) stores exactly the x-dtype result, widened: no extra precision."""
+    x = randn(rows, 100, dtype=x_dtype)
+    w = randn(37, 100, dtype=w_dtype, scale=0.1)
+    if cfg is None:
+        wide, narrow = gemv.gemv(x, w, out_dtype=torch.float32), gemv.gemv(x, w)
+    else:
+        wide = gemv.run_gemv(x, w, None, gated=False, cfg=cfg, out_dtype=torch.float32)
+        narrow = gemv.run_gemv(x, w, None, gated=False, cfg=cfg)
+    assert wide.dtype == torch.float32 and torch.equal(wide, narrow.float())
+
+
 def test_gemv_falls_back_beyond_max_rows():
     x, w = randn(gemv.MAX_ROWS + 1, 32), randn(20, 32)
     close(gemv.gemv(x, w), gemv.gemv_ref(x.double(), w.double()), torch.float32)
@@ -394,16 +408,32 @@ def test_gpu_gemv_and_fused_ffn_qwen3_shapes(x_dtype, w_dtype, rows):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_gpu_lm_head_returns_fp32_logits_of_the_16_bit_linear(rows):
+    """The triton backend's lm_head (the GEMV storing fp32 itself up to 8 rows, the linear then a widening beyond):
+    fp32 logits whose values are 16-bit ones, within a rounding of the fp64 product."""
+    from orinfer.layers.ops import lm_head_ref
+    from orinfer.layers.triton_ops import triton_lm_head
+
+    x = randn(rows, 1024, dtype=torch.bfloat16)
+    w = randn(3000, 1024, dtype=torch.bfloat16, scale=1024 ** -0.5)
+    got = triton_lm_head(x, w)
+    assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())
+    torch.testing.assert_close(got.double(), lm_head_ref(x.double(), w.double()).double(), **tol(torch.bfloat16, 2))
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_tuner_times_candidates_and_caches_the_choice(monkeypatch):
     monkeypatch.setenv("ORINFER_AUTOTUNE", "1")
     # fp32 and mixed inputs go through the tuner; 16-bit ones use the configs measured by scripts/gemv_sweep.py.
     x, w = randn(4, 4096, dtype=torch.float32), randn(4096, 4096, dtype=torch.float32, scale=4096 ** -0.5)
     close(gemv.gemv(x, w), gemv.gemv_ref(x.double(), w.double()), torch.float32, scale=2)
-    key = (4096, 4096, 4, False, False, torch.float32, torch.float32, str(x.device))
+    key = (4096, 4096, 4, False, False, torch.float32, torch.float32, None, str(x.device))  # None: out_dtype
     assert key in gemv.TUNER.cache
     one, w16 = randn(1, 4096, dtype=torch.bfloat16), w.to(torch.bfloat16)
     close(gemv.gemv(one, w16), gemv.gemv_ref(one.double(), w16.double()), torch.bfloat16, scale=2)
-    assert (4096, 4096, 1, False, False, torch.bfloat16, torch.bfloat16, str(x.device)) not in gemv.TUNER.cache
+    assert (4096, 4096, 1, False, False, torch.bfloat16, torch.bfloat16, None, str(x.device)) not in gemv.TUNER.cache
     close(gemv.gemv(x, w), gemv.gemv_ref(x.double(), w.double()), torch.float32, scale=2)  # the cached choice
 
 

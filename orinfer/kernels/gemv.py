@@ -128,17 +128,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, B, N, K, stride_xb, stride_wn, st
     else:
         g = tl.sum(acc_g, axis=1)[:, None]
         u = tl.sum(acc_u, axis=1)[:, None]
-    out_ty = out_ptr.dtype.element_ty
+    act_ty = x_ptr.dtype.element_ty  # the result rounds to x's dtype, whatever dtype it is stored in (out_dtype)
     if HAS_BIAS:
         g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     if GATED:
         # The unfused path rounds the GEMM output, then silu, then the product: do the same.
-        g = g.to(out_ty).to(tl.float32)
-        u = u.to(out_ty).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        g = g.to(act_ty).to(tl.float32)
+        u = u.to(act_ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
         g = s * u
     out_ptrs = out_ptr + offs_b[None, :] * stride_ob + offs_n[:, None]
-    tl.store(out_ptrs, g.to(out_ty), mask=n_mask[:, None] & b_mask[None, :])
+    tl.store(out_ptrs, g.to(act_ty).to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & b_mask[None, :])
 
 
 class GemvConfig(NamedTuple):
@@ -226,18 +226,19 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int, gated: bool,
-                cfg: GemvConfig) -> torch.Tensor:
-    """Runs one explicit config on x2 [B, K] (unit last stride); returns [B, n_out] (a new tensor)."""
+                cfg: GemvConfig, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Runs one explicit config on x2 [B, K] (unit last stride); returns [B, n_out] (a new tensor) in `out_dtype`
+    (default x's dtype; the values are x's dtype's either way)."""
     if cfg == CUBLAS:
         y = gemv_ref(x2, weight, bias)
         if gated:
             from orinfer.kernels.activation import silu_and_mul  # lazy: activation imports this module
             y = silu_and_mul(y)
-        return y
+        return y if out_dtype is None else y.to(out_dtype)
     rows, k = x2.shape
     if not cfg.use_dot and rows != 1:
         raise ValueError("the FMA loop computes one row; use a DOT config for several rows")
-    out = torch.empty(rows, n_out, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(rows, n_out, dtype=out_dtype or x2.dtype, device=x2.device)
     dot_f32 = x2.dtype == torch.float32 or weight.dtype == torch.float32 or interpreting()
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x2, weight, out if bias is None else bias, out, rows, n_out, k, x2.stride(0), weight.stride(0),
@@ -249,11 +250,12 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-             cfg: GemvConfig | None = None) -> torch.Tensor:
+             cfg: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Shared body of `gemv` and `fused_gate_up_silu`: validates, picks a config (timed once per shape), launches.
 
     The caller has checked `supported(x, weight)` and 1 <= rows <= MAX_ROWS. gated: weight is [2I, K] packed
-    (gate rows first) and the result is silu(x Wg^T) * (x Wu^T) [B, I]. `cfg` forces a config (tests).
+    (gate rows first) and the result is silu(x Wg^T) * (x Wu^T) [B, I]. `cfg` forces a config (tests). `out_dtype`:
+    see `gemv`.
     """
     check_device(x)
     k = x.shape[-1]
@@ -274,19 +276,24 @@ def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
     if cfg is None and x.dtype == weight.dtype and x.dtype != torch.float32:
         cfg = ONE_ROW if rows == 1 else FEW_ROWS_GATED if gated else FEW_ROWS
     if cfg is None:
-        key = (n_out, k, rows, gated, bias is not None, x.dtype, weight.dtype, str(x.device))
+        key = (n_out, k, rows, gated, bias is not None, x.dtype, weight.dtype, out_dtype, str(x.device))
         same = x.dtype == weight.dtype  # cuBLAS in mixed mode would widen the whole weight every call
         f32 = x.dtype == torch.float32
         candidates = ((FMA_CONFIGS if rows == 1 else []) + (DOT_F32_CONFIGS if f32 else DOT_CONFIGS)
                       + ([CUBLAS] if same else []))
         default = DEFAULT_FMA if rows == 1 else (CUBLAS if same else DEFAULT_DOT_F32 if f32 else DEFAULT_DOT)
-        cfg = TUNER.pick(key, candidates, default, x.device, lambda c: launch_gemv(x2, weight, bias, n_out, gated, c))
-    return launch_gemv(x2, weight, bias, n_out, gated, cfg).reshape(*lead, n_out)
+        cfg = TUNER.pick(key, candidates, default, x.device,
+                         lambda c: launch_gemv(x2, weight, bias, n_out, gated, c, out_dtype))
+    return launch_gemv(x2, weight, bias, n_out, gated, cfg, out_dtype).reshape(*lead, n_out)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for x [..., K] with at most MAX_ROWS rows; more rows, or other dtype pairs, go to `gemv_ref`."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for x [..., K] with at most MAX_ROWS rows; more rows, or other dtype pairs, go to `gemv_ref`.
+    y is rounded to x's dtype and returned in `out_dtype` (default x's): fp32 logits come out of the lm_head GEMV
+    itself, with the values of `gemv_ref(...).float()`, instead of through a separate widening copy."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows == 0 or rows > MAX_ROWS or not supported(x, weight):
-        return gemv_ref(x, weight, bias)
-    return run_gemv(x, weight, bias, gated=False)
+        y = gemv_ref(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+    return run_gemv(x, weight, bias, gated=False, out_dtype=out_dtype)

@@ -35,4 +35,4 @@ class LMHead(nn.Module):
             self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.weight).float()
+        return self.ops.lm_head(hidden, self.weight)

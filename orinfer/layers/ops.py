@@ -31,6 +31,11 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
+def lm_head_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits: x W^T in x's dtype (`linear_ref`), returned as fp32, as HF's models return them."""
+    return linear_ref(x, weight).float()
+
+
 def linear_bias_gelu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh"
                          ) -> torch.Tensor:
     """gelu(x W^T + b): the bias-free GEMM, then `bias_gelu_ref` (the bias add rounded to x's dtype, as HF's Linear
@@ -58,6 +63,8 @@ class Ops:
     # rms_norm's signature, a `W4Words` in place of the normed row; w4_linear and w4_gate_up_silu then take those.
     # None: the backend has no words (the torch reference).
     rms_norm_words: Callable | None = None
+    # lm_head_ref's contract: fp32 logits with the values of the linear in x's dtype.
+    lm_head: Callable = lm_head_ref
     # The Qwen3-VL vision tower's ops (kernels/vision.py documents each signature).
     layer_norm: Callable = layer_norm_ref
     bias_gelu: Callable = bias_gelu_ref

@@ -27,13 +27,24 @@ GEMV_MAX_ROWS = 8
 GEMV_MIN_WEIGHT = 1 << 20  # elements; smaller weights (tiny test models) are latency-bound either way
 
 
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Decode-sized x against a large row-major weight, in a dtype pair the GEMV handles."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (0 < rows <= GEMV_MAX_ROWS and weight.numel() >= GEMV_MIN_WEIGHT and weight.stride(-1) == 1
+            and supported(x, weight))
+
+
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear_ref`'s contract; the GEMV kernel for decode-sized x and large row-major weights."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (0 < rows <= GEMV_MAX_ROWS and weight.numel() >= GEMV_MIN_WEIGHT and weight.stride(-1) == 1
-            and supported(x, weight)):
-        return gemv(x, weight, bias)
-    return linear_ref(x, weight, bias)
+    return gemv(x, weight, bias) if _gemv_applies(x, weight) else linear_ref(x, weight, bias)
+
+
+def triton_lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`lm_head_ref`'s contract: decode-sized x through the GEMV, which stores the fp32 logits itself (one copy
+    kernel less per step); otherwise the linear, then the widening."""
+    if _gemv_applies(x, weight):
+        return gemv(x, weight, out_dtype=torch.float32)
+    return linear_ref(x, weight).float()
 
 
 def segment_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -83,5 +94,5 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         varlen_attention=varlen_attention, fused_gate_up_silu=fused_gate_up_silu if fused_ffn else None,
         w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else None, rms_norm_words=rms_norm_words,
         layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual, qkv_split_rope=qkv_split_rope,
-        vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
+        vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu, lm_head=triton_lm_head,
     )

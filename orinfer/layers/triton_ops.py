@@ -21,7 +21,7 @@ from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.w4_words import rms_norm_words
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
-from orinfer.layers.ops import Ops, linear_ref
+from orinfer.layers.ops import Ops, linear_ref, lm_head_ref
 
 GEMV_MAX_ROWS = 8
 GEMV_MIN_WEIGHT = 1 << 20  # elements; smaller weights (tiny test models) are latency-bound either way
@@ -42,9 +42,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def triton_lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`lm_head_ref`'s contract: decode-sized x through the GEMV, which stores the fp32 logits itself (one copy
     kernel less per step); otherwise the linear, then the widening."""
-    if _gemv_applies(x, weight):
-        return gemv(x, weight, out_dtype=torch.float32)
-    return linear_ref(x, weight).float()
+    return gemv(x, weight, out_dtype=torch.float32) if _gemv_applies(x, weight) else lm_head_ref(x, weight)
 
 
 def segment_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -3,9 +3,11 @@ engine built as `orinfer bench` builds it (64 sequences); per step it records th
 previous step's ids (`InFlightStep.wait`), the host's time to queue a step (`ModelRunner.execute`), and on the device,
 through CUDA events around each graph replay, the replay itself and the gap from one replay's end to the next one's
 start (sampler, copies, and any time the stream sat empty waiting for the host).
-`--skip uploads,ids` (diagnostic: the graph then decodes from stale inputs) leaves out the graph inputs' two host ->
-device copies and/or the lookahead's device copy of the ids, to see what they cost the replay after them.
-Usage (device): python3 scripts/host_wait.py [SEQS] [--skip uploads,ids]"""
+`--skip uploads,ids,host_ids` (diagnostic: the graph then decodes from stale inputs) leaves out the graph inputs' two
+host -> device copies, the lookahead's device copy of the ids and/or the copy of the sampled ids to the host (the host
+then reads stale ids), to see what they cost the replay after them. `--patch PYTHON` runs a patch first (as
+scripts/step_ab.py does).
+Usage (device): python3 scripts/host_wait.py [SEQS] [--skip uploads,ids,host_ids] [--patch PYTHON]"""
 
 from __future__ import annotations
 
@@ -30,13 +32,23 @@ class _NoCopy:
         return self
 
 
-SKIPPABLE = {"uploads": ("dev_i64", "dev_i32"), "ids": ("input_ids",)}
+SKIPPABLE = {"uploads": ("dev_i64", "dev_i32"), "ids": ("input_ids",), "host_ids": ()}
+
+
+def _stale_host_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`in_flight._to_host` without the copy: a pinned tensor of the right shape, never written."""
+    return t if t is None or not t.is_cuda else torch.zeros(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 def main() -> None:
     args = sys.argv[1:]
     skip = args.pop(args.index("--skip") + 1).split(",") if "--skip" in args else []
     args = [a for a in args if a != "--skip"]
+    if "--patch" in args:
+        exec(args.pop(args.index("--patch") + 1), {})  # noqa: S102  (a developer's own A/B snippet)
+        args.remove("--patch")
+    if "host_ids" in skip:
+        in_flight._to_host = _stale_host_copy
     seqs = int(args[0]) if args else 64
     llm = awq_engine(EngineConfig(max_num_seqs=seqs, max_model_len=2064))
     graphs = llm.engine.runner.graphs

@@ -55,3 +55,39 @@ def test_argmax_rows_rejects_bad_shapes():
         argmax_rows(torch.randn(4, 10, device=DEVICE).t())
     with pytest.raises(ValueError, match="int64"):
         argmax_rows(torch.randn(2, 10, device=DEVICE), out=torch.empty(2, dtype=torch.int32, device=DEVICE))
+
+
+def test_argmax_rows_also_writes_the_mirror_row_the_device_index_names():
+    logits = torch.randn(3, 500, device=DEVICE)
+    mirror = torch.full((2, 5), -1, dtype=torch.int64, device=DEVICE)
+    row = torch.tensor([1], dtype=torch.int64, device=DEVICE)
+    ids = argmax_rows(logits, chunk=128, mirror=mirror, mirror_row=row)
+    assert torch.equal(ids, argmax_rows_ref(logits)) and torch.equal(mirror[1, :3], ids)
+    assert (mirror[0] == -1).all() and (mirror[1, 3:] == -1).all()
+    row.fill_(0)   # the row is read when the kernel runs
+    argmax_rows(logits, chunk=128, mirror=mirror, mirror_row=row)
+    assert torch.equal(mirror[0, :3], ids)
+
+
+def test_argmax_rows_rejects_a_bad_mirror():
+    logits = torch.randn(3, 50, device=DEVICE)
+    row = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="go together"):
+        argmax_rows(logits, mirror=torch.zeros(2, 3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="mirror must be"):
+        argmax_rows(logits, mirror=torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), mirror_row=row)
+    with pytest.raises(ValueError, match="mirror must be"):
+        argmax_rows(logits, mirror=torch.zeros(2, 3, dtype=torch.int32, device=DEVICE), mirror_row=row)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_argmax_rows_writes_a_pinned_host_mirror_from_the_device():
+    """The decode graphs' use: the kernel stores into pinned host memory; after a sync the host reads the ids."""
+    logits = torch.randn(2, 151936, device="cuda", dtype=torch.bfloat16)
+    mirror = torch.full((2, 4), -1, dtype=torch.int64, pin_memory=True)
+    row = torch.tensor([1], dtype=torch.int64, device="cuda")
+    ids = argmax_rows(logits, mirror=mirror, mirror_row=row)
+    torch.cuda.synchronize()
+    assert mirror[1, :2].tolist() == ids.tolist() == argmax_rows_ref(logits).tolist()
+    assert mirror[0].tolist() == [-1] * 4

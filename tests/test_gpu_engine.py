@@ -88,6 +88,75 @@ def test_greedy_decode_takes_the_graphs_argmax(tiny_path, monkeypatch, extra):
         torch.testing.assert_close([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs])
 
 
+def test_plain_greedy_graph_steps_copy_no_ids_to_the_host(tiny_path, monkeypatch):
+    """The decode graphs' argmax writes a plain greedy step's ids into pinned host memory itself: only prefill
+    steps (sampled outside the graphs) queue a device-to-host copy. Tokens as without graphs."""
+    from orinfer.engine import in_flight
+
+    copies, prefills = [], []   # per device-to-host copy: of a CUDA tensor?  per step: a prefill?
+    real_to_host, real_init = in_flight._to_host, in_flight.InFlightStep.__init__
+
+    def to_host(t):
+        copies.append(t is not None and t.is_cuda)
+        return real_to_host(t)
+
+    def init(self, seqs, is_prefill, *args):
+        prefills.append(is_prefill)
+        real_init(self, seqs, is_prefill, *args)
+
+    monkeypatch.setattr(in_flight, "_to_host", to_host)
+    monkeypatch.setattr(in_flight.InFlightStep, "__init__", init)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        copies.clear()
+        prefills.clear()
+        llm = LLM(tiny_path, dtype="float32", device="cuda", progress=False, kv_cache_bytes=64 << 20, max_num_seqs=8,
+                  cuda_graph=graphs)
+        outs[graphs] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        assert len(prefills) > prefills.count(True) > 0
+        assert sum(copies) == (prefills.count(True) if graphs else len(prefills))
+    assert outs[True] == outs[False]
+
+
+def test_continuing_greedy_batches_replay_without_uploads(tiny_path, monkeypatch):
+    """A lookahead step that continues the last replay's batch finds its inputs advanced by the graph itself
+    (`advance_decode_inputs`) and uploads nothing. It uploads when a row's newest token needs a block that the
+    uploaded table lacks, or when the batch changes. Tokens as without graphs across block boundaries and a batch
+    that shrinks when its shorter request ends."""
+    from orinfer.engine import cuda_graph
+
+    uploads, runs = [], []
+    real_upload, real_run = cuda_graph.DecodeGraphs._upload, cuda_graph.DecodeGraphs.run
+
+    def upload(self, stage, seqs, *args, **kwargs):
+        uploads.append(len(seqs))
+        return real_upload(self, stage, seqs, *args, **kwargs)
+
+    def run(self, seqs, *args, **kwargs):
+        runs.append(len(seqs))
+        return real_run(self, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_upload", upload)
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "run", run)
+    prompts = [list(range(3, 43)), list(range(7, 20))]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (60, 25)]
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM(tiny_path, dtype="float32", device="cuda", progress=False, block_size=16, kv_cache_bytes=64 << 20,
+                  max_num_seqs=4, cuda_graph=graphs)
+        uploads.clear()
+        runs.clear()
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        if graphs:
+            # 59 decode steps, 24 of them with both rows. Uploads: the first decode step (not a lookahead), each
+            # block a row's table gains (its newest token at 40..98 and 13..36: 4 and 2 new blocks) and the batch
+            # change; fewer where those coincide.
+            assert len(runs) == 59 and sum(runs) == 59 + 24
+            assert 3 <= len(uploads) <= 8, uploads
+    assert outs[True] == outs[False]
+
+
 def test_short_context_graphs_serve_short_contexts(tiny_path, monkeypatch):
     """Batches of up to SHORT_CONTEXT_MAX_BATCH rows replay a graph over the block table's first SHORT_CONTEXT_TOKENS
     tokens while their longest context fits in it (fewer attention splits), and the full graph after; the tokens

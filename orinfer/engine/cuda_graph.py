@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from orinfer.kernels.argmax import argmax_rows
+from orinfer.kernels.decode_inputs import advance_decode_inputs
+from orinfer.kernels.l2_prefetch import prefetch_scope
 from orinfer.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -56,15 +58,28 @@ class DecodeGraphs:
         self.max_batch = self.buckets[-1]
         n, self.max_blocks = self.max_batch, max_blocks_per_seq
         # The graph's inputs live in two device buffers (one per dtype) whose pinned host twins the step fills in
-        # place: a step costs two asynchronous copies, not one upload per field. Rows: ids, positions, slots (int64);
-        # context lengths then block tables (int32). The host twins come in two sets used in turn: with the engine's
-        # lookahead, step N+1 is prepared while step N's copies may not have run yet (the host last waited for step
-        # N-1), so it must not rewrite the set they read. An event after each set's copies guards the reuse.
-        self.staging = [_Staging(n, max_blocks_per_seq) for _ in range(2)]
+        # place: a step costs two asynchronous copies, not one upload per field. Rows: ids, positions, slots, and
+        # the host-ids row below (int64); context lengths then block tables (int32). The host twins come in two sets
+        # used in turn: with the engine's lookahead, step N+1 is prepared while step N's copies may not have run yet
+        # (the host last waited for step N-1), so it must not rewrite the set they read. An event after each set's
+        # replay guards the reuse.
+        self.staging = [_Staging(n, max_blocks_per_seq, index) for index in range(2)]
         self.turn = 0
-        self.dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.dev_i64 = torch.zeros(4, n, dtype=torch.int64, device=device)
         self.dev_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.dev_i64[0], self.dev_i64[1], self.dev_i64[2]
+        # Each replay's argmax also writes its ids straight into pinned host memory, row host_row[0] of host_ids: the
+        # index of the staging set that fed it (each set uploads its own index; `advance_decode_inputs` flips it
+        # when nothing is uploaded). The host then reads them after the step's event, with no device-to-host copy
+        # queued between two replays (14 -> 12 us between them at batch 1; benchmarks/NOTES.md runs 189-190; the
+        # uploads were the rest). A row is rewritten by the replay two after, which the engine queues only once it
+        # has read this one (its lookahead is one step deep).
+        self.host_ids = torch.zeros(2, n, dtype=torch.int64, pin_memory=True)
+        self.host_row = self.dev_i64[3, :1]
+        self.last_staging = 0
+        # What the device's inputs hold once the last replay has advanced them (`advance_decode_inputs`): per row,
+        # the sequence, its expected token count and the block table last uploaded for it. None: unknown.
+        self.advanced: list[tuple[object, int, list[int]]] | None = None
         self.context_lens = self.dev_i32[:n]
         self.block_tables = self.dev_i32[n:].view(n, max_blocks_per_seq)
         self.slot_mapping.fill_(-1)
@@ -90,15 +105,20 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self._forward(batch, blocks)  # warm-up: compiles Triton kernels and fixes autotuning outside the capture
+        # Warm-up: compiles Triton kernels, fixes autotuning and builds the L2 prefetch plans outside the capture.
+        with prefetch_scope(self.device, launch=False):
+            self._forward(batch, blocks)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), prefetch_scope(self.device, launch=True):
             logits = self._forward(batch, blocks)
             # The greedy samples go where the next step reads its input ids (`greedy_ids`): a greedy lookahead step
             # then needs neither sampler launches nor a copy of the ids before its replay. Other batches ignore them
             # (a few us against their sampler's sort over the vocabulary).
-            argmax_rows(logits, out=self.input_ids[:batch])
+            argmax_rows(logits, out=self.input_ids[:batch], mirror=self.host_ids, mirror_row=self.host_row)
+            # Then the inputs move to the rows' next tokens, which a continuing batch can replay without an upload.
+            advance_decode_inputs(self.positions[:batch], self.context_lens[:batch], self.slot_mapping[:batch],
+                                  self.block_tables[:batch], self.block_size, self.host_row)
         if self.pool is None:
             self.pool = graph.pool()
         return graph, logits
@@ -128,57 +148,86 @@ class DecodeGraphs:
         sequence with images decodes with plain RoPE at shifted positions, so the same graphs serve it).
         `device_ids` [B] (lookahead): the input ids, already on the device (the previous step's samples, whose
         host copies do not exist yet); they are copied over the ids row on the device, unless they are the previous
-        replay's `greedy_ids` for this same batch, already in place.
+        replay's `greedy_ids` for this same batch, already in place. A lookahead step that continues the last
+        replay's batch also finds its other inputs in place (`advance_decode_inputs`) and uploads nothing.
         """
-        batch, block_size = len(seqs), self.block_size
+        batch = len(seqs)
         bucket = next(b for b in self.buckets if b >= batch)
         stage = self.staging[self.turn]
+        self.last_staging = self.turn
         self.turn ^= 1
-        stage.copied.synchronize()  # the copies that last read this set (two steps ago): long done in practice
-        ids, positions, slots = stage.np_i64
-        n = self.max_batch
+        stage.replayed.synchronize()  # the replay that last read this set (two steps ago): long done in practice
+        aliased = device_ids is not None and device_ids.data_ptr() == self.input_ids.data_ptr()
+        in_place = aliased and device_ids.shape[0] == batch and batch <= IN_PLACE_MAX_ROWS
+        if aliased and not in_place:
+            device_ids = device_ids.clone()  # an upload or the copy below rewrites the row they live in
+        tables = self._advanced_tables(seqs) if device_ids is not None else None
+        if tables is None:
+            # A copy right before the replay, even of 8 bytes, made the batch-1 AWQ replay that follows it 0.05 ms
+            # slower (run 161, scripts/host_wait.py): ids already in place skip the ids row of the upload.
+            tables = self._upload(stage, seqs, bucket, first_row=1 if in_place else 0)
+        if device_ids is not None and not in_place:
+            self.input_ids[:batch].copy_(device_ids)  # queued after any upload above, so it wins
+        graph, logits = self.graph_for(bucket, max(seq.num_tokens for seq in seqs))
+        graph.replay()
+        stage.replayed.record()
+        self.advanced = [(seq, seq.num_tokens + 1, table) for seq, table in zip(seqs, tables)]
+        return logits[:batch]
+
+    def _advanced_tables(self, seqs: list) -> list[list[int]] | None:
+        """The block tables last uploaded for `seqs` when the device's inputs already are this step's: the last
+        replay ran these sequences in this order, each has gained exactly one token since, and the block of its
+        newest token is in the table uploaded for it (unchanged). Else None: the step needs an upload."""
+        advanced, block_size = self.advanced, self.block_size
+        if advanced is None or len(advanced) != len(seqs):
+            return None
+        for seq, (last_seq, num_tokens, table) in zip(seqs, advanced):
+            if (seq is not last_seq or seq.num_tokens != num_tokens or (num_tokens - 1) // block_size >= len(table)
+                    or seq.block_table[:len(table)] != table):
+                return None
+        return [table for _, _, table in advanced]
+
+    def _upload(self, stage: _Staging, seqs: list, bucket: int, first_row: int) -> list[list[int]]:
+        """Fills `stage` with the step's inputs and queues its copies to the device (int64 rows from `first_row`);
+        returns the block tables uploaded."""
+        block_size, batch, n = self.block_size, len(seqs), self.max_batch
+        ids, positions, slots = stage.np_i64[:3]
         lens = stage.np_i32[:n]
         tables = stage.np_i32[n:].reshape(n, self.max_blocks)
-        longest = 0
+        uploaded = []
         for i, seq in enumerate(seqs):
             pos = seq.num_tokens - 1
             ids[i], positions[i] = seq.token_ids[-1], pos + seq.rope_delta  # M-RoPE: shifted, same on all axes
             slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
             lens[i] = seq.num_tokens
-            longest = max(longest, seq.num_tokens)
             tables[i, :len(seq.block_table)] = seq.block_table
+            uploaded.append(list(seq.block_table))
         # Padding rows of the bucket write no KV (slot -1) and attend over one slot of block 0.
         ids[batch:bucket], positions[batch:bucket], slots[batch:bucket] = 0, 0, -1
         lens[batch:bucket] = 1
         tables[batch:bucket, 0] = 0
-        # A copy right before the replay, even of 8 bytes, made the batch-1 AWQ replay that follows it 0.05 ms slower
-        # (run 161, scripts/host_wait.py): ids already in place skip both it and the ids row of the upload.
-        aliased = device_ids is not None and device_ids.data_ptr() == self.input_ids.data_ptr()
-        in_place = aliased and device_ids.shape[0] == batch and batch <= IN_PLACE_MAX_ROWS
-        if aliased and not in_place:
-            device_ids = device_ids.clone()  # the upload below rewrites the row they live in
-        first_row = 1 if in_place else 0
         self.dev_i64[first_row:].copy_(stage.i64[first_row:], non_blocking=True)
         used = n + bucket * self.max_blocks
         self.dev_i32[:used].copy_(stage.i32[:used], non_blocking=True)
-        stage.copied.record()
-        if device_ids is not None and not in_place:
-            self.input_ids[:batch].copy_(device_ids)  # queued after the upload above, so it wins
-        graph, logits = self.graph_for(bucket, longest)
-        graph.replay()
-        return logits[:batch]
+        return uploaded
 
     def greedy_ids(self, batch: int) -> torch.Tensor:
         """The last replay's argmax of the logits [batch] int64: a view of the input ids row, which the next step's
         upload or replay overwrites (read it in stream order before then, as the engine's lookahead does)."""
         return self.input_ids[:batch]
 
+    def greedy_host_ids(self, batch: int) -> torch.Tensor:
+        """The same ids in pinned host memory, written by the last replay itself: valid once an event recorded after
+        that replay has passed, until the replay two after it."""
+        return self.host_ids[self.last_staging, :batch]
+
 
 class _Staging:
     """One set of pinned host buffers for the graph inputs (see DecodeGraphs.__init__)."""
 
-    def __init__(self, n: int, max_blocks: int) -> None:
-        self.i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
+    def __init__(self, n: int, max_blocks: int, index: int) -> None:
+        self.i64 = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self.i64[3] = index  # the row of DecodeGraphs.host_ids that replays fed by this set write
         self.i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, pin_memory=True)
         self.np_i64, self.np_i32 = self.i64.numpy(), self.i32.numpy()
-        self.copied = torch.cuda.Event()  # recorded after the copies that read this set
+        self.replayed = torch.cuda.Event()  # recorded after the replay that read this set

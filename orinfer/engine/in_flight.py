@@ -6,7 +6,8 @@ checks, detokenize). The device then never idles between decode steps for the ho
 
 The ids reach the host through copies queued right behind the step's sampler, into pinned memory, with an event
 recorded after them: waiting on that event waits for step N only. A plain `.tolist()` at resolve time would be queued
-behind step N+1 as well and wait for it, which would undo the overlap.
+behind step N+1 as well and wait for it, which would undo the overlap. (A greedy decode graph writes its ids into
+pinned memory itself, `SamplerOutput.host_token_ids`: then only the event is queued.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ class InFlightStep:
     def __init__(self, seqs: list[Sequence], is_prefill: bool, start: float, out: SamplerOutput) -> None:
         self.seqs, self.is_prefill, self.start = seqs, is_prefill, start
         self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
-        self._host = SamplerOutput(**{f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)})
+        host = {f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)
+                if f.name not in ("token_ids", "host_token_ids")}
+        ids = out.host_token_ids if out.host_token_ids is not None else _to_host(out.token_ids)
+        self._host = SamplerOutput(token_ids=ids, **host)
         self._event = None
         if out.token_ids.is_cuda:
             self._event = torch.cuda.Event()

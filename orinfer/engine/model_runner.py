@@ -257,7 +257,9 @@ class ModelRunner:
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, device_ids)
             if sampling.plain_argmax:  # what `sample` would compute, done inside the graph
-                return SamplerOutput(token_ids=self.graphs.greedy_ids(len(seqs)))
+                batch = len(seqs)
+                return SamplerOutput(token_ids=self.graphs.greedy_ids(batch),
+                                     host_token_ids=self.graphs.greedy_host_ids(batch))
         else:
             input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
             if device_ids is not None:

@@ -7,7 +7,9 @@ torch.argmax returns). Two kernels:
   * stage 2, grid (B,): reduces a row's partials in chunk order; the first chunk holding the winning value (or the
     first NaN) wins, so its index is the row's first occurrence.
 Traffic: B*V logits read once (just written by the lm_head, so mostly from L2) plus 8 bytes per partial; the ids are
-stored as int64 wherever `out` points (the decode graphs' input ids row).
+stored as int64 wherever `out` points (the decode graphs' input ids row), and optionally once more into a row of a
+`mirror` chosen by a device-side index: the decode graphs' pinned host buffer, so that the host reads the ids with
+no device-to-host copy behind the replay.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, n_chunks, CHUNK: 
 
 
 @triton.jit
-def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, stride_out, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, stride_out, mirror_ptr, mirror_row_ptr, stride_mirror,
+                         BLOCK_P: tl.constexpr, MIRROR: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         small_kernel_prologue()
     b = tl.program_id(0)
@@ -62,13 +65,21 @@ def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, stride_out, BLOCK_
     best = tl.max(vals, axis=0)
     first_best = tl.min(tl.where((vals == best) & p_mask, p, BLOCK_P), axis=0)
     chunk = tl.where(first_nan < BLOCK_P, first_nan, first_best)
-    tl.store(out_ptr + b * stride_out, tl.sum(tl.where(p == chunk, idxs, 0), axis=0).to(tl.int64))
+    best_id = tl.sum(tl.where(p == chunk, idxs, 0), axis=0).to(tl.int64)
+    tl.store(out_ptr + b * stride_out, best_id)
+    if MIRROR:
+        tl.store(mirror_ptr + tl.load(mirror_row_ptr) * stride_mirror + b, best_id)
 
 
-def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int = CHUNK,
+                mirror: torch.Tensor | None = None, mirror_row: torch.Tensor | None = None) -> torch.Tensor:
     """`argmax_rows_ref` for logits [B, V] (fp32 or 16-bit, unit last stride); writes the ids into `out` [B] int64
     (any stride) when given, and returns them. `chunk` (a power of two): logits per stage-1 program. No host sync:
-    graph-capturable."""
+    graph-capturable.
+
+    `mirror` [R, >= B] int64 (rows contiguous; device memory, or pinned host memory, which the device writes
+    directly) and `mirror_row` (an int64 tensor on the logits' device): the ids also go to mirror[mirror_row[0], :B],
+    the row read when the kernel runs (so a captured graph can be pointed at another row between replays)."""
     check_device(logits)
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"argmax_rows: logits must be [B, V] with unit last stride, got {tuple(logits.shape)}")
@@ -77,6 +88,12 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: in
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if out.shape != (batch,) or out.dtype != torch.int64:
         raise ValueError(f"argmax_rows: out must be [{batch}] int64, got {tuple(out.shape)} {out.dtype}")
+    if (mirror is None) != (mirror_row is None):
+        raise ValueError("argmax_rows: mirror and mirror_row go together")
+    if mirror is not None and (mirror.dim() != 2 or mirror.shape[1] < batch or mirror.stride(1) != 1
+                               or mirror.dtype != torch.int64 or mirror_row.dtype != torch.int64):
+        raise ValueError(f"argmax_rows: mirror must be [R, >= {batch}] int64 with contiguous rows and mirror_row "
+                         f"int64, got {tuple(mirror.shape)} {mirror.dtype} and {mirror_row.dtype}")
     if batch == 0:
         return out
     if vocab == 0:
@@ -87,7 +104,9 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: in
     pdl = use_pdl(logits)
     _argmax_chunk_kernel[(batch, n_chunks)](logits, vals, idxs, vocab, logits.stride(0), n_chunks, CHUNK=chunk,
                                             num_warps=4, PDL=pdl, launch_pdl=pdl)
-    _argmax_merge_kernel[(batch,)](vals, idxs, out, n_chunks, out.stride(0),
-                                   BLOCK_P=max(16, triton.next_power_of_2(n_chunks)), num_warps=1, PDL=pdl,
-                                   launch_pdl=pdl)
+    mirrored = mirror is not None
+    _argmax_merge_kernel[(batch,)](vals, idxs, out, n_chunks, out.stride(0), mirror if mirrored else out,
+                                   mirror_row if mirrored else out, mirror.stride(0) if mirrored else 0,
+                                   BLOCK_P=max(16, triton.next_power_of_2(n_chunks)), MIRROR=mirrored, num_warps=1,
+                                   PDL=pdl, launch_pdl=pdl)
     return out

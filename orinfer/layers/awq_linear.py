@@ -102,6 +102,11 @@ class AWQLinear(nn.Module):
             return y
         return self.ops.w4_linear(x, self.w4, self.bias)
 
+    def decode_weights(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a decode-sized input streams from memory: the W4 layout's words, scales and zeros."""
+        w4 = self.w4
+        return w4.packed, w4.scales, w4.zeros
+
     @property
     def repacked(self) -> bool:
         return "packed" in self._parameters

@@ -39,6 +39,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
+    def decode_weights(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a decode-sized input streams from memory (the bias is too small to matter)."""
+        return (self.weight,)
+
 
 def shard_offsets(shard_sizes: dict[object, int]) -> dict[object, tuple[int, int]]:
     """shard id -> (first output row, rows) for matrices stacked in `shard_sizes` order."""

@@ -57,6 +57,9 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None          # [B] fp32, of the chosen token under the model's distribution
     top_logprobs: torch.Tensor | None = None      # [B, k] fp32
     top_ids: torch.Tensor | None = None           # [B, k] int64
+    # token_ids already on their way to pinned host memory, written by the device itself (the decode graphs'
+    # argmax): valid once an event recorded after the step has passed. None: the ids are copied to the host.
+    host_token_ids: torch.Tensor | None = None
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -17,6 +17,7 @@ from orinfer.kernels.activation import fused_gate_up_silu, silu_and_mul
 from orinfer.kernels.attention import paged_attention, store_kv, varlen_attention
 from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
 from orinfer.kernels.gemv import gemv, supported
+from orinfer.kernels.l2_prefetch import prefetch_weights
 from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.w4_words import rms_norm_words
 from orinfer.kernels.rotary import qk_norm_rope
@@ -93,4 +94,5 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else None, rms_norm_words=rms_norm_words,
         layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual, qkv_split_rope=qkv_split_rope,
         vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu, lm_head=triton_lm_head,
+        prefetch_weights=prefetch_weights,
     )

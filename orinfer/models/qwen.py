@@ -44,21 +44,34 @@ def _linear(cfg: ModelConfig, in_features: int, out: int | dict[object, int], bi
     return AWQLinear(in_features, out, bias, ops, dtype, group)
 
 
+# The share of the next layer's qkv rows that a decode step prefetches into L2 during a layer's attention section,
+# with o's weights. Batch-1 AWQ step replay (benchmarks/NOTES.md runs 196-197): none 1.749 ms, 25% 1.738, 40% 1.735,
+# 50% 1.739, 60% 1.741, 75% 1.740, all of it 1.748.
+NEXT_QKV_PREFETCH = 0.4
+
+
 class QwenAttentionBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.qkv_proj = _linear(cfg, cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
                                 cfg.attention_bias, ops, dtype)
         self.o_proj = _linear(cfg, cfg.q_size, cfg.hidden_size, False, ops, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
+        self.next_qkv: list[nn.Module | None] = [None]  # the next layer's qkv_proj (set by the model), unregistered
         self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if self.ops.prefetch_weights is not None and not meta.is_prefill:
+            # From here to o, decode moves little from HBM: o's weights and the first rows of the next layer's qkv
+            # come into L2 meanwhile (kernels/l2_prefetch.py).
+            self.ops.prefetch_weights(self.o_proj)
+            if self.next_qkv[0] is not None:
+                self.ops.prefetch_weights(self.next_qkv[0], NEXT_QKV_PREFETCH)
         q, k, v = qkv.split([self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size], dim=-1)
         kv_store = self.attn.kv_store(v, meta)
         q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin, kv_store)
@@ -129,6 +142,8 @@ class QwenForCausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
         self.layers = nn.ModuleList(
             QwenDecoderLayer(cfg, self.rotary, ops, weight_dtype) for _ in range(cfg.num_hidden_layers))
+        for layer, after in zip(self.layers, self.layers[1:]):
+            layer.self_attn.next_qkv[0] = after.self_attn.qkv_proj
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)

@@ -125,9 +125,11 @@ class EngineLoop:
                     except Exception as exc:  # noqa: BLE001 - anything from the model: fail the requests, go on
                         failures += 1
                         log.exception("engine step failed (%d in a row)", failures)
-                        self._fail_all(EngineStepError(f"internal engine error: {type(exc).__name__}"))
                         if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                            # Dead: the handler below records the error before it fails the requests, so a client
+                            # told of the failure already finds /health at 503 (failing them first was a race).
                             raise
+                        self._fail_all(EngineStepError(f"internal engine error: {type(exc).__name__}"))
                 self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - the loop is dead: say so to everyone waiting
             self.error = exc

@@ -41,9 +41,9 @@ _LANES = 32  # one warp per program
 
 
 @triton.jit
-def _l2_prefetch_kernel(table_ptr, n_requests):
+def _l2_prefetch_kernel(table_ptr, n_requests, LANES: tl.constexpr):
     program, n_programs = tl.program_id(0), tl.num_programs(0)
-    r = tl.arange(0, 32) * n_programs + program
+    r = tl.arange(0, LANES) * n_programs + program
     valid = r < n_requests
     r = tl.where(valid, r, 0)
     addr = tl.load(table_ptr + 2 * r).to(tl.pointer_type(tl.int8))
@@ -86,7 +86,7 @@ class PrefetchPlan:
         their requests have landed."""
         if self.table is not None:
             grid = (triton.cdiv(self.n_requests, _LANES),)
-            _l2_prefetch_kernel[grid](self.table, self.n_requests, num_warps=1)
+            _l2_prefetch_kernel[grid](self.table, self.n_requests, LANES=_LANES, num_warps=1)
 
 
 class _Scope:

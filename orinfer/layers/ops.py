@@ -63,8 +63,9 @@ class Ops:
     # rms_norm's signature, a `W4Words` in place of the normed row; w4_linear and w4_gate_up_silu then take those.
     # None: the backend has no words (the torch reference).
     rms_norm_words: Callable | None = None
-    # prefetch_weights(linear): ask L2 for a linear's decode weights in the background, from where the call is
-    # (`kernels/l2_prefetch.py`: only inside the decode graphs' capture). None: the backend does not prefetch.
+    # prefetch_weights(linear, fraction=1.0): ask L2 for (the first rows of) a linear's decode weights in the
+    # background, from where the call is (`kernels/l2_prefetch.py`: only inside the decode graphs' capture). None:
+    # the backend does not prefetch.
     prefetch_weights: Callable | None = None
     # lm_head_ref's contract: fp32 logits with the values of the linear in x's dtype.
     lm_head: Callable = lm_head_ref

@@ -22,7 +22,7 @@ def main() -> None:
     cfg.quantization = QuantConfig(group_size=128)
     dev = torch.device("cuda")
     # one slot per GEMV launch of a step (4 per layer, in order); graph capture and replays keep the order
-    w4g.TIMELINE.stamps = torch.zeros(4 * cfg.num_hidden_layers, 1024, 3, dtype=torch.int64, device=dev)
+    w4g.TIMELINE.stamps = torch.zeros(4 * cfg.num_hidden_layers, 4096, 3, dtype=torch.int64, device=dev)
     llm = build_synthetic_llm(cfg, torch.bfloat16, dev, "triton",
                               EngineConfig(max_num_seqs=1, max_model_len=2048, kv_cache_bytes=1 << 30))
     llm.generate([list(range(1000, 1128))], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))

@@ -8,7 +8,7 @@ import torch
 import triton.testing
 
 from orinfer.bench.kernels import _paged_cache
-from orinfer.kernels.attention import paged_decode_attention
+from orinfer.kernels.decode_attention import paged_decode_attention
 
 HEADS, HEAD_DIM = 32, 128
 

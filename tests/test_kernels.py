@@ -15,7 +15,7 @@ import torch
 
 from kernel_checks import (DEVICE, DTYPES, INTERPRET, gpu, poison_allocations, randn, tol,
                            skip_module_without_kernels)
-from orinfer.kernels import activation, attention, gemv, norm, rotary
+from orinfer.kernels import activation, attention, decode_attention, gemv, norm, rotary
 
 skip_module_without_kernels()
 
@@ -311,12 +311,12 @@ def test_paged_decode_attention(dtype, case):
     k_cache, v_cache, tables, lens = make_paged(ctx_lens, kv_heads, head_dim, block_size, dtype)
     q = randn(len(ctx_lens), kv_heads * group, head_dim, dtype=dtype)
     scale = head_dim ** -0.5
-    got = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits)
+    got = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits)
     qsl = torch.arange(len(ctx_lens) + 1, device=DEVICE)
     ref = attention.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, qsl, scale)
     close(got, ref, dtype)
     # The public op dispatches decode batches to the same kernel.
-    close(attention.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale), ref, dtype)
+    close(decode_attention.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale), ref, dtype)
 
 
 def test_paged_decode_attention_empty_context_writes_zeros():
@@ -324,7 +324,7 @@ def test_paged_decode_attention_empty_context_writes_zeros():
     lens[1] = 0  # a padded batch slot
     q = randn(2, 2, 16)
     for splits in (1, 4):
-        got = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits=splits)
+        got = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits=splits)
         assert torch.equal(got[1], torch.zeros_like(got[1]))
         assert not got[0].isnan().any()
 
@@ -333,7 +333,7 @@ def test_paged_attention_multi_token_falls_back_to_reference():
     k_cache, v_cache, tables, lens = make_paged([6, 9], 1, 16, 8, torch.float32)
     q = randn(5, 2, 16)
     qsl = torch.tensor([0, 2, 5], device=DEVICE)
-    got = attention.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.25)
+    got = decode_attention.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.25)
     ref = attention.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, qsl, 0.25)
     close(got, ref, torch.float32)
 
@@ -450,7 +450,7 @@ def test_gpu_paged_decode_long_context(dtype, block_size, head_dim):
     ref = attention.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, qsl,
                                         head_dim ** -0.5)
     for splits in (None, 1, 16, 64):
-        got = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, splits)
+        got = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, splits)
         close(got, ref, dtype)
 
 

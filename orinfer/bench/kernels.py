@@ -70,7 +70,7 @@ def _paged_cache(ctx: int, batch: int, block_size: int, dtype: torch.dtype, devi
 def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, iters: int = 50,
                      batches: tuple[int, ...] = (1, 8)) -> list[dict]:
     """Rows of {op, shape, impl, us, bytes, GBps, pct_read_bw, speedup (torch us / triton us), config}."""
-    from orinfer.kernels import activation, attention, gemv, norm, rotary  # imports triton
+    from orinfer.kernels import activation, attention, decode_attention, gemv, norm, rotary  # imports triton
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -157,7 +157,7 @@ def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, 
             q4 = q.unsqueeze(2)
             add("paged decode attention", f"B={b} ctx={ctx} Hq={HEADS} Hk={KV_HEADS}",
                 2 * b * ctx * kv_size * esize,
-                lambda: attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+                lambda: decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
                 lambda: F.scaled_dot_product_attention(q4, k_flat, v_flat, scale=scale, enable_gqa=True))
             del k_cache, v_cache, k_flat, v_flat
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # and the copy: batch 16 4712 against 4582, batch 48 7667 against 7749.)
 IN_PLACE_MAX_ROWS = 16
 
-# Decode attention bounds its split count by the width of the block table it is given (kernels/attention.py). Over the
+# Decode attention bounds its split count by the width of the block table it is given (kernels/decode_attention.py). Over the
 # full table, batch 1 splits every context 32 ways (Qwen3-8B: 8 kv heads, 132 SMs) and at a few hundred tokens most
 # splits are empty; a step then takes ~20 us longer (run 169, step replay: 1.813 ms with 32 splits, 1.794 with 16,
 # 1.792 with 8; empty splits skipping all of their work inside the kernel: 1.813-1.818). So the smallest buckets get

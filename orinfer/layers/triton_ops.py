@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from orinfer.kernels.activation import fused_gate_up_silu, silu_and_mul
-from orinfer.kernels.attention import paged_attention, store_kv, varlen_attention
+from orinfer.kernels.attention import store_kv, varlen_attention
+from orinfer.kernels.decode_attention import paged_attention
 from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.l2_prefetch import prefetch_weights

@@ -73,7 +73,7 @@ def main() -> None:
     every = [5 + k * (n // 36) for k in range(36)]
     variants = {"linear": ([], False), "one fork at the start": ([0], False), "one fork at kernel 10": ([10], False),
                 "36 forks, one join at the end": (every, False), "36 forks, each joined at once": (every, True),
-                "36 forks from kernel 40": ([f + 40 for f in every[:-2]], False)}
+                "34 forks from kernel 45": ([f + 40 for f in every[:-2]], False)}
     for name, (forks, join_each) in variants.items():
         graph = capture(n, forks, join_each, cell, plan)
         times = [timed_ms(graph.replay, 200, warm=10) * 1000 for _ in range(3)]

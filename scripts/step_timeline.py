@@ -21,7 +21,8 @@ def main() -> None:
     cfg = preset("qwen3-8b")
     cfg.quantization = QuantConfig(group_size=128)
     dev = torch.device("cuda")
-    # one slot per GEMV launch of a step (4 per layer, in order); graph capture and replays keep the order
+    # one slot per GEMV launch of a step (4 per layer, in order); graph capture and replays keep the order; 4096
+    # programs per slot (gate_up's words tile launches 3072)
     w4g.TIMELINE.stamps = torch.zeros(4 * cfg.num_hidden_layers, 4096, 3, dtype=torch.int64, device=dev)
     llm = build_synthetic_llm(cfg, torch.bfloat16, dev, "triton",
                               EngineConfig(max_num_seqs=1, max_model_len=2048, kv_cache_bytes=1 << 30))

@@ -28,12 +28,12 @@ log = logging.getLogger(__name__)
 # and the copy: batch 16 4712 against 4582, batch 48 7667 against 7749.)
 IN_PLACE_MAX_ROWS = 16
 
-# Decode attention bounds its split count by the width of the block table it is given (kernels/decode_attention.py). Over the
-# full table, batch 1 splits every context 32 ways (Qwen3-8B: 8 kv heads, 132 SMs) and at a few hundred tokens most
-# splits are empty; a step then takes ~20 us longer (run 169, step replay: 1.813 ms with 32 splits, 1.794 with 16,
-# 1.792 with 8; empty splits skipping all of their work inside the kernel: 1.813-1.818). So the smallest buckets get
-# a second graph over the table's first SHORT_CONTEXT_TOKENS tokens, replayed while the batch's longest context fits
-# in it: 16 splits at batch 1, the fastest count up to ~1k tokens (run 82). Longer contexts replay the full graph.
+# Decode attention bounds its split count by the width of the block table it is given (kernels/decode_attention.py).
+# Over the full table, batch 1 splits every context 32 ways (Qwen3-8B: 8 kv heads, 132 SMs) and at a few hundred tokens
+# most splits are empty; a step then takes ~20 us longer (run 169, step replay: 1.813 ms with 32 splits, 1.794 with 16,
+# 1.792 with 8; empty splits skipping all of their work inside the kernel: 1.813-1.818). So the smallest buckets get a
+# second graph over the table's first SHORT_CONTEXT_TOKENS tokens, replayed while the batch's longest context fits in
+# it: 16 splits at batch 1, the fastest count up to ~1k tokens (run 82). Longer contexts replay the full graph.
 SHORT_CONTEXT_TOKENS = 1024
 SHORT_CONTEXT_MAX_BATCH = 2  # buckets above it get no more splits than the short table allows anyway
 

@@ -1,7 +1,10 @@
 """Compile the one-row W4 GEMV for sm_90 on any machine (no GPU needed: Triton ships ptxas and cuobjdump) and print
-its registers and the SASS instruction mix per weight, the count behind docs/performance.md's session 6 notes.
-Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS] [gated] [down]   (defaults: the module's default tile for
-the row length; `down`: K = 12288 instead of 4096)."""
+its registers, the SASS instruction mix per weight (the count behind docs/performance.md's session 6 notes), and the
+order in which its loads are issued (`load_order`: session 20 found ptxas sinking half of each program's weight loads
+below the first dot products, and that issuing them all at once measured slower).
+Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS] [gated] [down] [int] [words] [preload]   (defaults: the
+module's default tile for the row length; `down`: K = 12288 instead of 4096; `int`: the dp2a step; `words`: the dp2a
+step on an RMSNorm's words; `preload`: first tiles before the PDL wait)."""
 from __future__ import annotations
 
 import collections
@@ -18,9 +21,11 @@ from orinfer.kernels import w4_gemv
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512) -> tuple[str, str]:
-    """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128."""
-    compiled = w4_gemv.compile_sm90(block_n, block_kp, warps, gated, k8)
+def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512, **flags: bool
+                 ) -> tuple[str, str]:
+    """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128;
+    `flags`: `w4_gemv.compile_sm90`'s integer / words / rms / preload."""
+    compiled = w4_gemv.compile_sm90(block_n, block_kp, warps, gated, k8, **flags)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -35,20 +40,42 @@ def opcode_mix(sass: str) -> collections.Counter:
     return collections.Counter(ops)
 
 
+def load_order(sass: str) -> str:
+    """The kernel's loads and dot products in issue order, runs counted: W a weight load (the evict-first loads),
+    L any other global load, ACQ the PDL wait, IDP dp2a, FFM fp32 FMA, STG the store."""
+    tags = []
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass):
+        if op.startswith("LDG"):
+            tags.append("W" if ".EF" in op else "L")
+        elif op.startswith(("ACQBULK", "IDP", "FFMA", "STG")):
+            tags.append(op[:3])
+    runs = [[tags[0], 0]] if tags else []
+    for tag in tags:
+        if tag == runs[-1][0]:
+            runs[-1][1] += 1
+        else:
+            runs.append([tag, 1])
+    return " ".join(f"{tag}x{n}" for tag, n in runs)
+
+
 def main() -> None:
     k8 = 1536 if "down" in sys.argv else 512
     cfg = w4_gemv.DEFAULT_GEMV if k8 <= w4_gemv.DEFAULT_GEMV.block_kp else w4_gemv.DEFAULT_GEMV_LONG_ROWS
     nums = [int(a) for a in sys.argv[1:] if a.isdigit()]
-    block_n, block_kp, warps = nums if len(nums) == 3 else cfg
+    block_n, block_kp, warps = nums if len(nums) == 3 else cfg[:3]
     gated = "gated" in sys.argv
-    sass, usage = compile_gemv(block_n, block_kp, warps, gated, k8)
+    words = "words" in sys.argv
+    flags = dict(integer="int" in sys.argv, words=words, rms=words, preload="preload" in sys.argv)
+    sass, usage = compile_gemv(block_n, block_kp, warps, gated, k8, **flags)
     mix = opcode_mix(sass)
     weights = block_n * k8 * 8 * (2 if gated else 1) / (32 * warps)   # per thread, whole kernel
     regs = re.search(r"REG:\d+", usage).group(0)
-    print(f"config ({block_n}, {block_kp}, {warps}){' gated' if gated else ''}: "
+    print(f"config ({block_n}, {block_kp}, {warps}){' gated' if gated else ''} "
+          f"{' '.join(k for k, v in flags.items() if v)}: "
           f"{regs}, {sum(mix.values())} SASS instructions for {weights:.0f} weights "
           f"per thread = {sum(mix.values()) / weights:.2f} per weight")
     print(", ".join(f"{op} {n}" for op, n in mix.most_common(16)))
+    print("issue order:", load_order(sass))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ step on an RMSNorm's words; `preload`: first tiles before the PDL wait)."""
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -35,27 +36,21 @@ def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int =
     return sass, usage
 
 
+def opcodes(sass: str) -> list[str]:
+    """The SASS listing's opcodes with their modifiers (LDG.E.EF.128, IDP.2A.LO.S16.U8, ...), in order."""
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+
+
 def opcode_mix(sass: str) -> collections.Counter:
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
-    return collections.Counter(ops)
+    return collections.Counter(op.split(".")[0] for op in opcodes(sass))
 
 
 def load_order(sass: str) -> str:
     """The kernel's loads and dot products in issue order, runs counted: W a weight load (the evict-first loads),
     L any other global load, ACQ the PDL wait, IDP dp2a, FFM fp32 FMA, STG the store."""
-    tags = []
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass):
-        if op.startswith("LDG"):
-            tags.append("W" if ".EF" in op else "L")
-        elif op.startswith(("ACQBULK", "IDP", "FFMA", "STG")):
-            tags.append(op[:3])
-    runs = [[tags[0], 0]] if tags else []
-    for tag in tags:
-        if tag == runs[-1][0]:
-            runs[-1][1] += 1
-        else:
-            runs.append([tag, 1])
-    return " ".join(f"{tag}x{n}" for tag, n in runs)
+    tags = ["W" if ".EF" in op else "L" if op.startswith("LDG") else op[:3] for op in opcodes(sass)
+            if op.startswith(("LDG", "ACQBULK", "IDP", "FFMA", "STG"))]
+    return " ".join(f"{tag}x{len(list(run))}" for tag, run in itertools.groupby(tags))
 
 
 def main() -> None:

@@ -240,13 +240,13 @@ def test_quantized_checkpoint_layout(rtn_pair):
 
 
 def _triton_llm(path):
-    """The triton op table on the CPU (interpreter), which get_ops only offers on CUDA."""
+    """The triton op table on DEVICE (on the CPU: the interpreter, which get_ops only offers on CUDA)."""
     from orinfer.layers.triton_ops import triton_ops
     from orinfer.loader import load_hf_model
 
     cfg = ModelConfig.from_hf(path)
-    model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, torch.device("cpu"), cfg, progress=False)
-    parts = EngineParts(model, cfg, None, {}, torch.device("cpu"), torch.float32)
+    model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, DEVICE, cfg, progress=False)
+    parts = EngineParts(model, cfg, None, {}, DEVICE, torch.float32)
     return LLM.from_parts(parts, EngineConfig(block_size=4, num_kv_blocks=64))
 
 
@@ -258,7 +258,7 @@ def test_triton_backend_runs_the_awq_model_like_the_torch_backend(tmp_path, monk
     orig = save_hf_model(build_hf_model("qwen3-gqa4-untied"), tmp_path / "orig")
     awq = tmp_path / "awq"
     quantize_checkpoint(orig, awq, method="rtn", group_size=32, progress=False)
-    ref, tri = LLM(awq, **SMALL_KV), _triton_llm(awq)
+    ref, tri = LLM(awq, **(SMALL_KV | dict(device=DEVICE.type))), _triton_llm(awq)
     ids = PROMPT + [4, 9]
     torch.testing.assert_close(paged_logits(tri, ids, len(PROMPT)), paged_logits(ref, ids, len(PROMPT)),
                                atol=1e-4, rtol=1e-4)

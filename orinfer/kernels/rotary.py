@@ -140,6 +140,14 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
         tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=c_mask)
 
 
+# Heads per program. Decode's one token is a few short dependent steps (loads, the head's norm, the rotation,
+# stores), so more programs with less work each finish sooner: the batch-1 AWQ step replays in 1.714-1.720 ms with 4
+# heads (10 programs for Qwen3-8B's 40 q and k heads) against 1.726-1.730 with 32 (2 programs); 8 heads at 8 warps
+# and 1 head at 1 warp come close (1.715-1.716), 2 per-thread elements per half-head row being the common shape
+# (benchmarks/NOTES.md runs 227-229).
+MAX_HEADS_PER_PROGRAM = 4
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  head_dim: int, q_norm_weight: torch.Tensor | None = None,
                  k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, kv_store: KVStore | None = None
@@ -174,7 +182,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     kw = k_norm_weight.contiguous() if has_norm else k_out
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
-    block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_half))
+    block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_half, MAX_HEADS_PER_PROGRAM))
     store = kv_store is not None
     v = kv_store.v if store else q
     if store:

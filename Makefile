@@ -1,11 +1,12 @@
 # Two entry points on a fresh machine (each installs what it needs into .venv first):
-#   make demo   - build a tiny Qwen3 model locally (tokenizer + a few seconds of training) and generate from it
-#   make test   - install the test dependencies (HF transformers is the reference) and run the test suite
+#   make demo   - build a tiny Qwen3 model locally (tokenizer + half a minute of training) and generate from it
+#   make test   - install the test dependencies (HF transformers is the reference) and run the default test tier
+# and, for CI: make test-slow (the slow tier: the rest of the kernel test matrices) or make test-all (both tiers).
 VENV ?= .venv
 BIN := $(VENV)/bin
 TINY ?= build/tiny-qwen3
 
-.PHONY: demo test install install-test gpu-check clean
+.PHONY: demo test test-slow test-all install install-test clean
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -18,8 +19,18 @@ demo: install
 	$(BIN)/orinfer generate -m $(TINY) -p "Alice was beginning to get very" --max-tokens 48 --temperature 0
 	$(BIN)/orinfer generate -m $(TINY) -p "Who is Alice?" --chat --no-think --max-tokens 32 --seed 0
 
+# The tiers split by the `slow` marker (pyproject.toml, tests/conftest.py). pytest exits with 5 when it selects no
+# test at all (a tier with nothing in it): that is no failure.
+PYTEST = $(BIN)/python -m pytest -q
+
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not slow" || [ $$? -eq 5 ]
+
+test-slow: install-test
+	$(PYTEST) -m slow || [ $$? -eq 5 ]
+
+test-all: install-test
+	$(PYTEST) || [ $$? -eq 5 ]
 
 clean:
 	rm -rf build .pytest_cache

@@ -5,11 +5,12 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=32))[0].text)
 """
 
+from orinfer.args import EngineArgs
 from orinfer.errors import ConfigError, OrinferError, RequestError, WeightsError
 from orinfer.llm import LLM
 from orinfer.outputs import RequestMetrics, RequestOutput
 from orinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "OrinferError", "ConfigError",
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "RequestMetrics", "OrinferError", "ConfigError",
            "WeightsError", "RequestError"]
 __version__ = "0.1.0"

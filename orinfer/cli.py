@@ -13,19 +13,11 @@ log = logging.getLogger("orinfer")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="local Hugging Face model directory")
-    p.add_argument("--tokenizer", help="tokenizer directory or tokenizer.json (default: the model directory)")
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32 | mixed (default: auto)")
-    p.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (debugging)")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each decode step before launching the next (no lookahead; debugging)")
-    p.add_argument("--no-fused-ffn", action="store_true", help="use GEMM + SwiGLU instead of the fused decode kernel")
-    p.add_argument("--pre-dequant", action="store_true",
-                   help="AWQ models: also keep a 16-bit copy of the weights for prefill (cuBLAS), decode stays INT4; "
-                        "faster prefill for ~2 bytes per weight more memory (the seed's V6 mode)")
+    """The model directory and every engine setting (orinfer.args.EngineArgs)."""
+    from orinfer.args import add_engine_args
+
+    p.add_argument("-m", "--model", required=True, help="local Hugging Face model directory (or the seed's .bin)")
+    add_engine_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,13 +35,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
+    from orinfer.args import engine_args_from_namespace
     from orinfer.llm import LLM
 
-    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
-               max_model_len=args.max_model_len, cuda_graph=not args.no_cuda_graph,
-               async_scheduling=not args.no_async_scheduling,
-               fused_ffn=not args.no_fused_ffn, max_pixels=getattr(args, "max_pixels", None),
-               pre_dequant=args.pre_dequant)
+    return LLM(args.model, engine_args_from_namespace(args))
 
 
 def _sampling(args: argparse.Namespace):
@@ -160,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--image", action="append", default=None, metavar="PATH",
                      help="an image for a vision-language model (repeatable; implies --chat)")
-    gen.add_argument("--max-pixels", type=int, default=None, metavar="N",
-                     help="resize images to at most N pixels (default: the model's preprocessor_config)")
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 

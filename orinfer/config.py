@@ -1,8 +1,7 @@
 """Model and engine configuration.
 
 `ModelConfig` is the engine's view of a Hugging Face `config.json`: only the fields the forward pass needs, under
-one set of names for every supported family. `EngineConfig` holds the knobs of the engine itself (batching limits,
-KV-cache size, backend). Presets give the real shapes of published checkpoints for synthetic benchmarks.
+one set of names for every supported family (the engine's own settings are `orinfer.args.EngineArgs`). Presets give the real shapes of published checkpoints for synthetic benchmarks.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from orinfer.errors import ConfigError
 from orinfer.quant_config import QuantConfig
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "QuantConfig", "ModelConfig", "EngineConfig", "PRESETS",
+__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "QuantConfig", "ModelConfig", "PRESETS",
            "preset", "resolve_dtype"]
 
 # Architectures the registry can build. Kept here (not in models/) so the config can reject a model before any
@@ -318,26 +317,3 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dty
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16, float32 or mixed")
     return _DTYPES[name], _DTYPES[name]
-
-
-@dataclass
-class EngineConfig:
-    """Knobs of the engine (not of the model)."""
-
-    max_num_seqs: int = 64                 # sequences decoded together at most
-    max_num_batched_tokens: int = 8192     # tokens in one prefill step at most
-    block_size: int = 16                   # tokens per KV-cache block
-    max_model_len: int | None = None       # context length; default: the model's max_position_embeddings
-    gpu_memory_utilization: float = 0.90   # share of GPU memory the engine may use (weights + KV cache + work)
-    kv_cache_bytes: int | None = None      # explicit KV-cache budget; default: from free memory (GPU) or 1 GiB (CPU)
-    num_kv_blocks: int | None = None       # explicit block count (tests use it to force preemption)
-    backend: str = "auto"                  # "torch" | "triton" | "auto" (triton on CUDA, torch on CPU)
-    cuda_graph: bool = True                # replay decode steps as CUDA graphs (triton backend)
-    fused_ffn: bool = True                 # fused gate/up + SwiGLU decode kernel (triton backend)
-    # Launch decode step N+1 (inputs: step N's ids, on the device) before waiting for step N, so the device never
-    # idles during the host's per-step work. Same tokens either way; on by default on the CPU too (no speed-up
-    # there, but it keeps one code path, tested on every backend).
-    async_scheduling: bool = True
-
-    def replace(self, **changes: Any) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)

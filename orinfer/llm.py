@@ -8,7 +8,8 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
-from orinfer.config import EngineConfig, ModelConfig, resolve_dtype
+from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig, resolve_dtype
 from orinfer.engine.llm_engine import EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
@@ -38,75 +39,62 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 class LLM:
-    """A loaded model plus its engine. Arguments mirror vLLM's `LLM` where they overlap."""
+    """A loaded model plus its engine. Settings are `EngineArgs` fields, given as keywords (as vLLM's `LLM` takes
+    them) or as one `EngineArgs`: `LLM(dir, dtype="bfloat16", max_num_seqs=32)` or `LLM(dir, args)`."""
 
-    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device | None = None, backend: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, block_size: int = 16,
-                 gpu_memory_utilization: float = 0.90, kv_cache_bytes: int | None = None,
-                 num_kv_blocks: int | None = None, cuda_graph: bool = True, fused_ffn: bool = True,
-                 async_scheduling: bool = True,
-                 seed: int | None = None, progress: bool = True, max_pixels: int | None = None,
-                 pre_dequant: bool = False) -> None:
-        """`max_pixels` (vision-language models): cap on a resized image's pixel count, replacing the
-        preprocessor_config's max_pixels; a request may still set its own (mm_processor_kwargs).
+    def __init__(self, model: str | Path, args: EngineArgs | None = None, **settings: Any) -> None:
+        """Loads `model` (a local HF directory, or the seed's `.bin` file) and starts its engine.
 
-        `pre_dequant` (AWQ models only; the seed's V6 mode): after loading, keep a dense copy of every AWQ weight in
-        the activation dtype, so prefills (more than 16 rows) run cuBLAS on it while decode keeps the INT4 kernels:
-        about 2 bytes per weight more memory for faster prefill. A ConfigError for models that are not AWQ."""
-        from orinfer.tokenizer import Tokenizer  # local: keeps `import orinfer` light
-
-        if seed is not None:
-            torch.manual_seed(seed)
-        dev = resolve_device(device)
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              block_size=block_size, max_model_len=max_model_len,
-                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
-                              num_kv_blocks=num_kv_blocks, backend=backend, cuda_graph=cuda_graph,
-                              fused_ffn=fused_ffn, async_scheduling=async_scheduling)
+        Settings (see `orinfer.args.EngineArgs` for each one's meaning and default) include dtype, device, backend,
+        max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, cuda_graph, pre_dequant (AWQ
+        models: a 16-bit weight copy for prefill; a ConfigError for others) and max_pixels (vision-language models).
+        An unknown setting is a ConfigError naming it."""
+        args = _merge_settings(args, settings)
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        dev = resolve_device(args.device)
         model_dir = Path(model)
         seed_bin = is_seed_bin(model_dir)  # the seed's single-file .bin (AWQ v5 / FP16 v6), else a HF directory
         model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
-        if pre_dequant and model_config.quantization is None:
+        if args.pre_dequant and model_config.quantization is None:
             raise ConfigError(f"pre_dequant (--pre-dequant) applies to AWQ INT4 models; {model_dir} is not quantized "
                               "(its weights are already 16-bit)")
-        weight_dtype, act_dtype = resolve_dtype(dtype, dev, model_config.torch_dtype)
-        ops = get_ops(backend, dev, fused_ffn=fused_ffn)
-        home = model_dir.parent if seed_bin else model_dir   # where tokenizer / generation_config are looked for
-        tok_file = Path(tokenizer) if tokenizer and Path(tokenizer).is_file() else None
-        if seed_bin and tok_file is not None:
-            home = tok_file.parent
-        if tok_file is not None:
-            tok = Tokenizer.from_dir(tok_file.parent, tok_file)
-        else:
-            tok = Tokenizer.from_dir(tokenizer or home) if tokenizer or (home / "tokenizer.json").is_file() else None
+        weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
+        ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
+        # Where the tokenizer and generation_config are looked for: the model directory; for a .bin file, the
+        # directory of the tokenizer.json given with it, else the file's own directory.
+        home = model_dir
+        if seed_bin:
+            given = Path(args.tokenizer) if args.tokenizer else None
+            home = given.parent if given is not None and given.is_file() else model_dir.parent
+        tok = _load_tokenizer(args.tokenizer, home)
         if seed_bin:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
-            net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=progress)
-        if pre_dequant:
+            net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=args.progress)
+        if args.pre_dequant:
             from orinfer.layers.awq_linear import pre_dequantize_model
 
             pre_dequantize_model(net, act_dtype)
-        parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype,
-                            graph_safe=ops.name == "triton",
-                            image_processor=_image_processor(home, max_pixels) if model_config.is_multimodal else None)
+        image_processor = _image_processor(home, args.max_pixels) if model_config.is_multimodal else None
+        parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype, ops=ops,
+                            image_processor=image_processor)
         if model_config.is_multimodal and tok is not None:
             from orinfer.tokenizer import builtin_chat_template
 
             if tok.set_default_chat_template(builtin_chat_template("qwen3_vl")):
                 log.info("%s has no chat template: using orinfer's Qwen3-VL template", home)
-        self.engine = LLMEngine(parts, config)
+        self.engine = LLMEngine(parts, args)
         self.tokenizer = tok
         self.device = dev
         log.info("loaded %s (%s, %s weights, %s activations, %s backend)", model_dir, model_config.architecture,
                  weight_dtype, act_dtype, ops.name)
 
     @classmethod
-    def from_parts(cls, parts: EngineParts, config: EngineConfig | None = None) -> "LLM":
+    def from_parts(cls, parts: EngineParts, args: EngineArgs | None = None) -> "LLM":
         """An LLM over an already built model (random weights for benchmarks, models made in tests)."""
         self = cls.__new__(cls)
-        self.engine = LLMEngine(parts, config or EngineConfig())
+        self.engine = LLMEngine(parts, args or EngineArgs())
         self.tokenizer = parts.tokenizer
         self.device = parts.device
         return self
@@ -193,6 +181,28 @@ class LLM:
             self.engine.abort(seq.request_id)
             self.engine.release(seq.request_id)
         self.last_output = RequestOutput.of(seq)
+
+
+def _merge_settings(args: EngineArgs | None, settings: dict[str, Any]) -> EngineArgs:
+    """`args` (default EngineArgs()) with the keyword settings applied; a ConfigError names an unknown one."""
+    base = args or EngineArgs()
+    if not settings:
+        return base
+    EngineArgs.from_kwargs(**settings)  # validates the names (replace() would raise a bare TypeError)
+    return base.replace(**settings)
+
+
+def _load_tokenizer(tokenizer: str | Path | None, home: Path) -> Any:
+    """The tokenizer: `tokenizer` (a directory or a tokenizer.json file) if given, else the one in `home`; None when
+    there is none (token-id prompts only)."""
+    from orinfer.tokenizer import Tokenizer  # local: keeps `import orinfer` light
+
+    tok_file = Path(tokenizer) if tokenizer and Path(tokenizer).is_file() else None
+    if tok_file is not None:
+        return Tokenizer.from_dir(tok_file.parent, tok_file)
+    if tokenizer or (home / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(tokenizer or home)
+    return None
 
 
 def _image_processor(model_dir: Path, max_pixels: int | None) -> Any:

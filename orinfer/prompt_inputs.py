@@ -82,11 +82,15 @@ def _max_pixels(kwargs: Any, default: int | None) -> int | None:
     return value
 
 
+# Roles whose image parts the Qwen-VL chat templates render (and count: "Picture N").
+IMAGE_ROLES = ("user", "tool")
+
+
 def split_chat(messages: list[Message], multimodal: bool) -> tuple[list[Message], list[Any]]:
     """(messages for the chat template, the images of their content parts in order).
 
     For a text-only model, content-part lists are joined into plain strings (its template expects strings) and an
-    image part is an error.
+    image part is an error; for a vision-language model, so is an image outside user and tool messages.
     """
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise RequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
@@ -102,6 +106,11 @@ def split_chat(messages: list[Message], multimodal: bool) -> tuple[list[Message]
             kind, value = _part(part, f"messages[{i}].content[{j}]")
             if kind == "text":
                 texts.append(value)
+            elif multimodal and message.get("role") not in IMAGE_ROLES:
+                # Qwen-VL chat templates render only the text of system and assistant messages: an image there would
+                # have no placeholder in the prompt.
+                raise RequestError(f"messages[{i}].content[{j}]: images go in user or tool messages; the chat "
+                                   f"template does not show the model an image in a {message.get('role')!r} message")
             else:
                 images.append(value)
         if not multimodal:

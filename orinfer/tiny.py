@@ -1,14 +1,17 @@
 """`orinfer make-tiny`: a small Qwen model in Hugging Face format, made and trained locally (no hub needed).
 
 Steps: train a Qwen-style byte-level BPE tokenizer on the bundled public-domain text, build a small Qwen3 (or Qwen2)
-decoder with orinfer's own layers, train it for a few seconds (160 steps) on that text so greedy decoding continues it, and write
-config.json, model.safetensors, generation_config.json and the tokenizer files. HF transformers loads the result.
+decoder with orinfer's own layers, train it for 160 steps (about half a minute of one CPU core) on that text so greedy
+decoding continues it, and write config.json, model.safetensors, generation_config.json, the tokenizer files and
+make_tiny.json (the arguments). HF transformers loads the result.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,12 +21,19 @@ from tqdm.auto import tqdm
 from orinfer.config import ModelConfig
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import TORCH_OPS
-from orinfer.loader import random_model
+from orinfer.loader import load_hf_model, random_model
 from orinfer.tokenizer_train import bundled_corpus, train_tokenizer
 
 log = logging.getLogger(__name__)
 
 ARCHES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3-vl": "Qwen3VLForConditionalGeneration"}
+# Torch threads while training. On an idle machine more threads help a little (two cores: 0.13 s a step with two
+# threads, 0.19 s with one), but on a busy one, with fewer free cores than threads, OpenMP's spinning barriers make
+# every step crawl (two threads on two loaded cores: 7 s a step, against 0.5 s with one). One thread keeps the pace
+# steady, and the thread count (so the order of the sums) does not vary with the machine's core count.
+TRAIN_THREADS = 1
+# Written next to the model: the `make_tiny` arguments that decide its weights (see `make_tiny`'s `text_model`).
+RECIPE_FILE = "make_tiny.json"
 
 
 def tiny_config(arch: str, vocab_size: int, eos_ids: list[int]) -> ModelConfig:
@@ -35,12 +45,33 @@ def tiny_config(arch: str, vocab_size: int, eos_ids: list[int]) -> ModelConfig:
         attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", torch_dtype="float32", eos_token_id=eos_ids)
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """At most `n` torch intra-op threads inside the block; the previous setting is restored afterwards."""
+    before = torch.get_num_threads()
+    if n < before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 def train_on_text(model: torch.nn.Module, tokens: torch.Tensor, steps: int, seq_len: int = 96,
                   batch: int = 24, lr: float = 4e-3, seed: int = 0, progress: bool = True) -> float:
     """Next-token training on random windows of `tokens` for `steps` AdamW steps; returns the last loss.
 
-    A step count, not a time budget, so that the same seed gives the same model on any machine, however loaded.
+    A step count, not a time budget, so that the same seed gives the same model on any machine, however loaded;
+    run on `TRAIN_THREADS` torch threads (the caller's setting is restored afterwards), so that it does not slow to
+    a crawl on a busy machine.
     """
+    with torch_threads(TRAIN_THREADS):
+        return _train(model, tokens, steps, seq_len, batch, lr, seed, progress)
+
+
+def _train(model: torch.nn.Module, tokens: torch.Tensor, steps: int, seq_len: int, batch: int, lr: float, seed: int,
+           progress: bool) -> float:
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters()]
     for p in params:
@@ -77,11 +108,15 @@ def train_on_text(model: torch.nn.Module, tokens: torch.Tensor, steps: int, seq_
 
 
 def make_tiny(out_dir: str | Path, arch: str = "qwen3", train_steps: int = 160, vocab_size: int = 1024,
-              seed: int = 0, progress: bool = True) -> Path:
+              seed: int = 0, progress: bool = True, text_model: str | Path | None = None) -> Path:
     """Writes a trained tiny model to `out_dir` (created if needed) and returns its path.
 
     "qwen3-vl" trains the same language model as "qwen3" (same seed: same weights) and puts a random vision tower
-    in front of it (orinfer/tiny_vl.py)."""
+    in front of it (orinfer/tiny_vl.py). `RECIPE_FILE` records the arguments that decide the weights.
+
+    `text_model`: a directory that `make_tiny` wrote for the language model's arch ("qwen3" for "qwen3-vl") with the
+    same train_steps, vocab_size and seed (as its `RECIPE_FILE` says): its trained weights are taken instead of
+    training them again, which gives the same files. Any other directory is a ValueError."""
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHES)}")
     out = Path(out_dir)
@@ -91,12 +126,17 @@ def make_tiny(out_dir: str | Path, arch: str = "qwen3", train_steps: int = 160, 
     tokenizer = train_tokenizer([text], vocab_size, out, arch=text_arch)
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
     config = tiny_config(text_arch, tokenizer.vocab_size, eos)
-    torch.manual_seed(seed)
-    model = random_model(config, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"), seed=seed, std=0.05)
-    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.int64)
-    if train_steps > 0:
-        with torch.enable_grad():
-            train_on_text(model, tokens, train_steps, seed=seed, progress=progress)
+    if text_model is not None:
+        text_recipe = dict(arch=text_arch, train_steps=train_steps, vocab_size=vocab_size, seed=seed)
+        model = _load_trained(Path(text_model), config, text_recipe)
+    else:
+        torch.manual_seed(seed)
+        model = random_model(config, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"), seed=seed,
+                             std=0.05)
+        tokens = torch.tensor(tokenizer.encode(text), dtype=torch.int64)
+        if train_steps > 0:
+            with torch.enable_grad():
+                train_on_text(model, tokens, train_steps, seed=seed, progress=progress)
     if arch == "qwen3-vl":
         from orinfer.tiny_vl import write_vl_model
 
@@ -110,5 +150,20 @@ def make_tiny(out_dir: str | Path, arch: str = "qwen3", train_steps: int = 160, 
                   "pad_token_id": tokenizer.token_to_id("<|endoftext|>"), "do_sample": True,
                   "temperature": 0.6, "top_p": 0.95, "top_k": 20}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    recipe = dict(arch=arch, train_steps=train_steps, vocab_size=vocab_size, seed=seed)
+    (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
     log.info("wrote %s model with %.2fM parameters to %s", config.architecture, config.num_parameters() / 1e6, out)
     return out
+
+
+def _load_trained(model_dir: Path, config: ModelConfig, recipe: dict) -> torch.nn.Module:
+    """The trained model of an earlier `make_tiny` output, after checking that it was made with `recipe`."""
+    try:
+        found = json.loads((model_dir / RECIPE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        found = None
+    if found != recipe:
+        raise ValueError(f"text_model {model_dir}: not a make-tiny output made with {recipe} "
+                         f"({RECIPE_FILE}: {found})")
+    return load_hf_model(model_dir, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"), config,
+                         progress=False)

@@ -9,7 +9,8 @@ Random weights emit random token ids, so the tokenizer is a synthetic word-level
 TPOT are measured on the real HTTP + SSE path. The server binds to loopback on a free port; the load generator is
 scripts/bench_serve.py in a child process (as vLLM's and SGLang's serving benchmarks run: a client in the server's
 process would share its interpreter lock and slow the server it measures); requests use `ignore_eos` so each produces
-exactly --max-tokens tokens.
+exactly --max-tokens tokens. Options not listed by --help (--concurrency, --max-tokens, --requests, --out, ...) go
+to scripts/bench_serve.py.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 import torch
 
 import bench_serve  # same folder: the load generator and report writer
+from orinfer.args import EngineArgs
 from orinfer.bench.engine_bench import build_synthetic_llm
-from orinfer.config import EngineConfig, preset, resolve_dtype
+from orinfer.config import preset, resolve_dtype
 from orinfer.server.app import ServerLimits, build_app
 from orinfer.server.cli import BackgroundServer
 from orinfer.tokenizer import Tokenizer
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cfg = preset(args.synthetic)
     dtype, _ = resolve_dtype(args.dtype, device, cfg.torch_dtype)
-    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    engine_config = EngineArgs(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     llm = build_synthetic_llm(cfg, dtype, device, "auto", engine_config, tokenizer=synthetic_tokenizer(cfg.vocab_size))
     app = build_app(llm, args.synthetic, limits=ServerLimits(max_pending_sequences=4096), reasoning=False)
     server = BackgroundServer(app).start(timeout=600)

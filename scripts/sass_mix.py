@@ -5,14 +5,15 @@ below the first dot products, and that issuing them all at once measured slower)
 Usage: python3 scripts/sass_mix.py [BLOCK_N BLOCK_KP WARPS] [gated] [down] [int] [words] [preload]   (defaults: the
 module's default tile for the row length; `down`: K = 12288 instead of 4096; `int`: the dp2a step; `words`: the dp2a
 step on an RMSNorm's words; `preload`: first tiles before the PDL wait)."""
+
 from __future__ import annotations
 
+import argparse
 import collections
 import itertools
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import triton
@@ -53,14 +54,29 @@ def load_order(sass: str) -> str:
     return " ".join(f"{tag}x{len(list(run))}" for tag, run in itertools.groupby(tags))
 
 
-def main() -> None:
-    k8 = 1536 if "down" in sys.argv else 512
+OPTIONS = ("gated", "down", "int", "words", "preload")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[tuple[int, int, int] | None, set[str]]:
+    """(the tile (BLOCK_N, BLOCK_KP, WARPS) or None for the default, the options named)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="*", metavar="BLOCK_N BLOCK_KP WARPS | " + " | ".join(OPTIONS))
+    args = p.parse_args(argv)
+    nums = [int(a) for a in args.items if a.isdigit()]
+    options = {a for a in args.items if not a.isdigit()}
+    if len(nums) not in (0, 3) or not options <= set(OPTIONS):
+        p.error(f"give three numbers (BLOCK_N BLOCK_KP WARPS) or none, and options among {', '.join(OPTIONS)}")
+    return (tuple(nums) if nums else None), options
+
+
+def main(argv: list[str] | None = None) -> None:
+    tile, options = parse_args(argv)
+    k8 = 1536 if "down" in options else 512
     cfg = w4_gemv.DEFAULT_GEMV if k8 <= w4_gemv.DEFAULT_GEMV.block_kp else w4_gemv.DEFAULT_GEMV_LONG_ROWS
-    nums = [int(a) for a in sys.argv[1:] if a.isdigit()]
-    block_n, block_kp, warps = nums if len(nums) == 3 else cfg[:3]
-    gated = "gated" in sys.argv
-    words = "words" in sys.argv
-    flags = dict(integer="int" in sys.argv, words=words, rms=words, preload="preload" in sys.argv)
+    block_n, block_kp, warps = tile or cfg[:3]
+    gated = "gated" in options
+    words = "words" in options
+    flags = dict(integer="int" in options, words=words, rms=words, preload="preload" in options)
     sass, usage = compile_gemv(block_n, block_kp, warps, gated, k8, **flags)
     mix = opcode_mix(sass)
     weights = block_n * k8 * 8 * (2 if gated else 1) / (32 * warps)   # per thread, whole kernel

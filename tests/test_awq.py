@@ -7,7 +7,6 @@ Model tests run orinfer's torch backend in fp32 on the CPU against HF transforme
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import struct
@@ -18,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from hf_models import build_hf_model, save_hf_model
 from orinfer import LLM, SamplingParams
-from orinfer.config import EngineConfig, ModelConfig, QuantConfig
+from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig, QuantConfig
 from orinfer.engine.llm_engine import EngineParts
 from orinfer.errors import ConfigError, WeightsError
 from orinfer.kernels import awq as K
@@ -247,7 +247,7 @@ def _triton_llm(path):
     cfg = ModelConfig.from_hf(path)
     model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, DEVICE, cfg, progress=False)
     parts = EngineParts(model, cfg, None, {}, DEVICE, torch.float32)
-    return LLM.from_parts(parts, EngineConfig(block_size=4, num_kv_blocks=64))
+    return LLM.from_parts(parts, EngineArgs(block_size=4, num_kv_blocks=64))
 
 
 @needs_kernels
@@ -311,7 +311,7 @@ def test_quantize_cli(tmp_path, capsys):
 def _bin_llm(path, tokenizer=None):
     model, cfg = load_bin_model(path, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"))
     parts = EngineParts(model, cfg, tokenizer, {}, torch.device("cpu"), torch.float32)
-    return LLM.from_parts(parts, EngineConfig(block_size=4, num_kv_blocks=64))
+    return LLM.from_parts(parts, EngineArgs(block_size=4, num_kv_blocks=64))
 
 
 def test_bin_awq_export_loads_with_identical_tokens(tmp_path):
@@ -359,8 +359,6 @@ def test_bin_awq_from_the_tiny_model_with_tokenizer(tiny_dir, tmp_path):
     assert got.token_ids == want.token_ids and got.text == want.text
 
 
-@pytest.mark.skipif("load_bin_model" not in inspect.getsource(__import__("orinfer.llm").llm),
-                    reason="LLM() does not route .bin files yet")
 def test_llm_opens_a_bin_file(tiny_dir, tmp_path):
     quantize_checkpoint(tiny_dir, tmp_path / "q", method="rtn", group_size=32, progress=False)
     export_bin(tmp_path / "q", tmp_path / "tiny.bin")

@@ -1,4 +1,4 @@
-"""`orinfer bench`'s CPU-testable parts: the --kv-tokens plan (KV pool size, capped workload), the EngineConfig it
+"""`orinfer bench`'s CPU-testable parts: the --kv-tokens plan (KV pool size, capped workload), the EngineArgs it
 builds, --pre-dequant on synthetic AWQ weights, and the report's memory row. The timings themselves need the GPU."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_capped_workload_runs_on_the_planned_pool_without_preemption(monkeypatch
     cfg = _tiny_awq_config()
     plan = bench_plan(args, cfg, torch.float32)
     assert plan["batch_sizes"] == [1, 3] and plan["prompt_lens"] == [40]   # 136-token sequences: 9 blocks each
-    llm = build_synthetic_llm(cfg, torch.float32, CPU, "torch", plan["engine_config"], pre_dequant=True)
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
     runner = llm.engine.runner
     assert runner.num_blocks * runner.block_size == 512
     model = llm.engine.parts.model
@@ -94,7 +94,7 @@ def test_capped_workload_runs_on_the_planned_pool_without_preemption(monkeypatch
     timings = bench_engine(llm, cfg, plan["prompt_lens"], plan["batch_sizes"], 8, repeats=1)
     assert sorted(timings["decode"]) == [1, 3] and list(timings["prefill"]) == [40]
 
-    plain = build_synthetic_llm(cfg, torch.float32, CPU, "torch", plan["engine_config"])
+    plain = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"].replace(pre_dequant=False))
     assert pre_dequant_bytes(plain.engine.parts.model) == 0
     prompts = [list(range(10 + i, 40 + i)) for i in range(3)]  # 30-token prefills: the dense path
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -105,9 +105,10 @@ def test_capped_workload_runs_on_the_planned_pool_without_preemption(monkeypatch
 def test_pre_dequant_of_a_model_that_is_not_awq_is_a_clear_error():
     cfg = _tiny_awq_config()
     cfg.quantization = None
-    plan = bench_plan(_args("--backend", "torch", "--kv-tokens", "512", "--decode-tokens", "8"), cfg, torch.float32)
+    plan = bench_plan(_args("--backend", "torch", "--kv-tokens", "512", "--decode-tokens", "8", "--pre-dequant"), cfg,
+                      torch.float32)
     with pytest.raises(ConfigError, match="AWQ"):
-        build_synthetic_llm(cfg, torch.float32, CPU, "torch", plan["engine_config"], pre_dequant=True)
+        build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
 
 
 def test_report_memory_row_shows_the_kv_tokens_the_copies_and_the_notes():

@@ -189,7 +189,8 @@ def test_qwen3_8b_logits_within_bf16_tolerance_of_hf():
     """Random full-size Qwen3-8B: orinfer (triton, bf16) vs HF (bf16), both judged against HF in fp32."""
     import transformers
 
-    from orinfer.config import EngineConfig, preset
+    from orinfer.args import EngineArgs
+    from orinfer.config import preset
     from orinfer.engine.llm_engine import EngineParts
     from orinfer.layers.ops import get_ops
     from orinfer.models.registry import build_model
@@ -204,8 +205,8 @@ def test_qwen3_8b_logits_within_bf16_tolerance_of_hf():
     ours = build_model(cfg, ops, torch.bfloat16, torch.bfloat16, dev)
     ours.load_weights(hf.state_dict().items())
     # A small KV budget: the fp32 reference below needs 33 GB next to two bf16 copies of the model.
-    llm = LLM.from_parts(EngineParts(ours, cfg, None, {}, dev, torch.bfloat16, graph_safe=True),
-                         EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=4, max_model_len=4096))
+    llm = LLM.from_parts(EngineParts(ours, cfg, None, {}, dev, torch.bfloat16, ops=ops),
+                         EngineArgs(kv_cache_bytes=1 << 30, max_num_seqs=4, max_model_len=4096))
     from test_hf_parity import paged_logits
 
     ids = torch.randint(100, cfg.vocab_size - 100, (1, 80), generator=torch.Generator().manual_seed(1))[0].tolist()

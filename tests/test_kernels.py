@@ -426,7 +426,7 @@ def test_gpu_lm_head_returns_fp32_logits_of_the_16_bit_linear(rows):
 @pytest.mark.gpu
 def test_gpu_tuner_times_candidates_and_caches_the_choice(monkeypatch):
     monkeypatch.setenv("ORINFER_AUTOTUNE", "1")
-    # fp32 and mixed inputs go through the tuner; 16-bit ones use the configs measured by scripts/gemv_sweep.py.
+    # fp32 and mixed inputs go through the tuner; 16-bit ones use the configs measured on the H200.
     x, w = randn(4, 4096, dtype=torch.float32), randn(4096, 4096, dtype=torch.float32, scale=4096 ** -0.5)
     close(gemv.gemv(x, w), gemv.gemv_ref(x.double(), w.double()), torch.float32, scale=2)
     key = (4096, 4096, 4, False, False, torch.float32, torch.float32, None, str(x.device))  # None: out_dtype

@@ -1,4 +1,4 @@
-"""One-step lookahead (EngineConfig.async_scheduling): the same tokens as waiting for every step, on the CPU.
+"""One-step lookahead (EngineArgs.async_scheduling): the same tokens as waiting for every step, on the CPU.
 
 Each test runs the same requests through an engine with lookahead and one without and compares everything a caller
 sees; `num_lookahead_steps` proves the lookahead path actually ran where it should (and not where it must drain).

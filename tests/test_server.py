@@ -18,7 +18,8 @@ openai = pytest.importorskip("openai")
 
 from orinfer import LLM  # noqa: E402
 from orinfer.engine.sequence import TokenLogprob  # noqa: E402
-from orinfer.server.app import ServerLimits, _chat_stream, build_app  # noqa: E402
+from orinfer.server.app import ServerLimits, build_app  # noqa: E402
+from orinfer.server.chat import chat_stream  # noqa: E402
 from orinfer.server.cli import BackgroundServer  # noqa: E402
 from orinfer.server.engine_loop import SeqUpdate  # noqa: E402
 from orinfer.server.reasoning import ReasoningParser, ThinkState, initial_state, split_reasoning  # noqa: E402
@@ -388,7 +389,7 @@ class _FakeServer:
 def _run_chat_stream(updates, n, state, include_usage=False, logprobs=False):
     async def run():
         group = _FakeGroup(updates)
-        events = [e async for e in _chat_stream(_FakeServer(), group, "id", 0, n, 5, state, include_usage, logprobs)]
+        events = [e async for e in chat_stream(_FakeServer(), group, "id", 0, n, 5, state, include_usage, logprobs)]
         assert group.aborted  # the stream always aborts on the way out (a no-op when finished)
         return events
 

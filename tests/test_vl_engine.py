@@ -27,10 +27,14 @@ VL_TIMING = re.compile(r"\[prompt \d+ tokens, generated \d+ tokens, vision encod
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
+def vl_dir(tmp_path_factory, tiny_dir):
+    """`make-tiny --arch qwen3-vl` with 160 training steps. Its language model is the one `tiny_dir` already trained
+    with the same recipe, taken from there instead of trained again: the files are the same, bit for bit
+    (test_make_tiny_vl_reuses_the_trained_text_model_bit_for_bit)."""
     from orinfer.tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-vl"), arch="qwen3-vl", train_steps=160, progress=False)
+    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-vl"), arch="qwen3-vl", train_steps=160, progress=False,
+                     text_model=tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +170,14 @@ TOOLS = [{"type": "function", "function": {"name": "get", "description": "weathe
 @pytest.mark.parametrize("messages", TEXT_CONVERSATIONS)
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_vl_template_renders_text_like_qwen3(vl_llm, messages, tools):
-    """Without images or thinking, Qwen3-VL's template and Qwen3's published one render the same text."""
+    """Without images or thinking, Qwen3-VL's template and Qwen3's published one render the same text, except that
+    Qwen3-VL leaves out a system message that is not the first (Qwen3 renders it in place)."""
     qwen3 = Tokenizer(vl_llm.tokenizer._backend, {}, {"default": builtin_chat_template("qwen3")})
     for system in ([], [{"role": "system", "content": "You are a bot."}]):
         conversation = system + messages
-        assert vl_llm.render_chat(conversation, tools=tools) == qwen3.apply_chat_template(conversation, tools=tools)
+        without_later_systems = [m for i, m in enumerate(conversation) if i == 0 or m["role"] != "system"]
+        assert vl_llm.render_chat(conversation, tools=tools) == qwen3.apply_chat_template(without_later_systems,
+                                                                                          tools=tools)
 
 
 def test_vl_template_images_in_every_role_and_vision_ids(vl_llm):
@@ -247,6 +254,29 @@ def test_cli_image_errors_are_clean(vl_dir, tmp_path, capsys):
     assert main(["generate", "-m", str(vl_dir), "--device", "cpu", "--image", "x.png", "-p", "x",
                  "--max-pixels", "10"]) == 2
     assert "max_pixels" in capsys.readouterr().err
+
+
+def _files(model_dir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir())}
+
+
+def test_make_tiny_vl_reuses_the_trained_text_model_bit_for_bit(tmp_path):
+    """`make_tiny(..., text_model=DIR)` (how `vl_dir` is made) writes the very files that training from scratch
+    writes; a text model of another recipe is refused."""
+    from orinfer.tiny import make_tiny
+
+    text = make_tiny(tmp_path / "text", arch="qwen3", train_steps=3, progress=False)
+    scratch = make_tiny(tmp_path / "scratch", arch="qwen3-vl", train_steps=3, progress=False)
+    reused = make_tiny(tmp_path / "reused", arch="qwen3-vl", train_steps=3, progress=False, text_model=text)
+    assert _files(reused) == _files(scratch)
+    assert "model.safetensors" in _files(scratch)
+    for other in (dict(train_steps=4), dict(train_steps=3, seed=1)):
+        with pytest.raises(ValueError, match="not a make-tiny output made with"):
+            make_tiny(tmp_path / "other", arch="qwen3-vl", progress=False, text_model=text, **other)
+    qwen2 = make_tiny(tmp_path / "qwen2", arch="qwen2", train_steps=3, progress=False)
+    for wrong in (qwen2, scratch, tmp_path):   # another arch, a VL model, no model at all
+        with pytest.raises(ValueError, match="not a make-tiny output made with"):
+            make_tiny(tmp_path / "other", arch="qwen3-vl", train_steps=3, progress=False, text_model=wrong)
 
 
 def test_cli_make_tiny_qwen3_vl(tmp_path, capsys):

@@ -189,9 +189,10 @@ def test_triton_backend_greedy_matches_torch(vl_pair, tmp_path):
     cfg = ModelConfig.from_hf(path)
     # Under the interpreter the kernels run on CPU tensors; on a GPU machine on CUDA, with CUDA-graph decode.
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_hf_model(path, triton_ops(), torch.float32, torch.float32, dev, cfg, progress=False)
+    ops = triton_ops()
+    model = load_hf_model(path, ops, torch.float32, torch.float32, dev, cfg, progress=False)
     parts = llm.engine.parts
-    tri = LLM.from_parts(EngineParts(model, cfg, None, {}, dev, torch.float32, graph_safe=dev.type == "cuda",
+    tri = LLM.from_parts(EngineParts(model, cfg, None, {}, dev, torch.float32, ops=ops,
                                      image_processor=parts.image_processor), llm.engine.config)
     prompt = {"prompt_token_ids": [5, VS, IMG, VE, 17], "multi_modal_data": {"image": images([(64, 64)], seed=2)}}
     params = SamplingParams(max_tokens=8, **GREEDY)
@@ -275,14 +276,15 @@ def test_vl_config_parsing():
 
 
 def test_gpu_memory_probe_encodes_a_large_image(vl_pair, monkeypatch):
-    """The runner's GPU memory probe calls warmup_images (skipped on the torch backend); it must run the tower."""
+    """The runner's GPU memory probe calls warmup_images (skipped where attention materialises its scores: the torch
+    backend); with tiled attention it must run the tower."""
     _, llm = vl_pair
     model = llm.engine.runner.model
     calls, encode = [], model.encode_images
     monkeypatch.setattr(model, "encode_images", lambda mm: (calls.append(mm.grid_thw), encode(mm)))
     model.warmup_images(300)
     assert calls == []  # torch backend: no probe
-    monkeypatch.setattr(model.visual, "ops", dataclasses.replace(model.visual.ops, name="triton"))
+    monkeypatch.setattr(model.visual, "ops", dataclasses.replace(model.visual.ops, materializes_attention=False))
     with torch.inference_mode():
         model.warmup_images(300)
     assert calls == [[(1, 16, 16)]]

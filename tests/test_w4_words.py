@@ -28,6 +28,13 @@ def poison(monkeypatch):
 kernel_test = pytest.mark.usefixtures("poison")
 
 
+def _without_words(monkeypatch) -> None:
+    """AWQ linears take x itself, never its words: the baseline the words must match."""
+    from orinfer.layers import awq_linear
+
+    monkeypatch.setattr(awq_linear, "words_fit", lambda x, group_size: False)
+
+
 def _norm_inputs(k: int, dtype: torch.dtype, scale: float = 1.0):
     x, r = randn(1, k, dtype=dtype, scale=scale), randn(1, k, dtype=dtype, scale=scale)
     return x, r, (1.0 + 0.2 * randn(k)).to(dtype)
@@ -66,6 +73,7 @@ def _words_product_ref(h: torch.Tensor, w: torch.Tensor, awq: tuple, bias: torch
 
 @needs_kernels
 @kernel_test
+@pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cfg", CFGS)
 @pytest.mark.parametrize("gated", [False, True])
@@ -160,6 +168,7 @@ def test_decoder_layer_hands_words_to_awq_linears(monkeypatch, fused_ffn):
     torch.manual_seed(0)
     rotary = RotaryEmbedding(128, 512, 10000.0, ops).to(DEVICE)   # shared, so not moved with the layer
     layer = QwenDecoderLayer(cfg, rotary, ops, torch.bfloat16).to(DEVICE)
+    ops.install_hooks(layer)  # what models.registry.build_model does: the norms learn which linear they feed
     for module in layer.modules():
         if hasattr(module, "qweight"):
             module.qweight.data, module.qzeros.data, module.scales.data = random_awq(
@@ -177,9 +186,9 @@ def test_decoder_layer_hands_words_to_awq_linears(monkeypatch, fused_ffn):
         made.clear()
         got = layer(positions, x, r, meta)
         assert made == expected
-        monkeypatch.setattr(WW, "ENABLED", False)
-        want = layer(positions, x, r, meta)
-        monkeypatch.setattr(WW, "ENABLED", True)
+        with monkeypatch.context() as m:
+            _without_words(m)
+            want = layer(positions, x, r, meta)
         for got_part, want_part in zip(got, want):      # the MLP's output, and the stream after attention
             torch.testing.assert_close(got_part.double(), want_part.double(), **tol(torch.bfloat16, 3))
 
@@ -205,6 +214,6 @@ def test_gpu_bf16_awq_engine_with_and_without_words(tmp_path, monkeypatch, cuda_
     prompt = [[5, 17, 42, 99, 3]]
     got = LLM(tmp_path / "awq", backend="triton", cuda_graph=cuda_graph, **common).generate(prompt, params)
     assert made, "batch-1 decode made no words"
-    monkeypatch.setattr(WW, "ENABLED", False)
+    _without_words(monkeypatch)
     want = LLM(tmp_path / "awq", backend="triton", cuda_graph=cuda_graph, **common).generate(prompt, params)
     assert got[0].token_ids == want[0].token_ids

@@ -8,7 +8,8 @@ import statistics
 
 import torch
 
-from orinfer.config import EngineConfig, ModelConfig
+from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig
 from orinfer.engine.llm_engine import EngineParts
 from orinfer.llm import LLM
 from orinfer.sampling_params import SamplingParams
@@ -63,22 +64,22 @@ def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes
     return out
 
 
-def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend: str,
-                        engine_config: EngineConfig, fused_ffn: bool = True, tokenizer: Any | None = None,
-                        pre_dequant: bool = False) -> LLM:
-    """An LLM over random weights of `cfg`'s shapes (no tokenizer unless one is given: token-id prompts only).
-    `pre_dequant` (AWQ configs): dense copies of the random packed weights for prefill, as `LLM(pre_dequant=True)`."""
+def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, args: EngineArgs,
+                        tokenizer: Any | None = None) -> LLM:
+    """An LLM over random weights of `cfg`'s shapes in `dtype` on `device` (no tokenizer unless one is given:
+    token-id prompts only), with `args`' backend and engine settings. `args.pre_dequant` (AWQ configs): dense copies
+    of the random packed weights for prefill, as `LLM(pre_dequant=True)`."""
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
 
-    ops = get_ops(backend, device, fused_ffn=fused_ffn)
+    ops = get_ops(args.backend, device, fused_ffn=args.fused_ffn)
     model = random_model(cfg, ops, dtype, dtype, device)
-    if pre_dequant:
+    if args.pre_dequant:
         from orinfer.layers.awq_linear import pre_dequantize_model
 
         pre_dequantize_model(model, dtype)
-    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, graph_safe=ops.name == "triton")
-    return LLM.from_parts(parts, engine_config)
+    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, ops=ops)
+    return LLM.from_parts(parts, args)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

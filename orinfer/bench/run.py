@@ -15,7 +15,8 @@ import torch
 from orinfer.bench.ceilings import measure_ceilings
 from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, decode_bytes_per_token,
                                         kv_plan, pre_dequant_bytes, weight_bytes)
-from orinfer.config import EngineConfig, ModelConfig, QuantConfig, preset, resolve_dtype
+from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
+from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -25,21 +26,12 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b")
     src.add_argument("-m", "--model", help="a local HF model directory")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--prompt-lens", default="512,2048")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--quant", choices=["awq"], default=None,
                    help="random AWQ INT4 weights (group 128) of the preset's shapes instead of 16-bit ones")
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
-    p.add_argument("--no-cuda-graph", action="store_true")
-    p.add_argument("--no-fused-ffn", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="sync on every step's sampled ids before launching the next (A/B of the lookahead)")
-    p.add_argument("--pre-dequant", action="store_true",
-                   help="AWQ (--quant awq or an AWQ -m directory): also keep 16-bit copies of the weights for prefill "
-                        "(the seed's V6 mode); the report shows their memory")
     p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                    help="size the KV cache to exactly N tokens (rounded up to whole 16-token blocks) instead of the "
                         "default budget, e.g. 4096 to see peak memory with a 4096-token cache. Every measurement "
@@ -49,11 +41,16 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--image-size", default=None, metavar="WxH",
                    help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
+    # The engine settings a benchmark may vary; the workload sets the batching limits and the KV-cache size.
+    add_engine_args(p, only=BENCH_ENGINE_SETTINGS, defaults={"dtype": "bfloat16"})
     p.set_defaults(func=func)
 
 
+BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant")
+
+
 def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """The workload and EngineConfig of a bench run (no GPU needed): {"prompt_lens", "batch_sizes", "engine_config",
+    """The workload and EngineArgs of a bench run (no GPU needed): {"prompt_lens", "batch_sizes", "engine_config",
     "kv_tokens" (None without --kv-tokens), "notes" (what --kv-tokens capped, for the report)}.
 
     Without --kv-tokens the KV cache gets a byte budget that holds the largest decode batch with room to spare; with
@@ -61,7 +58,7 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
     prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
     batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     seq_tokens = DECODE_PROMPT_LEN + args.decode_tokens
-    block_size = EngineConfig.block_size
+    block_size = EngineArgs.block_size
     plan: dict = {"kv_tokens": None, "notes": []}
     if args.kv_tokens is not None:
         fit = kv_plan(args.kv_tokens, block_size, prompt_lens, batch_sizes, args.decode_tokens)
@@ -72,10 +69,9 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
     if args.kv_tokens is None:
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
         kv_budget = {"kv_cache_bytes": max(kv_bytes, 2 * max_len * 2**20)}
-    plan["engine_config"] = EngineConfig(
-        max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
-        block_size=block_size, cuda_graph=not args.no_cuda_graph, fused_ffn=not args.no_fused_ffn,
-        async_scheduling=not args.no_async_scheduling, backend=args.backend, **kv_budget)
+    plan["engine_config"] = engine_args_from_namespace(
+        args, max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
+        block_size=block_size, **kv_budget)
     plan.update(prompt_lens=prompt_lens, batch_sizes=batch_sizes)
     return plan
 
@@ -126,15 +122,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.model:
         from orinfer.llm import LLM
 
-        llm = LLM(args.model, dtype=args.dtype, device=device, backend=args.backend,
-                  max_model_len=engine_config.max_model_len, max_num_seqs=engine_config.max_num_seqs,
-                  max_num_batched_tokens=engine_config.max_num_batched_tokens,
-                  kv_cache_bytes=engine_config.kv_cache_bytes, num_kv_blocks=engine_config.num_kv_blocks,
-                  cuda_graph=engine_config.cuda_graph, fused_ffn=engine_config.fused_ffn, pre_dequant=args.pre_dequant,
-                  async_scheduling=engine_config.async_scheduling)
+        llm = LLM(args.model, engine_config.replace(device="cuda"))
     else:
-        llm = build_synthetic_llm(cfg, dtype, device, args.backend, engine_config, fused_ffn=not args.no_fused_ffn,
-                                  pre_dequant=args.pre_dequant)
+        llm = build_synthetic_llm(cfg, dtype, device, engine_config)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens)
@@ -148,7 +138,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "kv_cache_tokens": llm.engine.runner.num_blocks * llm.engine.runner.block_size,
         "pre_dequant_GiB": pre_dequant_bytes(model) / 2**30, "notes": plan["notes"],
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
-        "backend": next(m.ops.name for m in model.modules() if hasattr(m, "ops")), "cuda_graph": llm.engine.runner.graphs is not None,
+        "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
     }
     if b1:
         b1["GBps"] = b1["tok_s"] * per_token / 1e9

@@ -14,26 +14,24 @@ import logging
 import torch
 from torch import nn
 
-from orinfer.kernels.argmax import argmax_rows
-from orinfer.kernels.decode_inputs import advance_decode_inputs
-from orinfer.kernels.l2_prefetch import prefetch_scope
 from orinfer.layers.attention import AttentionMetadata
+from orinfer.layers.ops import GraphHooks
 
 log = logging.getLogger(__name__)
 
 
 # Greedy lookahead steps of up to this many rows read their ids where the previous replay left them (`run`). AWQ
-# bench (benchmarks/NOTES.md runs 165-166), in place against copied: batch 1 561 against 544 tok/s; batch 32 6346
+# bench on the H200, in place against copied: batch 1 561 against 544 tok/s; batch 32 6346
 # against 6827, for a reason not found yet, so larger batches keep the copy. (Against the sampler outside the graph
 # and the copy: batch 16 4712 against 4582, batch 48 7667 against 7749.)
 IN_PLACE_MAX_ROWS = 16
 
 # Decode attention bounds its split count by the width of the block table it is given (kernels/decode_attention.py).
 # Over the full table, batch 1 splits every context 32 ways (Qwen3-8B: 8 kv heads, 132 SMs) and at a few hundred tokens
-# most splits are empty; a step then takes ~20 us longer (run 169, step replay: 1.813 ms with 32 splits, 1.794 with 16,
+# most splits are empty; a step then takes ~20 us longer (step replay: 1.813 ms with 32 splits, 1.794 with 16,
 # 1.792 with 8; empty splits skipping all of their work inside the kernel: 1.813-1.818). So the smallest buckets get a
 # second graph over the table's first SHORT_CONTEXT_TOKENS tokens, replayed while the batch's longest context fits in
-# it: 16 splits at batch 1, the fastest count up to ~1k tokens (run 82). Longer contexts replay the full graph.
+# it: 16 splits at batch 1, the fastest count up to ~1k tokens. Longer contexts replay the full graph.
 SHORT_CONTEXT_TOKENS = 1024
 SHORT_CONTEXT_MAX_BATCH = 2  # buckets above it get no more splits than the short table allows anyway
 
@@ -48,12 +46,13 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device,
-                 block_size: int) -> None:
-        """Graphs for up to `max_batch` rows of up to `max_blocks_per_seq` KV-cache blocks of `block_size` tokens.
-        Buckets of up to SHORT_CONTEXT_MAX_BATCH rows also get a graph for contexts of up to SHORT_CONTEXT_TOKENS
-        tokens (see there), when the full table is wider than that."""
-        self.model, self.device, self.block_size = model, device, block_size
+    def __init__(self, model: nn.Module, hooks: GraphHooks, max_batch: int, max_blocks_per_seq: int,
+                 device: torch.device, block_size: int) -> None:
+        """Graphs for up to `max_batch` rows of up to `max_blocks_per_seq` KV-cache blocks of `block_size` tokens,
+        captured with the backend's `hooks` (greedy argmax, input advance, capture scope). Buckets of up to
+        SHORT_CONTEXT_MAX_BATCH rows also get a graph for contexts of up to SHORT_CONTEXT_TOKENS tokens (see there),
+        when the full table is wider than that."""
+        self.model, self.hooks, self.device, self.block_size = model, hooks, device, block_size
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n, self.max_blocks = self.max_batch, max_blocks_per_seq
@@ -71,7 +70,7 @@ class DecodeGraphs:
         # Each replay's argmax also writes its ids straight into pinned host memory, row host_row[0] of host_ids: the
         # index of the staging set that fed it (each set uploads its own index; `advance_decode_inputs` flips it
         # when nothing is uploaded). The host then reads them after the step's event, with no device-to-host copy
-        # queued between two replays (14 -> 12 us between them at batch 1; benchmarks/NOTES.md runs 189-190; the
+        # queued between two replays (14 -> 12 us between them at batch 1; the
         # uploads were the rest). A row is rewritten by the replay two after, which the engine queues only once it
         # has read this one (its lookahead is one step deep).
         self.host_ids = torch.zeros(2, n, dtype=torch.int64, pin_memory=True)
@@ -106,18 +105,19 @@ class DecodeGraphs:
 
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up: compiles Triton kernels, fixes autotuning and builds the L2 prefetch plans outside the capture.
-        with prefetch_scope(self.device, launch=False):
+        hooks = self.hooks
+        with hooks.capture_scope(self.device, launch=False):
             self._forward(batch, blocks)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), prefetch_scope(self.device, launch=True):
+        with torch.cuda.graph(graph, pool=self.pool), hooks.capture_scope(self.device, launch=True):
             logits = self._forward(batch, blocks)
             # The greedy samples go where the next step reads its input ids (`greedy_ids`): a greedy lookahead step
             # then needs neither sampler launches nor a copy of the ids before its replay. Other batches ignore them
             # (a few us against their sampler's sort over the vocabulary).
-            argmax_rows(logits, out=self.input_ids[:batch], mirror=self.host_ids, mirror_row=self.host_row)
+            hooks.argmax_rows(logits, out=self.input_ids[:batch], mirror=self.host_ids, mirror_row=self.host_row)
             # Then the inputs move to the rows' next tokens, which a continuing batch can replay without an upload.
-            advance_decode_inputs(self.positions[:batch], self.context_lens[:batch], self.slot_mapping[:batch],
+            hooks.advance_decode_inputs(self.positions[:batch], self.context_lens[:batch], self.slot_mapping[:batch],
                                   self.block_tables[:batch], self.block_size, self.host_row)
         if self.pool is None:
             self.pool = graph.pool()
@@ -164,7 +164,7 @@ class DecodeGraphs:
         tables = self._advanced_tables(seqs) if device_ids is not None else None
         if tables is None:
             # A copy right before the replay, even of 8 bytes, made the batch-1 AWQ replay that follows it 0.05 ms
-            # slower (run 161, scripts/host_wait.py): ids already in place skip the ids row of the upload.
+            # slower: ids already in place skip the ids row of the upload.
             tables = self._upload(stage, seqs, bucket, first_row=1 if in_place else 0)
         if device_ids is not None and not in_place:
             self.input_ids[:batch].copy_(device_ids)  # queued after any upload above, so it wins

@@ -4,7 +4,7 @@
 and returns the sequences that advanced; `abort` drops a request and frees its blocks at once. Callers (LLM, the
 server) drive `step` in a loop.
 
-Lookahead (EngineConfig.async_scheduling, see in_flight.py): in the steady state of decoding, `step` launches the
+Lookahead (EngineArgs.async_scheduling, see in_flight.py): in the steady state of decoding, `step` launches the
 next decode step before it waits for the current one, so a decode step is usually in flight between two calls.
 Anything that needs the host to know every token first (a prefill to admit, a preemption) drains it.
 """
@@ -20,7 +20,8 @@ from typing import Any, Sequence as Seq
 import torch
 from torch import nn
 
-from orinfer.config import EngineConfig, ModelConfig
+from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
 from orinfer.engine.model_runner import ModelRunner
@@ -28,6 +29,7 @@ from orinfer.engine.multimodal import prepare_images
 from orinfer.engine.scheduler import Scheduler
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.errors import RequestError
+from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,12 +45,12 @@ class EngineParts:
     generation_config: dict[str, Any]
     device: torch.device
     act_dtype: torch.dtype
-    graph_safe: bool = False              # the backend's decode path has no host syncs (CUDA graphs allowed)
+    ops: Ops | None = None                # the backend the model was built with (its CUDA-graph hooks); None: eager
     image_processor: Any | None = None    # orinfer.multimodal.ImageProcessor for vision-language models
 
 
 class LLMEngine:
-    def __init__(self, parts: EngineParts, config: EngineConfig) -> None:
+    def __init__(self, parts: EngineParts, config: EngineArgs) -> None:
         self.parts, self.config = parts, config
         self.tokenizer = parts.tokenizer
         self.generation_config = parts.generation_config
@@ -56,7 +58,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
-                                  graph_safe=parts.graph_safe, vision_warmup_patches=self._largest_image_patches())
+                                  graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
+                                  vision_warmup_patches=self._largest_image_patches())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}

@@ -14,10 +14,12 @@ import time
 import torch
 from torch import nn
 
-from orinfer.config import EngineConfig, ModelConfig
+from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.sequence import Sequence
 from orinfer.layers.attention import AttentionMetadata
+from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
 
@@ -27,10 +29,10 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineConfig,
-                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int, graph_safe: bool = False,
-                 vision_warmup_patches: int = 0) -> None:
-        """`vision_warmup_patches`: patches of the largest image a request may bring; the GPU memory probe encodes
+    def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineArgs,
+                 device: torch.device, kv_dtype: torch.dtype, max_model_len: int,
+                 graph_hooks: GraphHooks | None = None, vision_warmup_patches: int = 0) -> None:
+        """`graph_hooks`: the backend's CUDA-graph hooks (None: decode runs eagerly). `vision_warmup_patches`: patches of the largest image a request may bring; the GPU memory probe encodes
         one that large (models with `warmup_images`), so the KV cache leaves room for the vision tower."""
         self.model, self.model_config, self.config = model, model_config, engine_config
         self.vision_warmup_patches = vision_warmup_patches
@@ -39,10 +41,12 @@ class ModelRunner:
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
-        # Graphs need a backend whose decode path never syncs with the host (the torch reference does).
-        if engine_config.cuda_graph and device.type == "cuda" and graph_safe:
+        # Graphs need a backend whose decode path never syncs with the host (the torch reference does): one that has
+        # graph hooks.
+        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
-            self.graphs = DecodeGraphs(model, engine_config.max_num_seqs, max_blocks, device, self.block_size)
+            self.graphs = DecodeGraphs(model, graph_hooks, engine_config.max_num_seqs, max_blocks, device,
+                                       self.block_size)
             self.graphs.capture()
             if hasattr(model, "enable_vision_graphs"):
                 model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph

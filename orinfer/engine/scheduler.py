@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from orinfer.config import EngineConfig
+from orinfer.args import EngineArgs
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineArgs, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()

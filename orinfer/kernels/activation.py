@@ -78,7 +78,7 @@ def fused_gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.T
     return run_gemv(x, gate_up_weight, None, gated=True)
 
 
-# Measured end to end on the H200 (benchmarks/NOTES.md, run 10, Qwen3-8B bf16): at batch 1 the one-pass kernel made
+# Measured end to end on the H200 (Qwen3-8B bf16; docs/performance.md): at batch 1 the one-pass kernel made
 # decode slower (211-212 tok/s) than GEMV + SwiGLU (238-239 tok/s), although in isolation it streams the weight at 98%
 # of bandwidth; at 8 rows it is on par or ahead. Until that is understood, one 16-bit row takes the faster path.
 FUSED_MIN_ROWS = 2

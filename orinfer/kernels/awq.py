@@ -12,7 +12,8 @@ the result is rounded once to x's dtype. fp16 activations: the fp32 result is cl
 
 This layout is what checkpoints hold and what `orinfer quantize` / `orinfer export` write. The GPU kernels run on
 orinfer's own in-memory layout instead (`kernels.w4`: rows of W along K, repacked once at load), because a decode GEMV
-over [K, N/8] reads 4-16 byte pieces per row and reached only 12-22% of the read bandwidth (benchmarks/NOTES.md).
+over [K, N/8] reads 4-16 byte pieces per row and reached only 12-22% of the read bandwidth
+(docs/performance.md).
 """
 
 from __future__ import annotations

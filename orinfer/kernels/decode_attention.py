@@ -30,7 +30,7 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_o
     # Under PDL this program may start while the kernel before it (the new token's RoPE and KV store) still runs.
     # The context length and the block table come from the step's inputs, written before any kernel of the step,
     # so they are read before the wait (kernels/pdl.py), taking two dependent loads off the path to the first K/V
-    # tile: a batch-1 AWQ step replays in 1.754 ms against 1.772 with them after the wait (run 174).
+    # tile: a batch-1 AWQ step replays in 1.754 ms against 1.772 with them after the wait (H200).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,8 +168,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = min(triton.cdiv(2 * _num_sms(q.device), batch * kv_heads), max_tiles, 64)
         if num_splits > 16:
             # The combine pads the splits to a power of two: 33 splits (batch 1, 8 kv heads, 132 SMs) cost it a
-            # 64-wide tile and the batch-1 step 0.02 ms more than 32 (run 96); 32 splits also measured faster than 33
-            # at every context from 256 to 32k tokens (run 100).
+            # 64-wide tile and the batch-1 step 0.02 ms more than 32; 32 splits also measured faster than 33 at every
+            # context from 256 to 32k tokens (H200; docs/performance.md).
             num_splits = 1 << (num_splits.bit_length() - 1)
     num_splits = max(1, int(num_splits))
     split = num_splits > 1

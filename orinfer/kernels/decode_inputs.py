@@ -7,8 +7,8 @@ last uploaded (`DecodeGraphs.run`). The pinned host-ids row that the graphs' arg
 does when the host uploads the other staging set.
 
 Why: uploading the inputs before each replay (two small host -> device copies) left 12 us between batch-1 replays;
-without them, 1 us, and one sequence of the bench's engine decodes at 573.8 tok/s instead of 569.9 (benchmarks/NOTES.md
-runs 191 and 193).
+without them, 1 us, and one sequence of the bench's engine decodes at 573.8 tok/s instead of 569.9 (H200;
+docs/performance.md).
 
 Kernel: one program, rows [0, BLOCK); reads and writes 8 + 4 + 8 bytes per row, 4 bytes of table per row, and the
 8-byte host-ids row index.

@@ -168,8 +168,8 @@ DOT_CONFIGS = [GemvConfig(True, 64, 128, 4, 3), GemvConfig(True, 64, 128, 4, 4),
 # fp32 / mixed activations: the exact fp32 dot is an FMA loop; larger tiles spill (mixed gated above 64x32).
 DOT_F32_CONFIGS = [GemvConfig(True, 64, 32, 4, 4), GemvConfig(True, 32, 32, 4, 4), GemvConfig(True, 32, 64, 4, 3),
                    GemvConfig(True, 16, 64, 4, 4)]
-# One row (batch-1 decode): measured on the H200 (scripts/gemv_sweep.py, graph replay over cold weights, see
-# benchmarks/NOTES.md), this config is within ~2% of the best on every Qwen3-8B shape and beats cuBLAS on all of them
+# One row (batch-1 decode): measured on the H200 (a sweep of graph replays over cold weights, see
+# docs/performance.md), this config is within ~2% of the best on every Qwen3-8B shape and beats cuBLAS on all of them
 # (qkv 84%, o 76%, fused gate_up 97%, down 92% of read bandwidth). Timing candidates in-process misleads here (small
 # weights sit in L2 between repeats), so one row does not go through the tuner.
 ONE_ROW = GemvConfig(False, 2, 2048, 2, 1)

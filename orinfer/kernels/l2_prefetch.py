@@ -2,16 +2,16 @@
 `cp.async.bulk.prefetch.L2`).
 
 Why: a batch-1 decode layer has a phase in which HBM is nearly idle. QK-norm + RoPE, attention and its split combine
-move a few MB over ~6 us, and then the o projection reads 8.7 MB of AWQ weights (Qwen3-8B). Forking a prefetch of
-o's weights onto a side stream as that phase starts lets o read them from L2: the batch-1 AWQ step replays in 1.740
-ms instead of 1.750 (benchmarks/NOTES.md runs 185-190). The first 40% of the next layer's qkv rows, prefetched in
-the same phase, take off 13 us more (runs 196-197). Only sets of up to MAX_PREFETCH_BYTES are prefetched: bf16's o
-projection is four times larger, and prefetching it slowed the bf16 step.
+move a few MB over ~6 us, and then the o projection reads 8.7 MB of AWQ weights (Qwen3-8B). Forking a prefetch of o's
+weights onto a side stream as that phase starts lets o read them from L2: the batch-1 AWQ step replays in 1.740 ms
+instead of 1.750 on the H200 (docs/performance.md). The first 40% of the next layer's qkv rows, prefetched in the same
+phase, take off 13 us more. Only sets of up to MAX_PREFETCH_BYTES are prefetched: bf16's o projection is four times
+larger, and prefetching it slowed the bf16 step.
 
-Where it was tried and lost (same runs): issuing the requests from a kernel of the step's own chain. That was either
-a PDL kernel between qkv and RoPE, or decode attention's programs after their wait, and it cost 50-90 us per step:
-a program holding bulk prefetches does not retire until they land, so the chain waits for them. Prefetching gate_up's
-first rows as well made the step slower, and the next layer's qkv during the MLP's tail gained 3 us at most.
+Where it was tried and lost (same measurements): issuing the requests from a kernel of the step's own chain. That was
+either a PDL kernel between qkv and RoPE, or decode attention's programs after their wait, and it cost 50-90 us per
+step: a program holding bulk prefetches does not retire until they land, so the chain waits for them. Prefetching
+gate_up's first rows as well made the step slower, and the next layer's qkv during the MLP's tail gained 3 us at most.
 
 Kernel: request r of a plan (a row of its table: address, bytes) is issued by program r mod P, lane r div P. So a
 plan spreads over all its programs: each SM's TMA unit works through its own requests one after another, and 256 KB
@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Larger sets are not prefetched: bf16 Qwen3-8B's o projection (33.5 MB) made the step 4.097 ms instead of 3.964
-# (run 190): more than the idle phase can fetch, it evicts and competes with what the chain reads itself.
+# Larger sets are not prefetched: bf16 Qwen3-8B's o projection (33.5 MB) made the step 4.097 ms instead of 3.964:
+# more than the idle phase can fetch, it evicts and competes with what the chain reads itself.
 MAX_PREFETCH_BYTES = 16 << 20
-REQUEST_BYTES = 16 << 10  # per bulk request: 4 and 16 KB measured alike, 64 KB slower (run 187)
+REQUEST_BYTES = 16 << 10  # per bulk request: 4 and 16 KB measured alike, 64 KB slower
 _LANES = 32  # one warp per program
 
 

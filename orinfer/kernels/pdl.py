@@ -14,7 +14,7 @@ measurement (docs/performance.md, sessions 7-8).
 
 Short kernels (norms, RoPE, KV store, split combine) signal right after their wait (`small_kernel_prologue`).
 Signalling before the wait, so that a successor such as a W4 GEMV is placed on the SMs even earlier, gained only
-0.004 ms per batch-1 AWQ step (run 82) and was not kept: its effect on larger batches was never measured alone.
+0.004 ms per batch-1 AWQ step and was not kept: its effect on larger batches was never measured alone.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
 # stores), so more programs with less work each finish sooner: the batch-1 AWQ step replays in 1.714-1.720 ms with 4
 # heads (10 programs for Qwen3-8B's 40 q and k heads) against 1.726-1.730 with 32 (2 programs); 8 heads at 8 warps
 # and 1 head at 1 warp come close (1.715-1.716), 2 per-thread elements per half-head row being the common shape
-# (benchmarks/NOTES.md runs 227-229).
+# (H200; docs/performance.md).
 MAX_HEADS_PER_PROGRAM = 4
 
 

@@ -3,16 +3,16 @@
 Math: y[n] = sum_g s[n, g] * (sum_{k in g} q[n, k] x[k]  -  z[n, g] * sum_{k in g} x[k]) (+ b[n]), fp32 throughout,
 rounded once to x's dtype (fp16 clamped to +-65504). Zero points and scales leave the per-weight work.
 
-Per weight, one AND and one FMA. The GEMV is bound by ALU issue as much as by memory (run 44); this form took it from
-~7 instructions per weight to 2.95-3.7 in SASS (scripts/sass_mix.py) and a Qwen3-8B layer from 58 to 41 us (runs
-54-58). Nibble p of an int32 (of the int32 shifted right by 16 for p >= 4) is masked in place: bits 0..23 of an fp32
-read as the integer times 2^-149 (subnormal, or normal with the smallest exponent: the same linear formula), so the
-masked word *is* the float q * 16^(p % 4) * 2^-149, with no convert and no bias to subtract. x for plane p is
-pre-multiplied by 2^(149 - 4 (p % 4) - 64) (exact), so each FMA adds q * x * 2^-64; the sums of x get the same 2^-64
-and the row sums are scaled back by 2^64 at the end: powers of two, so the result is the plain fp32 sum's. Range:
-|x| in [2^-62, 2^43] (beyond 2^43 ~ 8.8e12 the scaled x overflows: no model's activations get there; below 2^-62
-products go subnormal and lose bits, which cannot move a 16-bit result). fp32 FMAs keep subnormals on the GPU (no
-flush-to-zero) and in the interpreter.
+Per weight, one AND and one FMA. The GEMV is bound by ALU issue as much as by memory; this form took it from ~7
+instructions per weight to 2.95-3.7 in SASS (scripts/sass_mix.py) and a Qwen3-8B layer from 58 to 41 us on the H200
+(docs/performance.md). Nibble p of an int32 (of the int32 shifted right by 16 for p >= 4) is masked in place: bits 0..23
+of an fp32 read as the integer times 2^-149 (subnormal, or normal with the smallest exponent: the same linear formula),
+so the masked word *is* the float q * 16^(p % 4) * 2^-149, with no convert and no bias to subtract. x for plane p is
+pre-multiplied by 2^(149 - 4 (p % 4) - 64) (exact), so each FMA adds q * x * 2^-64; the sums of x get the same 2^-64 and
+the row sums are scaled back by 2^64 at the end: powers of two, so the result is the plain fp32 sum's. Range: |x| in
+[2^-62, 2^43] (beyond 2^43 ~ 8.8e12 the scaled x overflows: no model's activations get there; below 2^-62 products go
+subnormal and lose bits, which cannot move a 16-bit result). fp32 FMAs keep subnormals on the GPU (no flush-to-zero) and
+in the interpreter.
 
 Grid (cdiv(N, BLOCK_N),): a program owns BLOCK_N output rows and walks all of K in [BLOCK_N, BLOCK_KP] int32 tiles
 (BLOCK_KP * 4 contiguous bytes per row: long coalesced runs, as the dense GEMV reads W [N, K]); occupancy (many
@@ -149,24 +149,13 @@ def _step(acc_g, acc_u, w_g, w_u, c0, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr, r_
 
 
 @triton.jit
-def _globaltimer(dep):
-    """The GPU's global nanosecond clock (comparable across SMs). `dep`: any scalar; it only gives the asm a shape.
-    Not pure, so the read stays where it is written relative to the waits and stores around it."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP, trace_ptr,
-                    meta_ptr, C, eps,
-                    G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, stride_qw, stride_sg, UP, meta_ptr, C,
+                    eps, G8: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                     CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, GPT: tl.constexpr,
                     SUB: tl.constexpr, STEPS: tl.constexpr, INT: tl.constexpr, WORDS: tl.constexpr,
                     RMS: tl.constexpr, C_P2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                    PRELOAD: tl.constexpr, TRACE: tl.constexpr):
+                    PRELOAD: tl.constexpr):
     pid = tl.program_id(0)
-    if TRACE:  # diagnostic timeline (GemvTimeline): resident, past the PDL wait, done
-        t0 = _globaltimer(pid)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ld = tl.minimum(rows, N_OUT - 1).to(tl.int64)               # tail rows: computed twice, never stored
     cols = tl.arange(0, BLOCK_KP)
@@ -184,12 +173,10 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     if RMS:  # words of an RMSNorm's h * w (`w4_words.rms_norm_words`): its per-chunk sums of h^2, loaded early
         sq_chunks = tl.arange(0, C_P2)
         sq = tl.load(meta_ptr + 2 * C + sq_chunks, mask=sq_chunks < C, other=0.0)
-    if TRACE:
-        t1 = _globaltimer(pid)
     if STEPS:
         # A few steps (Qwen's K = 4096 is one, 12288 three): straight-line code. As a loop, the compiler pipelines
         # the weight tiles through shared memory, which measured slower in the engine (2.24 vs 2.14 ms per batch-1
-        # step, run 63). PRELOAD also issues each step's loads before the step ahead of it is computed.
+        # step). PRELOAD also issues each step's loads before the step ahead of it is computed.
         for i in tl.static_range(STEPS):
             if not PRELOAD:
                 w_g, w_u = _load_tiles(wg_ptrs, i * BLOCK_KP, up_offset, GATED)
@@ -219,30 +206,8 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + rows, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=rows < N_OUT)
-    if TRACE:
-        t2 = _globaltimer(pid)
-        tl.store(trace_ptr + pid * 3, t0)
-        tl.store(trace_ptr + pid * 3 + 1, t1)
-        tl.store(trace_ptr + pid * 3 + 2, t2)
 
 
-class GemvTimeline:
-    """Diagnostic (scripts/step_timeline.py): while `stamps` [slots, programs, 3] int64 is set, each launch of the
-    one-row GEMV takes the next slot (cyclically) and each of its programs writes three %globaltimer stamps there:
-    resident, past the PDL wait, done. Off (None) the kernel compiles without them."""
-
-    stamps: torch.Tensor | None = None
-    launches: int = 0
-
-    def next_slot(self) -> torch.Tensor | None:
-        if self.stamps is None:
-            return None
-        slot = self.stamps[self.launches % self.stamps.shape[0]]
-        self.launches += 1
-        return slot
-
-
-TIMELINE = GemvTimeline()
 UNROLL_STEPS = 4   # rows of up to this many steps are straight-line code (the kernel's STEPS; 0: a runtime loop)
 
 
@@ -257,22 +222,22 @@ class W4GemvConfig(NamedTuple):
     preload: bool = False
 
 
-# Chosen in the engine's batch-1 AWQ decode step (scripts/gpu_session6f.sh, benchmarks/NOTES.md runs 66-67): 2.08 ms
-# per step against 2.12 for (8, 512, 4), 2.20 for (4, 512, 4), 2.66 for (32, 512, 4), which runs out of registers.
+# Chosen in the engine's batch-1 AWQ decode step on the H200 (docs/performance.md lists where each tile's figures come
+# from): 2.08 ms per step against 2.12 for (8, 512, 4), 2.20 for (4, 512, 4), 2.66 for (32, 512, 4), which runs out
+# of registers.
 # More rows per program spread each thread's x work over more weights (2.95-3.2 SASS instructions per weight).
 DEFAULT_GEMV = W4GemvConfig(16, 512, 4)
 # Rows longer than one step (Qwen3-8B's down: K = 12288, three steps) do better with half the rows per program: twice
-# the programs keep more loads in flight while each walks its steps (step 2.033 against 2.077 ms, run 80; 4 rows:
-# 2.127).
+# the programs keep more loads in flight while each walks its steps (step 2.033 against 2.077 ms; 4 rows: 2.127).
 DEFAULT_GEMV_LONG_ROWS = W4GemvConfig(8, 512, 4)
 # The integer step's tiles, chosen in the batch-1 AWQ step from the Qwen3-8B shapes' best: gate_up (8, 512, 4) 15.4 us
-# (16 rows: 16.5; runs 114-116). down (8, 512, 4) with preload: the step (a fresh engine per variant) 1.910 ms against
-# 2.056 for session 12's tile, (4, 512, 4), without; 1.952 for (4, 512, 4) with, 1.962 for (8, 512, 4) without;
-# preloading gate_up or qkv/o as well: 1.960 and 1.966 (runs 130-131).
+# (16 rows: 16.5). down (8, 512, 4) with preload: the step (a fresh engine per variant) 1.910 ms against
+# 2.056 for the earlier tile, (4, 512, 4), without; 1.952 for (4, 512, 4) with, 1.962 for (8, 512, 4) without;
+# preloading gate_up or qkv/o as well: 1.960 and 1.966.
 INT_GATED = W4GemvConfig(8, 512, 4)
 INT_LONG_ROWS = W4GemvConfig(8, 512, 4, preload=True)
-# With x's words made beforehand (`w4_gemv_words`): the best tiles of run 118 on the Qwen3-8B shapes, in isolation
-# (qkv 4.9 us, o 3.7, gate_up 14.0).
+# With x's words made beforehand (`w4_gemv_words`): the best tiles on the Qwen3-8B shapes, in isolation (qkv 4.9 us,
+# o 3.7, gate_up 14.0).
 WORDS_SHORT = W4GemvConfig(8, 512, 4)
 WORDS_GATED = W4GemvConfig(4, 512, 4)
 GEMV_CONFIGS = [W4GemvConfig(bn, kp, w) for bn, kp, w in
@@ -337,17 +302,13 @@ def _launch(x: torch.Tensor | W4Words, w: W4Weight, bias: torch.Tensor | None, g
     out = torch.empty(n_out, dtype=dtype, device=x1.device)
     pdl = use_pdl(x1)
     steps = k // 8 // block_kp
-    trace = TIMELINE.next_slot()
     grid = triton.cdiv(n_out, cfg.block_n)
-    if trace is not None and trace.shape[0] < grid:
-        raise ValueError(f"GemvTimeline slots hold {trace.shape[0]} programs, this launch has {grid}")
     rms = words is not None and words.eps is not None
     _w4_gemv_kernel[(grid,)](
         x1, w.packed, w.scales, w.zeros, bias if bias is not None else out, out, n_out, k // 8,
-        w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, out if trace is None else trace,
-        x1 if meta is None else meta, k // (8 * r), words.eps if rms else 0.0,
-        TRACE=trace is not None, G8=g8, R=r, HAS_BIAS=bias is not None,
-        GATED=gated, CLAMP16=dtype == torch.float16, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
+        w.packed.stride(0), w.scales.stride(0), n_out if gated else 0, x1 if meta is None else meta, k // (8 * r),
+        words.eps if rms else 0.0, G8=g8, R=r, HAS_BIAS=bias is not None, GATED=gated, CLAMP16=dtype == torch.float16,
+        BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, GPT=gpt, SUB=sub,
         STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer, WORDS=words is not None, RMS=rms,
         C_P2=triton.next_power_of_2(k // (8 * r)), ASM=not interpreting(), PDL=pdl,
         PRELOAD=cfg.preload and steps <= UNROLL_STEPS, num_warps=cfg.num_warps, launch_pdl=pdl)
@@ -355,8 +316,8 @@ def _launch(x: torch.Tensor | W4Words, w: W4Weight, bias: torch.Tensor | None, g
 
 
 def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = False, k8: int = 512,
-                 trace: bool = False, integer: bool = False, preload: bool = False, words: bool = False,
-                 rms: bool = False) -> triton.compiler.CompiledKernel:
+                 integer: bool = False, preload: bool = False, words: bool = False, rms: bool = False
+                 ) -> triton.compiler.CompiledKernel:
     """The kernel compiled ahead of time for sm_90, bf16 x (words: its words made beforehand, rms: an RMSNorm's),
     group size 128, K = 8 * k8 (Qwen3-8B: 512; down: 1536),
     with the launcher's specialisations (pointers and ints divisible by 16). Needs no GPU: Triton ships ptxas. For
@@ -367,12 +328,12 @@ def compile_sm90(block_n: int, block_kp: int, num_warps: int, gated: bool = Fals
 
     args = {"x_ptr": "*i32" if words else "*bf16", "qw_ptr": "*i32", "sc_ptr": "*fp16", "zp_ptr": "*u8",
             "b_ptr": "*bf16", "out_ptr": "*bf16", "N_OUT": "i32", "K8": "i32", "stride_qw": "i32",
-            "stride_sg": "i32", "UP": "i32", "trace_ptr": "*i64", "meta_ptr": "*fp32", "C": "i32"}
+            "stride_sg": "i32", "UP": "i32", "meta_ptr": "*fp32", "C": "i32"}
     steps = k8 // block_kp
     consts = dict(G8=16, R=16, HAS_BIAS=False, GATED=gated, CLAMP16=False, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   GPT=block_kp // 16, SUB=16, STEPS=steps if steps <= UNROLL_STEPS else 0, INT=integer or words,
                   WORDS=words, RMS=rms, C_P2=triton.next_power_of_2(k8 // 16), ASM=True, PDL=True,
-                  PRELOAD=preload and steps <= UNROLL_STEPS, TRACE=trace)
+                  PRELOAD=preload and steps <= UNROLL_STEPS)
     attrs = {(_w4_gemv_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args}
     args["eps"] = "fp32"
     signature = args | {name: "constexpr" for name in consts}

@@ -6,7 +6,7 @@ Why: `w4_gemv`'s fp32 step costs ~3 SASS instructions per weight, most of them o
 issue time is ~70% of its memory time and the two overlap poorly. `dp2a` multiplies two int16 by two bytes and adds
 both products to an int32 in one instruction: an int32 of eight nibbles costs two ANDs, one shift and four dp2a
 (1.97 SASS instructions per weight for the gated tile, x work and reductions included). Qwen3-8B gate_up: 15.4 us
-against 18.1; the batch-1 AWQ step 1.92 against 2.04 ms (benchmarks/NOTES.md runs 114-116).
+against 18.1; the batch-1 AWQ step 1.92 against 2.04 ms (H200; docs/performance.md).
 
 Math, per chunk of 8R inputs (R int32 of a row; 128 inputs at AWQ's group 128, one group or a part of one): x is
 scaled by the power of two f = 2^(14 - e), e = floor(log2(max |x| over the chunk)), and rounded to int16
@@ -181,6 +181,6 @@ def _int_step(acc_g, acc_u, w_g, w_u, c0, x_ptr, meta_ptr, K8, C, sc_ptr, zp_ptr
 def takes(x: torch.Tensor, w: W4Weight, gated: bool) -> bool:
     """Whether batch-1 decode uses the integer step (`w4_gemv.w4_gemv_int`): 16-bit x, and the gated or long-row
     (K > 4096) projections. For Qwen3-8B's qkv and o (K = 4096) it is no faster than `w4_gemv` alone and slower in the
-    step (every projection 1.963 ms, against 1.932 with gate_up and down only: runs 114-115), and fp32 x keeps
+    step (every projection 1.963 ms, against 1.932 with gate_up and down only), and fp32 x keeps
     `w4_gemv`'s fp32-exact products."""
     return x.dtype in (torch.bfloat16, torch.float16) and (gated or w.in_features > 4096)

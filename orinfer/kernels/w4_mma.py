@@ -12,7 +12,7 @@ least). `_unpack_asm` turns each pair of int32 into 16-bit pairs q - z with one 
 (exact: small integers), and because the slices come out of an elementwise op on the loaded tile, Triton applies it
 to the registers the wgmma reads: the int32 tile is the only thing staged in shared memory. (Unpacking into one
 [BLOCK_N, 128] tile instead needs a reshape, which Triton lowers to a round trip of the 16-bit tile through shared
-memory: four times the weight bytes, 1.5-2x slower, runs 47-49; tests/test_w4_codegen.py guards this.) No weight is
+memory: four times the weight bytes, 1.5-2x slower; tests/test_w4_codegen.py guards this.) No weight is
 rounded: up to summation order the result is the fp32 reference's. fp32 x and the CPU interpreter (which runs no
 PTX) take the same slices in fp32 with exact fp32 dots.
 
@@ -24,7 +24,7 @@ one chunk ahead (PREFETCH); the weight tiles are pipelined by the compiler. Rows
 not stored; rows beyond N repeat the last row of W. GATED: the packed gate_up weight [2I, K/8]; a program multiplies
 the gate rows n and the up rows I + n and stores silu(g) * u with the unfused path's roundings (`_epilogue`).
 Traffic: N*K*(0.5 + 3/G) weight bytes per BLOCK_M rows + M*K*2 + M*N*2, plus SPLIT*M*N*8 of partial sums (mostly in
-L2). Measured at 16 rows (run 49): 27-41% of the read bandwidth, 66 us per Qwen3-8B layer (117 us before, run 37).
+L2). Measured at 16 rows on the H200: 27-41% of the read bandwidth, 66 us per Qwen3-8B layer (earlier forms: 117 us).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _unpack_asm(magic: int, one: int, ptx_type: str, subtract: bool = True) -> s
     exponent bits of B, giving the exact value B + q; an fma adds $10, which holds -(B + z) in both halves (the value
     is exact: a small integer). Two weights per lop3 and per fma, one prmt and one shift per four: 1.5 instructions
     per weight, where unpacking one code per 16-bit element costs ~3. fma.rn.bf16x2 needs sm_80 or newer. Without
-    `subtract`: B + q, no fma and no $10 (scripts/w4_tc_proto.py takes the zero point out after the MMA)."""
+    `subtract`: B + q, no fma and no $10 (for a kernel that takes the zero point out after the MMA)."""
     lines = ["{", ".reg .b32 t<4>, one;", f"mov.b32 one, {one:#x};"]
     for b in range(4):
         lines.append(f"prmt.b32 t{b}, $8, $9, 0x{4 + b:x}{4 + b:x}{b:x}{b:x};")
@@ -243,7 +243,7 @@ class W4MmaConfig(NamedTuple):
     prefetch: bool = True  # load x, zero points and scales one chunk ahead
 
 
-# From scripts/w4_ab.py on the H200 (benchmarks/NOTES.md runs 47-49), the fastest on all four Qwen3-8B projections
+# Measured on the H200 (docs/performance.md), the fastest on all four Qwen3-8B projections
 # or within 4% of it. One warpgroup over 128 weight rows (two m64 wgmmas per K step) with the unpack in registers;
 # the gated kernel reads two weight tiles per chunk, so it takes half the split. The 32-row tile uses 8 warps and no
 # prefetch: with both, the compiler no longer keeps the unpacked operand in registers (tests/test_w4_codegen.py).
@@ -330,7 +330,7 @@ def w4_dequantize(w: W4Weight, dtype: torch.dtype = torch.bfloat16, block_n: int
                   num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] = (q - z) * s in `dtype` (computed in fp32, rounded once). Reads N*K*(0.5 + 3/G) bytes, writes
     N*K*sizeof(dtype): bandwidth-bound. Grid (cdiv(N, block_n), cdiv(K/8, chunks * R)); tail rows rewrite row N-1
-    (same values). The default tile is the best of runs 91-92 (scripts/dequant_sweep.py): 68-83% of the copy ceiling on
+    (same values). The default tile is the best of a sweep on the H200: 68-83% of the copy ceiling on
     Qwen3-8B's projections, 145-148 us per layer (the earlier form, one chunk at a time: 160 us). The dequantisation is
     most of AWQ prefill's gap to bf16 (about 8% of a 2048-token prefill). `out`: a contiguous [N, K] tensor of `dtype`
     to write into (a reused buffer) instead of a new one."""

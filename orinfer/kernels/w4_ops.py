@@ -8,7 +8,7 @@
                                group sizes that are multiples of 128 (AWQ's usual 128); smaller groups take the
                                prefill path below
   more (prefill)            -> `w4_dequantize` into a temporary 16-bit W [N, K], then cuBLAS: 3-4x faster than our
-                               fused tensor-core tiles at 2048 rows (run 23); the dequantisation costs about 2.5
+                               fused tensor-core tiles at 2048 rows (H200); the dequantisation costs about 2.5
                                bytes of traffic per weight, a few % of a prefill's time
 fp32 x takes the same kernels (exact fp32 dots); other dtypes fall back to the torch references.
 """
@@ -27,7 +27,7 @@ from orinfer.kernels.w4_mma import w4_dequantize, w4_mma
 from orinfer.kernels.w4_words import W4Words
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-MMA_MAX_ROWS = 64   # run 51: at 48-64 rows, 32-row MMA tiles take half the time of dequantise + cuBLAS
+MMA_MAX_ROWS = 64   # at 48-64 rows, 32-row MMA tiles take half the time of dequantise + cuBLAS (H200)
 FP16_MAX = 65504.0
 
 

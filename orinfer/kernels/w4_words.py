@@ -2,7 +2,7 @@
 
 The integer step of the batch-1 GEMV (`kernels/w4_int_step.py`) multiplies the nibbles by x rounded to int16 per
 chunk of 128 inputs, packed in pairs for `dp2a`. Made inside the GEMV, every program repeats that x work for its
-whole row: ~5 us of a Qwen3-8B layer's four GEMVs (30.6 against 35.7 us with the words made beforehand, run 118).
+whole row: ~5 us of a Qwen3-8B layer's four GEMVs (30.6 against 35.7 us with the words made beforehand, H200).
 Here the producer makes them in parallel, one program per chunk, and the GEMV only loads them
 (`w4_gemv.w4_gemv_words`).
 
@@ -37,7 +37,6 @@ from orinfer.kernels.w4_int_step import _words_of, _x_plane_loads
 
 CHUNK = 128   # inputs per chunk (R = 16 int32: the W4 layout's chunk at group sizes that are multiples of 128)
 R = CHUNK // 8
-ENABLED = True   # producers make words where a consumer takes them (off: the A/B baseline, scripts/step_ab.py)
 
 
 class W4Words(NamedTuple):
@@ -56,7 +55,7 @@ def words_fit(x: torch.Tensor, group_size: int) -> bool:
     """Whether an activation `x` for a W4 linear of this group size can come as words: one row of 16-bit values, K
     and the group size multiples of 128 (the GEMV's chunk is then the words' chunk). The device is the backend's
     concern (only the triton backend makes words)."""
-    return (ENABLED and x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.shape[-1]
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.shape[-1]
             and x.shape[-1] % CHUNK == 0 and group_size % CHUNK == 0)
 
 
@@ -106,7 +105,7 @@ def _rms_norm_words_kernel(x_ptr, r_ptr, w_ptr, res_ptr, words_ptr, meta_ptr, K8
     col = chunk * R + tl.arange(0, R)                 # the chunk's int32 columns
     offs = chunk * (8 * R) + tl.arange(0, R)          # their nibble-0 inputs; plane p: + p R
     # Every load before the first store: the compiler cannot tell the residual store from the inputs, so a store
-    # between them would serialise the planes' round trips to memory (~2 us more per call, run 134).
+    # between them would serialise the planes' round trips to memory (~2 us more per call).
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_plane_loads(x_ptr, offs, R)
     r0, r1, r2, r3, r4, r5, r6, r7 = _x_plane_loads(r_ptr, offs, R)
     w0, w1, w2, w3, w4, w5, w6, w7 = _x_plane_loads(w_ptr, offs, R)

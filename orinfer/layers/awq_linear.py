@@ -30,7 +30,7 @@ from torch import nn
 from orinfer.errors import ConfigError, WeightsError
 from orinfer.kernels.w4 import W4Weight, check_group_size, repack_awq, w4_dequantize_ref, w4_to_awq
 from orinfer.kernels.w4_words import W4Words, words_fit
-from orinfer.layers.linear import default_weight_loader, shard_offsets
+from orinfer.layers.linear import LinearBase, default_weight_loader, shard_offsets
 from orinfer.layers.ops import Ops
 
 QUANT_PARAMS = ("qweight", "qzeros", "scales")
@@ -54,7 +54,7 @@ def _awq_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None,
     _check(param.data, loaded, name or "awq tensor")
 
 
-class AWQLinear(nn.Module):
+class AWQLinear(LinearBase):
     """y = x W^T (+ b) with W stored as INT4; forward is `ops.w4_linear` over the W4 layout."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops, dtype: torch.dtype,
@@ -102,8 +102,13 @@ class AWQLinear(nn.Module):
             return y
         return self.ops.w4_linear(x, self.w4, self.bias)
 
+    def gate_up_silu(self, x: torch.Tensor | W4Words) -> torch.Tensor:
+        if self.uses_dense(x):  # --pre-dequant: prefill through the 16-bit copy
+            return self.ops.silu_and_mul(self(x))
+        return self.ops.w4_gate_up_silu(x, self.w4)
+
     def decode_weights(self) -> tuple[torch.Tensor, ...]:
-        """The tensors a decode-sized input streams from memory: the W4 layout's words, scales and zeros."""
+        """The W4 layout's words, scales and zeros."""
         w4 = self.w4
         return w4.packed, w4.scales, w4.zeros
 

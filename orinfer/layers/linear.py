@@ -1,5 +1,9 @@
 """Linear layers, with packed variants that hold several checkpoint matrices in one weight.
 
+`LinearBase` is what every weight format's linear offers models and backends (dense here; AWQ/W4 in awq_linear.py;
+`linear_types.make_linear` picks the class): a model calls `linear(x)`, or `gate_up_silu(x)` on a packed gate/up
+projection, and the layer dispatches to its format's kernels through the op table, fused variants included.
+
 Packing q/k/v into one [q+2kv, H] matrix and gate/up into one [2I, H] matrix means one GEMM (one read of the input,
 one launch) instead of three or two. Each parameter carries a `weight_loader(param, tensor, shard)` that copies one
 checkpoint tensor into its slice and checks its shape, so the loader needs no knowledge of the packing.
@@ -24,7 +28,31 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: obje
     _copy_checked(param.data, loaded, name or "weight")
 
 
-class Linear(nn.Module):
+class LinearBase(nn.Module):
+    """The interface of a linear layer of any weight format. Subclasses set in_features / out_features, implement
+    `forward`, `gate_up_silu` (when packed as gate | up), `decode_weights` and `checkpoint_tensors`."""
+
+    in_features: int
+    out_features: int
+
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wg^T) * (x Wu^T) for a layer packed as [gate | up] (shards 0 and 1): the MLP's first half."""
+        raise NotImplementedError(f"{type(self).__name__} has no gate/up SwiGLU")
+
+    def takes_words(self, x: torch.Tensor) -> bool:
+        """Whether the norm producing x may hand this layer x's int16 words instead (`kernels/w4_words.py`)."""
+        return False
+
+    def decode_weights(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a decode-sized input streams from memory (what an L2 prefetch brings in)."""
+        raise NotImplementedError
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors in the checkpoint layout, by kind ("weight", "bias", "qweight", ...), for saving."""
+        raise NotImplementedError
+
+
+class Linear(LinearBase):
     """y = x W^T (+ b). weight [out, in] as in the checkpoint."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops, dtype: torch.dtype) -> None:
@@ -39,9 +67,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.gate_up_silu(x, self.weight)
+
     def decode_weights(self) -> tuple[torch.Tensor, ...]:
-        """The tensors a decode-sized input streams from memory (the bias is too small to matter)."""
-        return (self.weight,)
+        return (self.weight,)  # the bias is too small to matter
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"weight": self.weight.data}
+        if self.bias is not None:
+            out["bias"] = self.bias.data
+        return out
 
 
 def shard_offsets(shard_sizes: dict[object, int]) -> dict[object, tuple[int, int]]:
@@ -67,5 +103,9 @@ class PackedLinear(Linear):
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
         if shard not in self.shard_offsets:
             raise WeightsError(f"{name}: unknown shard {shard!r} of a packed layer")
+        _copy_checked(self.shard_view(param.data, shard, "weight"), loaded, name)
+
+    def shard_view(self, tensor: torch.Tensor, shard: object, kind: str) -> torch.Tensor:
+        """The rows of a weight or bias that hold `shard`."""
         offset, rows = self.shard_offsets[shard]
-        _copy_checked(param.data.narrow(0, offset, rows), loaded, name)
+        return tensor.narrow(0, offset, rows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orinfer.layers.awq_linear import AWQLinear
 from orinfer.layers.linear import default_weight_loader
 from orinfer.layers.ops import Ops
 
@@ -16,11 +15,14 @@ class RMSNorm(nn.Module):
         self.ops, self.eps = ops, eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        # The linear that reads this norm's output, when the backend wired it (layers/decode_hooks.py); in a list so
+        # that it is not registered as a submodule.
+        self.consumer: list[nn.Module] = []
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, feeds: nn.Module | None = None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With it: (norm(x + residual), x + residual). `feeds`: the linear that reads
-        the output; an AWQ one that takes words (batch-1 decode) gets them instead of the row (`ops.rms_norm_words`)."""
-        if self.ops.rms_norm_words is not None and isinstance(feeds, AWQLinear) and feeds.takes_words(x):
+        """Without residual: norm(x). With it: (norm(x + residual), x + residual). A consumer that takes words
+        (batch-1 AWQ decode) gets them instead of the normed row (`ops.rms_norm_words`)."""
+        if self.consumer and self.ops.rms_norm_words is not None and self.consumer[0].takes_words(x):
             return self.ops.rms_norm_words(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)

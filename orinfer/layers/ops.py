@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from orinfer.errors import ConfigError
-from orinfer.kernels.activation import silu_and_mul_ref
+from orinfer.kernels.activation import fused_gate_up_silu_ref, silu_and_mul_ref
 from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
@@ -44,6 +44,22 @@ def linear_bias_gelu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 @dataclass(frozen=True)
+class GraphHooks:
+    """What a backend gives the CUDA-graph capture of decode steps (`engine/cuda_graph.py`). A backend without them
+    (the torch reference, whose decode path syncs with the host) runs decode eagerly."""
+
+    # argmax_rows(logits [B, V], out [B] int64, mirror [2, B'] pinned int64, mirror_row [1] int64): greedy ids into
+    # `out` and into row mirror_row of `mirror`, inside the graph (kernels/argmax.py).
+    argmax_rows: Callable
+    # advance_decode_inputs(positions, context_lens, slot_mapping, block_tables, block_size, host_row): moves a
+    # replayed step's inputs to the next token on the device (kernels/decode_inputs.py).
+    advance_decode_inputs: Callable
+    # capture_scope(device, launch) -> context manager opened around a graph's warm-up (launch=False) and its capture
+    # (launch=True): where decode-only side work (L2 prefetch) is planned, then recorded.
+    capture_scope: Callable
+
+
+@dataclass(frozen=True)
 class Ops:
     name: str
     linear: Callable
@@ -53,20 +69,29 @@ class Ops:
     store_kv: Callable
     paged_attention: Callable
     varlen_attention: Callable
-    # The fused gate/up+SwiGLU GEMV for decode; None means "GEMM then silu_and_mul".
-    fused_gate_up_silu: Callable | None = None
-    # INT4 linears over the W4 layout (kernels/w4.py): w4_linear(x, w4, bias) and the fused gate/up + SwiGLU
-    # w4_gate_up_silu(x, w4) for decode (None: w4_linear + silu_and_mul).
+    # gate_up_silu(x, gate_up_weight [2I, H]) -> silu(x Wg^T) * (x Wu^T): a packed gate/up projection and SwiGLU;
+    # the backend picks a fused kernel for the row counts where one exists.
+    gate_up_silu: Callable = fused_gate_up_silu_ref
+    # INT4 linears over the W4 layout (kernels/w4.py): w4_linear(x, w4, bias) and w4_gate_up_silu(x, w4) (as
+    # gate_up_silu). x may be the `W4Words` that `rms_norm_words` made.
     w4_linear: Callable = w4_linear_ref
-    w4_gate_up_silu: Callable | None = None
+    w4_gate_up_silu: Callable = w4_gate_up_silu_ref
     # RMSNorm (+ residual add) whose output goes to a batch-1 AWQ linear as int16 words (`kernels/w4_words.py`):
     # rms_norm's signature, a `W4Words` in place of the normed row; w4_linear and w4_gate_up_silu then take those.
     # None: the backend has no words (the torch reference).
     rms_norm_words: Callable | None = None
     # prefetch_weights(linear, fraction=1.0): ask L2 for (the first rows of) a linear's decode weights in the
-    # background, from where the call is (`kernels/l2_prefetch.py`: only inside the decode graphs' capture). None:
-    # the backend does not prefetch.
+    # background, from where the call is (`kernels/l2_prefetch.py`: only inside the decode graphs' capture scope).
+    # None: the backend does not prefetch.
     prefetch_weights: Callable | None = None
+    # install_hooks(model): wires the backend's decode-only tricks (norms that hand words to their linear, L2
+    # prefetch around attention) into a freshly built model, from the structure it declares (layers/decode_hooks.py).
+    install_hooks: Callable | None = None
+    # CUDA-graph capture of decode steps; None: decode runs eagerly.
+    graph_hooks: GraphHooks | None = None
+    # Whether attention materialises the [heads, N, N] scores (the torch reference does): memory quadratic in tokens,
+    # so the vision tower's memory probe with the largest image is skipped.
+    materializes_attention: bool = True
     # lm_head_ref's contract: fp32 logits with the values of the linear in x's dtype.
     lm_head: Callable = lm_head_ref
     # The Qwen3-VL vision tower's ops (kernels/vision.py documents each signature).
@@ -82,8 +107,7 @@ class Ops:
 TORCH_OPS = Ops(
     name="torch", linear=linear_ref, rms_norm=rms_norm_ref, qk_norm_rope=qk_norm_rope_ref,
     silu_and_mul=silu_and_mul_ref, store_kv=store_kv_ref, paged_attention=paged_attention_ref,
-    varlen_attention=varlen_causal_attention_ref, w4_linear=w4_linear_ref,
-    w4_gate_up_silu=w4_gate_up_silu_ref,
+    varlen_attention=varlen_causal_attention_ref,
 )
 
 

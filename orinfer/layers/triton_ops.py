@@ -14,16 +14,20 @@ import torch
 import torch.nn.functional as F
 
 from orinfer.kernels.activation import fused_gate_up_silu, silu_and_mul
+from orinfer.kernels.argmax import argmax_rows
 from orinfer.kernels.attention import store_kv, varlen_attention
 from orinfer.kernels.decode_attention import paged_attention
-from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
+from orinfer.kernels.decode_inputs import advance_decode_inputs
 from orinfer.kernels.gemv import gemv, supported
-from orinfer.kernels.l2_prefetch import prefetch_weights
+from orinfer.kernels.l2_prefetch import prefetch_scope, prefetch_weights
 from orinfer.kernels.norm import rms_norm
-from orinfer.kernels.w4_words import rms_norm_words
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
-from orinfer.layers.ops import Ops, linear_ref, lm_head_ref
+from orinfer.kernels.w4 import W4Weight
+from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
+from orinfer.kernels.w4_words import W4Words, rms_norm_words
+from orinfer.layers.decode_hooks import install_decode_hooks
+from orinfer.layers.ops import GraphHooks, Ops, linear_ref, lm_head_ref
 
 GEMV_MAX_ROWS = 8
 GEMV_MIN_WEIGHT = 1 << 20  # elements; smaller weights (tiny test models) are latency-bound either way
@@ -52,10 +56,10 @@ def segment_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             ) -> torch.Tensor:
     """`vision_attention_ref`'s contract through PyTorch's flash SDPA, one call per image (16-bit CUDA inputs).
 
-    Measured on the H200 (benchmarks/NOTES.md run 19, one 1024x768 image, H = 16, Dh = 72): 139 us at 313 TFLOP/s
+    Measured on the H200 (one 1024x768 image, H = 16, Dh = 72): 139 us at 313 TFLOP/s
     against 492 us for our Triton kernel (head padded to 128 in 16-bit), so the tower uses it where it applies; the
     Triton kernel serves fp32. The segment bounds come from the host (`bounds`, the tower's own list): reading
-    them back from cu_seqlens cost a sync per layer, 5 ms of GPU idle time per 1024x768 image (runs 39-40)."""
+    them back from cu_seqlens cost a sync per layer, 5 ms of GPU idle time per 1024x768 image."""
     if q.dtype == torch.float32:
         return vision_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     heads, tokens, head_dim = q.shape
@@ -75,9 +79,9 @@ def segment_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh"
                      ) -> torch.Tensor:
     """`linear_bias_gelu_ref`'s contract: gelu(x W^T + b). For the tanh GELU on CUDA, one cuBLASLt GEMM with the
-    bias and GELU in its epilogue (torch._addmm_activation; on CUDA its GELU is the tanh form, checked in run 73;
+    bias and GELU in its epilogue (torch._addmm_activation; on CUDA its GELU is the tanh form;
     on the CPU it is erf, hence CUDA only): on Qwen3-VL-8B's fc1 (3072 x 1152 -> 4304) 69-70 us against 80-87 us
-    for the GEMM + `bias_gelu` (runs 72-73), and the tower's graph 9.78 against 9.96 ms (run 75). The epilogue adds
+    for the GEMM + `bias_gelu`, and the tower's graph 9.78 against 9.96 ms. The epilogue adds
     the bias to the fp32 accumulator, one rounding fewer than the reference. Otherwise (erf GELU, fp32 or mixed
     dtypes, CPU) the GEMM then `bias_gelu`."""
     if (approximate == "tanh" and x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
@@ -86,14 +90,29 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     return bias_gelu(triton_linear(x, weight), bias, approximate)
 
 
+def unfused_gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """`gate_up_silu` as two kernels: the linear, then `silu_and_mul` (`--no-fused-ffn`)."""
+    return silu_and_mul(triton_linear(x, gate_up_weight))
+
+
+def unfused_w4_gate_up_silu(x: torch.Tensor | W4Words, w: W4Weight) -> torch.Tensor:
+    """`w4_gate_up_silu` as two kernels: the W4 linear, then `silu_and_mul` (`--no-fused-ffn`)."""
+    return silu_and_mul(w4_linear(x, w))
+
+
+GRAPH_HOOKS = GraphHooks(argmax_rows=argmax_rows, advance_decode_inputs=advance_decode_inputs,
+                         capture_scope=prefetch_scope)
+
+
 def triton_ops(fused_ffn: bool = True) -> Ops:
     """The Triton op table; fused_ffn=False (`--no-fused-ffn`) makes decode run gate/up GEMV + silu_and_mul."""
     return Ops(
         name="triton", linear=triton_linear, rms_norm=rms_norm, qk_norm_rope=qk_norm_rope,
         silu_and_mul=silu_and_mul, store_kv=store_kv, paged_attention=paged_attention,
-        varlen_attention=varlen_attention, fused_gate_up_silu=fused_gate_up_silu if fused_ffn else None,
-        w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else None, rms_norm_words=rms_norm_words,
-        layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual, qkv_split_rope=qkv_split_rope,
-        vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu, lm_head=triton_lm_head,
-        prefetch_weights=prefetch_weights,
+        varlen_attention=varlen_attention, gate_up_silu=fused_gate_up_silu if fused_ffn else unfused_gate_up_silu,
+        w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else unfused_w4_gate_up_silu,
+        rms_norm_words=rms_norm_words, layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual,
+        qkv_split_rope=qkv_split_rope, vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
+        lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,
+        graph_hooks=GRAPH_HOOKS, materializes_attention=False,
     )

@@ -15,9 +15,9 @@ from torch import nn
 from orinfer.config import ModelConfig
 from orinfer.errors import WeightsError
 from orinfer.layers.attention import Attention, AttentionMetadata
-from orinfer.layers.awq_linear import AWQLinear, AWQPackedLinear
 from orinfer.layers.embedding import Embedding, LMHead
-from orinfer.layers.linear import Linear, PackedLinear
+from orinfer.layers.linear import LinearBase
+from orinfer.layers.linear_types import make_linear, misplaced_tensor
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
@@ -27,51 +27,24 @@ _PACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
-_AWQ_TENSORS = (".qweight", ".qzeros", ".scales")
-
-
-def _linear(cfg: ModelConfig, in_features: int, out: int | dict[object, int], bias: bool, ops: Ops,
-            dtype: torch.dtype) -> nn.Module:
-    """Dense or AWQ (cfg.quantization) linear; `out` is a size, or shard id -> size for a packed layer."""
-    quant = cfg.quantization
-    if quant is None:
-        if isinstance(out, dict):
-            return PackedLinear(in_features, out, bias, ops, dtype)
-        return Linear(in_features, out, bias, ops, dtype)
-    group = quant.group_for(in_features)
-    if isinstance(out, dict):
-        return AWQPackedLinear(in_features, out, bias, ops, dtype, group)
-    return AWQLinear(in_features, out, bias, ops, dtype, group)
-
-
-# The share of the next layer's qkv rows that a decode step prefetches into L2 during a layer's attention section,
-# with o's weights. Batch-1 AWQ step replay (benchmarks/NOTES.md runs 196-197): none 1.749 ms, 25% 1.738, 40% 1.735,
-# 50% 1.739, 60% 1.741, 75% 1.740, all of it 1.748.
-NEXT_QKV_PREFETCH = 0.4
 
 
 class QwenAttentionBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
-        self.cfg, self.ops = cfg, ops
-        self.qkv_proj = _linear(cfg, cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                                cfg.attention_bias, ops, dtype)
-        self.o_proj = _linear(cfg, cfg.q_size, cfg.hidden_size, False, ops, dtype)
+        self.cfg = cfg
+        quant = cfg.quantization
+        self.qkv_proj = make_linear(quant, cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+                                    cfg.attention_bias, ops, dtype)
+        self.o_proj = make_linear(quant, cfg.q_size, cfg.hidden_size, False, ops, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype) if cfg.qk_norm else None
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
-        self.next_qkv: list[nn.Module | None] = [None]  # the next layer's qkv_proj (set by the model), unregistered
         self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if self.ops.prefetch_weights is not None and not meta.is_prefill:
-            # From here to o, decode moves little from HBM: o's weights and the first rows of the next layer's qkv
-            # come into L2 meanwhile (kernels/l2_prefetch.py).
-            self.ops.prefetch_weights(self.o_proj)
-            if self.next_qkv[0] is not None:
-                self.ops.prefetch_weights(self.next_qkv[0], NEXT_QKV_PREFETCH)
         q, k, v = qkv.split([self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size], dim=-1)
         kv_store = self.attn.kv_store(v, meta)
         q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin, kv_store)
@@ -83,25 +56,21 @@ class QwenMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
-        self.ops = ops
-        self.gate_up_proj = _linear(cfg, cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size},
-                                    False, ops, dtype)
-        self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
+        quant = cfg.quantization
+        self.gate_up_proj = make_linear(quant, cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size},
+                                        False, ops, dtype)
+        self.down_proj = make_linear(quant, cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
 
-    def forward(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if isinstance(gate_up, AWQPackedLinear):
-            fused = self.ops.w4_gate_up_silu
-            if fused is not None and is_decode and not gate_up.uses_dense(x):  # --pre-dequant: >16 rows go dense
-                return self.down_proj(fused(x, gate_up.w4))
-            return self.down_proj(self.ops.silu_and_mul(gate_up(x)))
-        fused = self.ops.fused_gate_up_silu
-        if fused is not None and is_decode:
-            return self.down_proj(fused(x, self.gate_up_proj.weight))
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.gate_up_silu(x))
 
 
 class QwenDecoderLayer(nn.Module):
+    # Structure for the backends' decode-only fusions (layers/decode_hooks.py): which linear reads each norm's
+    # output, and the projections around the attention section.
+    norm_consumers = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.gate_up_proj"}
+    attention_section = ("self_attn.qkv_proj", "self_attn.o_proj")
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -113,15 +82,14 @@ class QwenDecoderLayer(nn.Module):
                 meta: AttentionMetadata, cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
         A None residual means `hidden` already is the full stream (first layer, or after an `after_layer` hook)."""
-        qkv = self.self_attn.qkv_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden, feeds=qkv)
+            hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, feeds=qkv)
+            hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta, cos_sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, feeds=self.mlp.gate_up_proj)
-        return self.mlp(hidden, is_decode=not meta.is_prefill), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 # after_layer(layer index, MLP output, residual) -> (hidden, residual): see QwenForCausalLM.forward.
@@ -142,8 +110,6 @@ class QwenForCausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
         self.layers = nn.ModuleList(
             QwenDecoderLayer(cfg, self.rotary, ops, weight_dtype) for _ in range(cfg.num_hidden_layers))
-        for layer, after in zip(self.layers, self.layers[1:]):
-            layer.self_attn.next_qkv[0] = after.self_attn.qkv_proj
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
@@ -199,7 +165,6 @@ class QwenForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = self._expected_keys()
         loaded: set[tuple[str, object]] = set()
-        quantized = self.config.quantization is not None
         for hf_name, tensor in tensors:
             target = self._param_for(hf_name)
             if target is None:
@@ -207,12 +172,9 @@ class QwenForCausalLM(nn.Module):
             name, shard = target
             param = params.get(name)
             if param is None:
-                if not quantized and hf_name.endswith(_AWQ_TENSORS):
-                    raise WeightsError(f"checkpoint holds AWQ tensor {hf_name} but config.json has no "
-                                       "quantization_config")
-                if quantized and hf_name.endswith(".weight") and name.replace(".weight", ".qweight") in params:
-                    raise WeightsError(f"checkpoint holds a dense {hf_name} where quantization_config says AWQ "
-                                       "(every decoder linear must have qweight/qzeros/scales)")
+                problem = misplaced_tensor(hf_name, name, params, self.config.quantization)
+                if problem is not None:
+                    raise WeightsError(problem)
                 continue  # extra tensors in a checkpoint are harmless (HF ignores them too)
             param.weight_loader(param, tensor, shard, hf_name)
             loaded.add((name, shard))
@@ -225,51 +187,46 @@ class QwenForCausalLM(nn.Module):
     def _expected_keys(self) -> set[tuple[str, object]]:
         keys: set[tuple[str, object]] = set()
         for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(module, (PackedLinear, AWQPackedLinear)):
-                keys.update((name, shard) for shard in module.shard_offsets)
+            shards = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shard_offsets", None)
+            if shards is not None:
+                keys.update((name, shard) for shard in shards)
             else:
                 keys.add((name, None))
         return keys
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights under HF names, packed matrices split back (inverse of load_weights); for saving models."""
-        done_awq: set[str] = set()
-        for name, param in self.named_parameters():
-            module_name = name.rsplit(".", 1)[0]
-            module = self.get_submodule(module_name)
-            prefix = "" if name.startswith("lm_head.") else self.hf_prefix
-            if isinstance(module, AWQLinear):  # the checkpoint layout, rebuilt from W4 once repacked
-                if module_name not in done_awq:
-                    done_awq.add(module_name)
-                    yield from self._awq_state(module, module_name, prefix)
-            elif isinstance(module, PackedLinear):
-                for shard, (offset, rows) in module.shard_offsets.items():
-                    for ckpt, (packed, sid) in _PACKED.items():
-                        if sid == shard and f".{packed}." in name:
-                            yield prefix + name.replace(packed, ckpt), param.data.narrow(0, offset, rows)
-            else:
-                yield prefix + name, param.data
-
-
-    @staticmethod
-    def _awq_state(module: AWQLinear, module_name: str, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-        for kind, tensor in module.checkpoint_tensors().items():
-            name = f"{module_name}.{kind}"
-            if not isinstance(module, AWQPackedLinear):
-                yield prefix + name, tensor
+        """The weights under HF names in the checkpoint's layout (inverse of load_weights): packed matrices split
+        back, each linear's tensors as its format writes them; for saving models."""
+        seen: set[int] = set()  # a tied lm_head shares the embedding's Parameter: written once
+        for module_name, module in self.named_modules():
+            prefix = "" if module_name.startswith("lm_head") else self.hf_prefix
+            if isinstance(module, LinearBase):
+                shards = getattr(module, "shard_offsets", None)
+                for kind, tensor in module.checkpoint_tensors().items():
+                    name = f"{module_name}.{kind}"
+                    if shards is None:
+                        yield prefix + name, tensor
+                        continue
+                    for shard in shards:  # packed: each checkpoint matrix's slice under its own name
+                        yield prefix + _checkpoint_name(name, shard), module.shard_view(tensor, shard, kind)
                 continue
-            for shard in module.shard_offsets:  # shards are column slices: split along the output columns
-                for ckpt, (packed, sid) in _PACKED.items():
-                    if sid == shard and f".{packed}." in name:
-                        yield prefix + name.replace(packed, ckpt), module.shard_view(tensor, shard, kind)
+            for param_name, param in module.named_parameters(recurse=False):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield prefix + (f"{module_name}.{param_name}" if module_name else param_name), param.data
+
+
+def _checkpoint_name(packed_name: str, shard: object) -> str:
+    """A packed parameter's name with the checkpoint's matrix of `shard` in place of the packed one."""
+    for ckpt, (packed, sid) in _PACKED.items():
+        if str(sid) == str(shard) and f".{packed}." in packed_name:
+            return packed_name.replace(packed, ckpt)
+    raise KeyError(f"no checkpoint name for shard {shard!r} of {packed_name}")
 
 
 def _hf_name(ours: str, prefix: str = "model.") -> str:
     """Our parameter name (with optional [shard]) back to the HF checkpoint name, for error messages."""
     base, _, shard = ours.partition("[")
-    shard = shard.rstrip("]")
-    for ckpt, (packed, sid) in _PACKED.items():
-        if f".{packed}." in base and str(sid) == shard:
-            base = base.replace(packed, ckpt)
+    if shard:
+        base = _checkpoint_name(base, shard.rstrip("]"))
     return base if base.startswith("lm_head.") else prefix + base

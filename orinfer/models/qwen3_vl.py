@@ -83,10 +83,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     def warmup_images(self, num_patches: int) -> None:
         """Encodes one blank square image of about `num_patches` patches: the runner's memory probe, so that the KV
         cache leaves room for the tower's activations on the largest image."""
-        if self.visual.ops.name == "torch":
-            # The reference attention materialises [heads, N, N] scores: probing with the largest image would itself
-            # exhaust memory. The torch backend is the correctness reference, not a serving path: no probe.
-            log.info("torch backend: no vision-tower memory probe")
+        if self.visual.ops.materializes_attention:
+            # Attention that materialises [heads, N, N] scores (the torch reference): probing with the largest image
+            # would itself exhaust memory. That backend is the correctness reference, not a serving path: no probe.
+            log.info("%s backend: no vision-tower memory probe", self.visual.ops.name)
             return
         side = max(2, int(num_patches ** 0.5) // 2 * 2)
         device = self.mrope_axes.device

@@ -64,7 +64,7 @@ class Qwen3VLVisionTower(nn.Module):
         grids = self._check_inputs(pixel_values, grid_thw)
         device = self.pos_embed.weight.device
         pos_index, pos_weight, cos, sin, cu_seqlens, max_seqlen = self.grid_inputs(grids, device)
-        bounds = self._segment_bounds(grids)  # the same segments on the host: no sync per layer (run 40)
+        bounds = self._segment_bounds(grids)  # the same segments on the host: no sync per layer
         pos = self.pos_embed(pos_index, pos_weight).to(self.act_dtype)
         hidden = self.patch_embed(pixel_values.to(device=device, dtype=self.act_dtype), pos)
         features: list[torch.Tensor] = []

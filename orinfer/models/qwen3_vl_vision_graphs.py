@@ -1,7 +1,7 @@
 """CUDA graphs of the Qwen3-VL vision tower, one per image-grid list, for image sizes that repeat.
 
 Why: the eager tower launches ~400 kernels per 1024x768 image from Python; on the H200 its GPU work is 9.5 ms but
-the forward takes 14-23 ms, bound by the host (benchmarks/NOTES.md runs 39-41). A replayed graph launches them all
+the forward takes 14-23 ms, bound by the host (docs/performance.md). A replayed graph launches them all
 at once.
 
 Policy: the first time a grid list (the (t, h, w) of each image of an encode call) is seen, the tower runs eagerly:

@@ -32,8 +32,11 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 def build_model(cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype,
                 device: torch.device) -> nn.Module:
-    """Instantiates the model for `cfg.architecture` with uninitialised weights directly on `device`."""
+    """Instantiates the model for `cfg.architecture` with uninitialised weights directly on `device`, with the
+    backend's decode-only hooks installed (`Ops.install_hooks`)."""
     cls = model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, ops, weight_dtype, act_dtype)
+    if ops.install_hooks is not None:
+        ops.install_hooks(model)
     return model.eval()

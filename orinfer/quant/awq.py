@@ -66,9 +66,10 @@ def calibration_batch(token_ids: list[int], seq_len: int, max_tokens: int, devic
 
 
 def _capture_inputs(layer, positions, hidden, residual, meta) -> dict[str, torch.Tensor]:
-    """Runs one decoder layer and returns the input of each of its linears."""
+    """Runs one decoder layer and returns the input of each of its linears (gate_up's is the MLP's: the MLP calls
+    its `gate_up_silu`, not its forward)."""
     feats: dict[str, torch.Tensor] = {}
-    modules = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+    modules = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp,
                "down": layer.mlp.down_proj}
     hooks = [m.register_forward_pre_hook(lambda _m, args, key=key: feats.__setitem__(key, args[0].detach()))
              for key, m in modules.items()]

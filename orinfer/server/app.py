@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from orinfer.server.chat import chat, chat_stream
+from orinfer.server.chat import chat
 from orinfer.server.completions import complete
 from orinfer.server.errors import add_error_handlers, engine_unavailable
 from orinfer.server.guard import Guard
@@ -38,8 +38,6 @@ from orinfer.server.request_body import read_json, validate_body
 from orinfer.server.state import ServerLimits, ServerState
 
 __all__ = ["ServerLimits", "build_app"]
-
-_chat_stream = chat_stream  # the old private name (tests drive the stream directly)
 
 
 def build_app(llm: Any, served_model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,

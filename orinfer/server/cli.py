@@ -34,8 +34,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--api-key", default=os.environ.get("ORINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $ORINFER_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the -m value)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default 64)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="split <think> output into reasoning_content (auto: when the tokenizer has the tags)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 beyond)")
@@ -53,9 +51,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                           "--max-body-bytes, must leave room for the base64 text)")
     img.add_argument("--max-image-pixels", type=_positive_int, default=64 * 1024 * 1024,
                      help="decoded size of one image before resizing, width x height (default 64 Mpx)")
-    img.add_argument("--max-pixels", type=_positive_int, default=None, metavar="N",
-                     help="resize images to at most N pixels (default: the model's preprocessor_config); a request "
-                          "may ask for fewer with mm_processor_kwargs.max_pixels")
     img.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                      help="let requests name local image files (file:// URLs or absolute paths) below DIR; without "
                           "it only data: URLs are accepted. Anyone who can reach the server can then read images "
@@ -83,6 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: `orinfer serve` needs FastAPI and uvicorn ({exc}); install them with "
               "pip install 'orinfer[serve]'", file=sys.stderr)
         return 2
+    from orinfer.args import engine_args_from_namespace
     from orinfer.llm import LLM
 
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
@@ -98,11 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
-    llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, backend=args.backend,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.gpu_memory_utilization, cuda_graph=not args.no_cuda_graph,
-              fused_ffn=not args.no_fused_ffn, max_pixels=args.max_pixels, pre_dequant=args.pre_dequant,
-              async_scheduling=not args.no_async_scheduling)
+    llm = LLM(args.model, engine_args_from_namespace(args))
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
                     reasoning=reasoning)

@@ -1,0 +1,46 @@
+"""Weight formats as linear-layer types: the one place that maps a model's quantization config to the class of its
+linears, so that model files build `make_linear(...)` and never name a format.
+
+Today: dense 16/32-bit (`Linear`, `PackedLinear`) and AWQ INT4 (`AWQLinear`, `AWQPackedLinear`). A new format (FP8,
+GPTQ) adds its classes here and in its own layer module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from orinfer.layers.awq_linear import QUANT_PARAMS, AWQLinear, AWQPackedLinear
+from orinfer.layers.linear import LinearBase, Linear, PackedLinear
+from orinfer.layers.ops import Ops
+from orinfer.quant_config import QuantConfig
+
+# Suffixes of tensors that only quantized checkpoints hold.
+_QUANTIZED_SUFFIXES = tuple(f".{name}" for name in QUANT_PARAMS)
+
+
+def make_linear(quant: QuantConfig | None, in_features: int, out: int | dict[object, int], bias: bool, ops: Ops,
+                dtype: torch.dtype) -> LinearBase:
+    """A linear of the checkpoint's weight format. `out`: output features, or shard id -> output features for a
+    layer that packs several checkpoint matrices (q|k|v, gate|up) along its output."""
+    if quant is None:
+        if isinstance(out, dict):
+            return PackedLinear(in_features, out, bias, ops, dtype)
+        return Linear(in_features, out, bias, ops, dtype)
+    group = quant.group_for(in_features)
+    if isinstance(out, dict):
+        return AWQPackedLinear(in_features, out, bias, ops, dtype, group)
+    return AWQLinear(in_features, out, bias, ops, dtype, group)
+
+
+def misplaced_tensor(hf_name: str, our_name: str, params: dict[str, nn.Parameter],
+                     quant: QuantConfig | None) -> str | None:
+    """Why a checkpoint tensor that fills no parameter is an error, or None when it is merely extra (HF ignores extra
+    tensors too): a quantized tensor in a model whose config.json says unquantized, or a dense weight where every
+    decoder linear should be quantized."""
+    if quant is None and hf_name.endswith(_QUANTIZED_SUFFIXES):
+        return f"checkpoint holds AWQ tensor {hf_name} but config.json has no quantization_config"
+    if quant is not None and hf_name.endswith(".weight") and our_name.replace(".weight", ".qweight") in params:
+        return (f"checkpoint holds a dense {hf_name} where quantization_config says AWQ (every decoder linear must "
+                "have qweight/qzeros/scales)")
+    return None

@@ -1,0 +1,419 @@
+"""The scheduler and the block manager on their own: Sequence objects made by hand, no model, no engine.
+
+The helpers drive them the way LLMEngine does: `schedule()` picks a batch, the step samples one token per sequence
+(`step`), a finished or aborted sequence goes through `Scheduler.finish`, and a lookahead step is a
+`reserve_lookahead` on a batch whose tokens are still pending (`num_pending`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import pytest
+
+from orinfer.args import EngineArgs
+from orinfer.engine.block_manager import BlockManager
+from orinfer.engine.scheduler import Scheduler
+from orinfer.engine.sequence import Sequence, SequenceStatus
+from orinfer.sampling_params import SamplingParams
+
+BLOCK = 4   # tokens per block in every test
+
+
+# --- helpers --------------------------------------------------------------------------------------------------------
+
+def seq(name: str, num_tokens: int) -> Sequence:
+    """A sequence whose prompt is `num_tokens` tokens long."""
+    return Sequence(name, list(range(1, num_tokens + 1)), SamplingParams())
+
+
+def scheduler(num_blocks: int, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024) -> Scheduler:
+    config = EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=BLOCK)
+    return Scheduler(config, BlockManager(num_blocks, BLOCK))
+
+
+def admit(sched: Scheduler, *seqs: Sequence) -> None:
+    for s in seqs:
+        sched.add(s)
+
+
+def step(sched: Scheduler) -> tuple[list[str], bool]:
+    """One engine step without lookahead: schedule, then each scheduled sequence gets its sampled token.
+    Returns the request ids of the batch and whether it was a prefill."""
+    batch, is_prefill = sched.schedule()
+    for s in batch:
+        s.append_token(7)
+    return [s.request_id for s in batch], is_prefill
+
+
+def launch(batch: list[Sequence]) -> None:
+    """The engine launched a step for `batch`: each sequence has one more token whose id is still on the device."""
+    for s in batch:
+        s.num_pending += 1
+
+
+def ids(queue: Iterable[Sequence]) -> list[str]:
+    return [s.request_id for s in queue]
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK)
+
+
+def state(sched: Scheduler, seqs: list[Sequence]) -> tuple:
+    """Everything reserve_lookahead could change, for before/after comparisons."""
+    return ({s.request_id: list(s.block_table) for s in seqs}, list(sched.block_manager.free_blocks),
+            ids(sched.waiting), ids(sched.running), [s.status for s in seqs])
+
+
+def check_invariants(sched: Scheduler, live: list[Sequence]) -> None:
+    """Every block has exactly one owner or is free; queues and statuses agree; a running sequence holds exactly
+    the blocks of its tokens (minus the newest one, which the next decode step writes); no more than max_num_seqs
+    run."""
+    bm = sched.block_manager
+    owned = [b for s in live for b in s.block_table]
+    assert len(owned) == len(set(owned)), "a block is held by two sequences"
+    assert not set(owned) & set(bm.free_blocks), "a held block is also free"
+    assert sorted(owned + list(bm.free_blocks)) == list(range(bm.num_blocks)), "a block leaked or was duplicated"
+    assert sorted(ids(sched.running) + ids(sched.waiting)) == sorted(s.request_id for s in live)
+    assert len(sched.running) <= sched.config.max_num_seqs
+    for s in sched.running:
+        assert s.status is SequenceStatus.RUNNING
+        assert len(s.block_table) == blocks_for(s.num_tokens - 1)
+    for s in sched.waiting:
+        assert s.status is SequenceStatus.WAITING and s.block_table == []
+
+
+# --- prefill: token budget, FIFO, max_num_seqs ----------------------------------------------------------------------
+
+def test_prefill_respects_the_token_budget_in_fifo_order() -> None:
+    sched = scheduler(64, max_num_batched_tokens=10)
+    admit(sched, seq("a", 4), seq("b", 6), seq("c", 8), seq("d", 3), seq("e", 2))
+    assert step(sched) == (["a", "b"], True)         # exactly the budget: 4 + 6 = 10
+    assert ids(sched.waiting) == ["c", "d", "e"]
+    # c + d = 11 is over; e would fit beside c (8 + 2) but may not overtake d.
+    assert step(sched) == (["c"], True)
+    assert step(sched) == (["d", "e"], True)
+    assert ids(sched.running) == ["a", "b", "c", "d", "e"]
+    assert step(sched) == (["a", "b", "c", "d", "e"], False)
+
+
+def test_prompt_longer_than_the_budget_runs_alone() -> None:
+    sched = scheduler(64, max_num_batched_tokens=10)
+    admit(sched, seq("short", 3), seq("long", 25), seq("after", 2))
+    assert step(sched) == (["short"], True)     # 3 + 25 > 10: long waits for the next step
+    assert step(sched) == (["long"], True)      # alone, though over the budget
+    assert step(sched) == (["after"], True)     # nothing may join a batch that is already over
+    assert step(sched) == (["short", "long", "after"], False)
+
+
+def test_max_num_seqs_caps_running_and_admits_as_others_finish() -> None:
+    sched = scheduler(64, max_num_seqs=2)
+    s0, s1, s2, s3 = (seq(f"s{i}", 3) for i in range(4))
+    admit(sched, s0, s1, s2, s3)
+    assert step(sched) == (["s0", "s1"], True)
+    assert ids(sched.waiting) == ["s2", "s3"]
+    assert step(sched) == (["s0", "s1"], False)     # full: the queue waits, the running ones decode
+    sched.finish(s0)
+    assert step(sched) == (["s2"], True)
+    assert ids(sched.running) == ["s1", "s2"] and ids(sched.waiting) == ["s3"]
+    sched.finish(s1)
+    sched.finish(s2)
+    assert step(sched) == (["s3"], True)
+    assert ids(sched.running) == ["s3"] and not sched.waiting
+
+
+# --- decode ----------------------------------------------------------------------------------------------------------
+
+def test_decode_gives_every_running_sequence_a_slot_for_its_newest_token() -> None:
+    sched = scheduler(16)
+    a, b = seq("a", 3), seq("b", 4)
+    admit(sched, a, b)
+    step(sched)                                      # prefill: a holds 1 block (3 tokens), b 1 block (4 tokens)
+    assert (len(a.block_table), len(b.block_table)) == (1, 1)
+    tables = {"a": [], "b": []}
+    for _ in range(6):
+        before = {s.request_id: list(s.block_table) for s in (a, b)}
+        assert step(sched) == (["a", "b"], False)
+        for s in (a, b):
+            written = s.num_tokens - 1               # the decode step wrote the KV of the token sampled before it
+            assert len(s.block_table) == blocks_for(written)
+            assert s.block_table[:len(before[s.request_id])] == before[s.request_id]   # only appended to
+            tables[s.request_id].append(len(s.block_table))
+    # a writes tokens 4..9, b tokens 5..10: a new block exactly when token 5 and token 9 are written.
+    assert tables == {"a": [1, 2, 2, 2, 2, 3], "b": [2, 2, 2, 2, 3, 3]}
+
+
+# --- preemption ----------------------------------------------------------------------------------------------------
+
+def test_preemption_takes_the_most_recently_admitted_first_and_recomputes_it_later() -> None:
+    sched = scheduler(3, max_num_seqs=3)
+    a, b, c, d = seq("a", 4), seq("b", 2), seq("c", 2), seq("d", 4)
+    admit(sched, a, b, c, d)
+    assert step(sched) == (["a", "b", "c"], True)   # one block each, none left; d waits (max_num_seqs)
+    c_block = c.block_table[0]
+    # a (now 5 tokens) needs a second block; b and c (3 tokens) do not. c, admitted last, gives up its block.
+    assert step(sched) == (["a", "b"], False)
+    assert a.block_table[1] == c_block
+    assert ids(sched.running) == ["a", "b"]
+    assert ids(sched.waiting) == ["c", "d"]          # at the front, ahead of d
+    assert c.status is SequenceStatus.WAITING and c.block_table == [] and c.num_preemptions == 1
+    assert [s.num_preemptions for s in (a, b, d)] == [0, 0, 0]
+    assert sched.block_manager.num_free_blocks == 0
+    sched.finish(a)                                  # frees 2 blocks
+    batch, is_prefill = sched.schedule()
+    assert is_prefill and ids(batch) == ["c", "d"]
+    # Recomputed: its prompt and the token it had generated, in one block.
+    assert c.status is SequenceStatus.RUNNING and c.token_ids == [1, 2, 7] and len(c.block_table) == 1
+    assert ids(sched.running) == ["b", "c", "d"] and not sched.waiting
+
+
+def test_several_preemptions_in_one_step_keep_the_queue_in_admission_order() -> None:
+    sched = scheduler(4)
+    a, b, c, d = (seq(name, 4) for name in "abcd")
+    admit(sched, a, b, c, d)
+    step(sched)                                      # one block each, none free; all need a second one
+    c_block, d_block = c.block_table[0], d.block_table[0]
+    # a takes d's block, b takes c's: the newest go first, and back to the queue in their original order.
+    assert step(sched) == (["a", "b"], False)
+    assert (a.block_table[1], b.block_table[1]) == (d_block, c_block)
+    assert ids(sched.waiting) == ["c", "d"]
+    assert [s.num_preemptions for s in (a, b, c, d)] == [0, 0, 1, 1]
+    sched.finish(b)
+    assert step(sched) == (["c"], True)              # c (5 tokens) gets b's 2 blocks; d must wait for more
+    assert ids(sched.waiting) == ["d"]
+
+
+def test_a_lone_sequence_that_cannot_grow_preempts_itself() -> None:
+    sched = scheduler(2)
+    a = seq("a", 8)
+    admit(sched, a)
+    step(sched)                                      # 9 tokens: needs a third block, and the pool has two
+    assert step(sched) == ([], False)
+    assert ids(sched.waiting) == ["a"] and a.num_preemptions == 1 and a.block_table == []
+    assert sched.block_manager.num_free_blocks == 2
+
+
+# --- lookahead reservation -----------------------------------------------------------------------------------------
+
+def decoding(sched: Scheduler, *seqs: Sequence) -> list[Sequence]:
+    """Admits `seqs`, runs their prefill and launches a decode step; returns the decode batch."""
+    admit(sched, *seqs)
+    step(sched)
+    batch, is_prefill = sched.schedule()
+    assert not is_prefill and batch == list(seqs)
+    launch(batch)
+    return batch
+
+
+def test_lookahead_reserves_the_next_slot() -> None:
+    sched = scheduler(8)
+    a, b = seq("a", 3), seq("b", 2)
+    batch = decoding(sched, a, b)                    # a: 5 tokens with the pending one, b: 4
+    assert sched.reserve_lookahead(batch)
+    assert (len(a.block_table), len(b.block_table)) == (2, 1)     # a crossed a block boundary, b did not
+    assert sched.block_manager.num_free_blocks == 5
+    assert ids(sched.running) == ["a", "b"] and not sched.waiting
+
+
+@pytest.mark.parametrize("why", ["batch is full", "head of the queue does not fit"])
+def test_lookahead_goes_on_when_nothing_could_be_admitted(why: str) -> None:
+    if why == "batch is full":
+        sched, waiting = scheduler(8, max_num_seqs=2), seq("w", 1)
+    else:
+        sched, waiting = scheduler(4), seq("w", 9)   # needs 3 blocks, 2 are free
+    a, b = seq("a", 3), seq("b", 2)
+    batch = decoding(sched, a, b)
+    admit(sched, waiting)
+    assert sched.reserve_lookahead(batch)
+    assert (len(a.block_table), len(b.block_table)) == (2, 1)
+    assert ids(sched.waiting) == ["w"] and waiting.block_table == []
+
+
+def test_lookahead_declines_when_a_waiting_sequence_could_be_admitted() -> None:
+    sched = scheduler(8)
+    a, b, w = seq("a", 3), seq("b", 2), seq("w", 1)
+    batch = decoding(sched, a, b)
+    admit(sched, w)
+    before = state(sched, [a, b, w])
+    assert not sched.reserve_lookahead(batch)
+    assert state(sched, [a, b, w]) == before
+
+
+def test_lookahead_declines_when_blocks_do_not_suffice() -> None:
+    sched = scheduler(3)
+    a, b = seq("a", 3), seq("b", 3)
+    batch = decoding(sched, a, b)                    # one block each, one free; both need a second one
+    before = state(sched, [a, b])
+    assert not sched.reserve_lookahead(batch)
+    assert state(sched, [a, b]) == before            # all or nothing: a did not take the free block
+    assert sched.block_manager.num_free_blocks == 1
+
+
+# --- finish and abort ----------------------------------------------------------------------------------------------
+
+def test_finish_frees_blocks_of_running_and_waiting_sequences() -> None:
+    sched = scheduler(4, max_num_seqs=2)
+    a, b, c = seq("a", 4), seq("b", 5), seq("c", 3)
+    admit(sched, a, b, c)
+    step(sched)                                      # a: 1 block, b: 2 blocks; c waits
+    assert sched.block_manager.num_free_blocks == 1
+    sched.finish(c)                                  # abort of a sequence never admitted
+    assert c.status is SequenceStatus.FINISHED and not sched.waiting
+    assert sched.block_manager.num_free_blocks == 1
+    sched.finish(b)
+    assert b.status is SequenceStatus.FINISHED and b.block_table == [] and ids(sched.running) == ["a"]
+    assert sched.block_manager.num_free_blocks == 3
+    launch([a])                                      # an abort while a lookahead token is in flight drops it
+    sched.finish(a)
+    assert a.num_pending == 0 and a.block_table == []
+    assert sched.block_manager.num_free_blocks == 4 and sched.block_manager.usage == 0.0
+    assert not sched.has_unfinished()
+
+
+def test_abort_of_a_preempted_sequence() -> None:
+    sched = scheduler(2)
+    a, b = seq("a", 4), seq("b", 4)
+    admit(sched, a, b)
+    step(sched)
+    assert step(sched) == (["a"], False)             # b preempted: its block went to a
+    assert ids(sched.waiting) == ["b"] and b.block_table == []
+    sched.finish(b)
+    assert not sched.waiting and b.status is SequenceStatus.FINISHED
+    sched.finish(a)
+    assert sched.block_manager.num_free_blocks == 2 and not sched.has_unfinished()
+
+
+def test_random_schedule_keeps_blocks_disjoint_and_returns_them_all() -> None:
+    """A small pool under load: random arrivals, lengths, aborts and lookahead steps; invariants after every step."""
+    rng = random.Random(20240601)
+    num_blocks, budget = 12, 16
+    sched = scheduler(num_blocks, max_num_seqs=4, max_num_batched_tokens=budget)
+    live: list[Sequence] = []
+    target: dict[str, int] = {}                      # total length at which a sequence finishes
+    stats = dict.fromkeys(["prefills", "decodes", "reserved", "declined", "preempted", "readmitted", "finished",
+                           "aborted"], 0)
+
+    def end(s: Sequence) -> None:
+        sched.finish(s)
+        live.remove(s)
+
+    for i in range(600):
+        if i < 450 and rng.random() < 0.3:
+            s = seq(f"r{i}", rng.randint(1, 20))
+            # At most the pool less one block: a pending lookahead token must still fit.
+            target[s.request_id] = rng.randint(s.num_tokens + 1, (num_blocks - 1) * BLOCK)
+            admit(sched, s)
+            live.append(s)
+        queue_before = ids(sched.waiting)
+        preemptions_before = sum(s.num_preemptions for s in live)
+        batch, is_prefill = sched.schedule()
+        stats["preempted"] += sum(s.num_preemptions for s in live) - preemptions_before
+        if is_prefill:
+            stats["prefills"] += 1
+            assert ids(batch) == queue_before[:len(batch)]                         # FIFO
+            assert len(batch) == 1 or sum(s.num_tokens for s in batch) <= budget
+            stats["readmitted"] += sum(1 for s in batch if s.num_preemptions)
+        elif batch:
+            stats["decodes"] += 1
+        launch(batch)
+        if batch and not is_prefill and rng.random() < 0.5:
+            if sched.reserve_lookahead(batch):
+                stats["reserved"] += 1
+                launch(batch)
+            else:
+                stats["declined"] += 1
+        for s in batch:
+            while s.num_pending and not s.is_finished:
+                s.resolve_pending(rng.randrange(1000))
+                if s.num_tokens >= target[s.request_id]:
+                    end(s)                           # drops a lookahead token still pending
+                    stats["finished"] += 1
+        if live and rng.random() < 0.05:
+            end(rng.choice(live))                    # abort, running or waiting
+            stats["aborted"] += 1
+        check_invariants(sched, live)
+
+    for s in list(live):
+        end(s)
+    assert sched.block_manager.num_free_blocks == num_blocks and not sched.has_unfinished()
+    assert all(stats.values()), stats                # the schedule went down every path
+    assert stats["finished"] >= 50, stats
+
+
+# --- BlockManager ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_blocks", [0, -1])
+def test_block_manager_needs_a_block(num_blocks: int) -> None:
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks, BLOCK)
+
+
+@pytest.mark.parametrize("num_tokens, blocks", [(0, 0), (1, 1), (3, 1), (4, 1), (5, 2), (8, 2), (9, 3)])
+def test_blocks_needed_at_block_boundaries(num_tokens: int, blocks: int) -> None:
+    assert seq("x", 1).blocks_needed(BLOCK, num_tokens) == blocks
+    if num_tokens:
+        assert seq("x", num_tokens).blocks_needed(BLOCK) == blocks
+
+
+def test_blocks_needed_counts_pending_tokens() -> None:
+    s = seq("x", 8)
+    assert s.blocks_needed(BLOCK) == 2
+    s.num_pending = 1
+    assert s.blocks_needed(BLOCK) == 3
+
+
+def test_allocate_exactly_fills_the_pool_and_raises_without_room() -> None:
+    bm = BlockManager(3, BLOCK)
+    full, extra = seq("full", 12), seq("extra", 1)
+    assert bm.can_allocate(full) and not bm.can_allocate(seq("over", 13))
+    bm.allocate(full)
+    assert full.block_table == [0, 1, 2] and bm.num_free_blocks == 0 and bm.usage == 1.0
+    assert not bm.can_allocate(extra)
+    with pytest.raises(RuntimeError):
+        bm.allocate(extra)
+    assert extra.block_table == [] and bm.num_free_blocks == 0
+
+
+def test_append_slot_adds_a_block_only_past_a_boundary() -> None:
+    bm = BlockManager(3, BLOCK)
+    s = seq("s", 4)
+    bm.allocate(s)
+    assert s.block_table == [0]
+    s.append_token(7)                                # token 5 starts a second block
+    assert bm.can_append(s)
+    bm.append_slot(s)
+    assert s.block_table == [0, 1]
+    for _ in range(3):                               # tokens 6..8 fit in it
+        s.append_token(7)
+        bm.append_slot(s)
+    assert s.block_table == [0, 1] and bm.num_free_blocks == 1
+    other = seq("other", 4)
+    bm.allocate(other)                               # takes the last block
+    s.append_token(7)                                # token 9: no block left
+    assert not bm.can_append(s)
+    assert bm.can_append(other)                      # other still has room in its block
+    bm.free(other)
+    assert bm.can_append(s)
+    bm.append_slot(s)
+    assert s.block_table == [0, 1, 2]
+
+
+def test_usage_and_free_reuse_recent_blocks_first() -> None:
+    bm = BlockManager(4, BLOCK)
+    assert bm.usage == 0.0
+    x, y = seq("x", 5), seq("y", 1)
+    bm.allocate(x)
+    bm.allocate(y)
+    assert (x.block_table, y.block_table) == ([0, 1], [2])
+    assert bm.usage == 0.75 and bm.num_free_blocks == 1
+    bm.free(x)
+    assert x.block_table == [] and bm.usage == 0.25
+    assert list(bm.free_blocks) == [0, 1, 3]         # freed blocks go to the front, in table order
+    z = seq("z", 6)
+    bm.allocate(z)
+    assert z.block_table == [0, 1]
+    bm.free(z)
+    bm.free(y)
+    assert sorted(bm.free_blocks) == [0, 1, 2, 3] and bm.usage == 0.0

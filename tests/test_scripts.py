@@ -1,0 +1,93 @@
+"""Smoke tests of the tools in scripts/, runnable without a GPU: every Python script imports (nothing touches CUDA at
+import time), documents how to run it, and answers --help; every shell script parses (`bash -n`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+PY_SCRIPTS = sorted(SCRIPTS.glob("*.py"))
+SH_SCRIPTS = sorted(SCRIPTS.glob("*.sh"))
+
+
+# Packages a script needs beyond the engine's own (the `serve` extra): without them (the GPU machine has none) its
+# smoke tests are skipped, as the server's own tests are.
+SCRIPT_NEEDS = {"bench_serve_synthetic.py": ("fastapi", "uvicorn")}
+
+
+def needs(path: Path) -> None:
+    for module in SCRIPT_NEEDS.get(path.name, ()):
+        pytest.importorskip(module)
+
+
+def load_script(path: Path, monkeypatch):
+    """The script imported as a module (its `if __name__ == "__main__"` part not run), with scripts/ on sys.path as
+    when it runs (bench_serve_synthetic.py imports bench_serve.py)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"scripts_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scripts_folder_holds_the_tools():
+    assert PY_SCRIPTS and SH_SCRIPTS
+    assert {p.name for p in SCRIPTS.iterdir()} <= {p.name for p in PY_SCRIPTS + SH_SCRIPTS} | {"test-constraints.txt"}
+
+
+@pytest.mark.parametrize("path", PY_SCRIPTS, ids=lambda p: p.name)
+def test_python_script_imports_and_says_how_to_run_it(path, monkeypatch, capsys):
+    needs(path)
+    module = load_script(path, monkeypatch)
+    assert module.__doc__ and f"scripts/{path.name}" in module.__doc__, "the docstring shows its command line"
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", PY_SCRIPTS, ids=lambda p: p.name)
+def test_python_script_runs_with_help(path):
+    """As a program (`python3 scripts/NAME.py --help`): its own folder on sys.path, no package state from this run."""
+    needs(path)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(path), "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage:" in done.stdout
+
+
+@pytest.mark.parametrize("path", SH_SCRIPTS, ids=lambda p: p.name)
+def test_shell_script_parses_and_says_how_to_run_it(path):
+    done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    header = "".join(line for line in path.read_text().splitlines(keepends=True)[:12] if line.startswith("#"))
+    assert "Usage" in header
+
+
+def test_sass_mix_arguments(monkeypatch):
+    sass_mix = load_script(SCRIPTS / "sass_mix.py", monkeypatch)
+    assert sass_mix.parse_args([]) == (None, set())
+    assert sass_mix.parse_args(["8", "512", "4", "gated", "int"]) == ((8, 512, 4), {"gated", "int"})
+    for bad in (["8", "512"], ["fast"]):
+        with pytest.raises(SystemExit):
+            sass_mix.parse_args(bad)
+
+
+def test_sass_mix_reads_the_issue_order(monkeypatch):
+    sass_mix = load_script(SCRIPTS / "sass_mix.py", monkeypatch)
+    listing = "\n".join(f"        /*{4 * i:04x}*/                   {op} R0, R1 ;" for i, op in enumerate(
+        ["LDG.E.EF.128", "LDG.E.EF.128", "LDG.E.64", "ACQBULK", "IDP.2A.LO.S16.U8", "IDP.2A.HI.S16.U8", "MOV",
+         "@P0 STG.E.U16"]))
+    assert sass_mix.opcodes(listing)[-2:] == ["MOV", "STG.E.U16"]
+    assert sass_mix.load_order(listing) == "Wx2 Lx1 ACQx1 IDPx2 STGx1"
+    assert sass_mix.opcode_mix(listing)["IDP"] == 2

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import LOG2E, exact_fp32_dots, paged_attention_ref
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots
+from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, small_kernel_prologue, use_pdl
 
@@ -194,10 +195,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s signature. When there are as many query rows as sequences (decode: one new token
     each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel;
-    otherwise (several new tokens over a cached prefix: not produced by the engine today) the reference."""
+    otherwise (new tokens over a cached prefix: prompt chunks, prefix-cache hits) the extend kernel
+    (`kernels/extend_attention.py`)."""
     if q.shape[0] == context_lens.shape[0]:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                            max_query_len=max_query_len)

@@ -74,5 +74,5 @@ class Attention(nn.Module):
             out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale, max_seqlen=meta.max_query_len)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                           meta.query_start_loc, self.scale)
+                                           meta.query_start_loc, self.scale, max_query_len=meta.max_query_len)
         return out.reshape(tokens, self.num_heads * self.head_dim)

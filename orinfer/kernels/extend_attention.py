@@ -1,0 +1,143 @@
+"""Paged "extend" attention: each sequence's new query tokens attend causally to its cached tokens and themselves.
+
+The step a token-budget scheduler runs mixes sequences of any query length over any cached prefix: a prompt chunk
+after earlier chunks, a prompt whose first blocks came from the prefix cache, a verification of speculated tokens, a
+decode row (one query). Sequence b contributes the query rows query_start_loc[b]:query_start_loc[b+1] (n_b of them)
+and has context_lens[b] tokens in the cache after this step, its new ones included (their K/V are stored before
+attention runs). Query j of sequence b sits at position p = context_lens[b] - n_b + j and attends to the keys at
+positions 0..p, which live in blocks block_tables[b, pos // block_size] at offsets pos % block_size.
+
+Math (per query row, head h, kv head h // (Hq/Hk)): softmax(q K^T * scale) V over those keys, fp32 online softmax in
+the log2 domain; 16-bit inputs take tensor-core dots with fp32 accumulation, fp32 (or mixed) inputs exact fp32 dots.
+The reference is `attention.paged_attention_ref` (a Python loop over sequences).
+
+Traffic: q and out once; each query block of BLOCK_M rows streams its sequence's K/V up to its last row's position
+(2 * context * Hk * D elements per head group, from L2 for all but the first query block of a sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots
+from orinfer.kernels.gemv import check_device, interpreting
+
+
+@triton.jit
+def _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, pos, context, kvh, block_size, d,
+                 HK: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, scale_log2):
+    """One tile of cached keys [BLOCK_N] (positions `keys`) for the query rows at positions `pos` [BLOCK_M]."""
+    in_context = keys < context
+    block = tl.load(bt_row + keys // block_size, mask=in_context, other=0).to(tl.int64)
+    slot = block * block_size + keys % block_size
+    offs = slot[:, None] * (HK * D) + kvh * D + d[None, :]
+    kv_mask = in_context[:, None] & (d < D)[None, :]
+    k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    if MASKED:
+        s = tl.where((keys[None, :] <= pos[:, None]) & in_context[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every row's first tile holds key 0 <= its position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, GROUP, block_size, scale_log2,
+                   stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                   HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # the query blocks with most keys are scheduled first
+    seq = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(qsl_ptr + seq)
+    n_new = tl.load(qsl_ptr + seq + 1) - start
+    m0 = m_block * BLOCK_M
+    if m0 < n_new:
+        context = tl.load(ctx_ptr + seq)
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < n_new
+        pos = context - n_new + offs_m  # rows past n_new sit beyond the context: masked at the store
+        rows = (start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=m_mask[:, None] & (d < D)[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        offs_n = tl.arange(0, BLOCK_N)
+        # Keys before the block's first query position are visible to every row: whole tiles of them need no mask.
+        # The tiles from there to the last row's position (or the context's end) get the causal and length masks.
+        first = context - n_new + m0
+        open_end = first // BLOCK_N * BLOCK_N
+        for n0 in range(0, open_end, BLOCK_N):
+            m_i, l_i, acc = _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0 + offs_n, pos, context, kvh,
+                                         block_size, d, HK, D, False, DOT_F32, scale_log2)
+        for n0 in range(open_end, tl.minimum(context, first + BLOCK_M), BLOCK_N):
+            m_i, l_i, acc = _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0 + offs_n, pos, context, kvh,
+                                         block_size, d, HK, D, True, DOT_F32, scale_log2)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (d < D)[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                     max_query_len: int | None = None) -> torch.Tensor:
+    """`paged_attention_ref`'s contract in one launch: q [T, Hq, D] (unit last stride), caches [blocks, block_size,
+    Hk, D] (contiguous), block_tables [B, W] int32, context_lens [B] and query_start_loc [B+1] int32 -> [T, Hq, D].
+
+    Kernel: grid (cdiv(max_query_len, BLOCK_M), B, Hq); a program holds BLOCK_M query rows of one sequence and head
+    and streams that sequence's paged K/V tiles up to its last row's position. `max_query_len` (a host int) spares
+    the device-to-host sync of reading it from query_start_loc.
+    """
+    check_device(q)
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"extend_attention: q {tuple(q.shape)} against contiguous caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} of matching head_dim and a kv-head count dividing q's heads")
+    num_seqs = context_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"extend_attention: {num_seqs} context lengths, query_start_loc {tuple(query_start_loc.shape)}"
+                         f", block tables {tuple(block_tables.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
+    # The varlen prefill kernel's tiles (the same dots and softmax): wgmma-sized for 16-bit inputs, 16x16 for exact
+    # fp32 dots (FMA loops that spill beyond) and in the interpreter (short test sequences then cross tiles).
+    if interpreting() or dot_f32:
+        block_m, block_n, warps, stages = 16, 16, 4, 2
+    elif block_d <= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, warps, stages = 64, 32, 8, 2
+    _extend_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, heads)](
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, heads // kv_heads, k_cache.shape[1],
+        scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        HK=kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
+        num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,98 @@
+"""The paged extend-attention kernel against `paged_attention_ref`: batches that mix decode rows, prompt chunks after
+cached blocks and whole prompts, at odd lengths and block offsets, shuffled block tables, GQA, every dtype; on the CPU
+interpreter and the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import DEVICE, poison_allocations, skip_module_without_kernels, tol
+from orinfer.kernels.attention import paged_attention_ref
+from orinfer.kernels.extend_attention import extend_attention
+
+skip_module_without_kernels()
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    poison_allocations(monkeypatch)  # an output row the kernel forgets to write is NaN, not leftover memory
+
+
+def make_batch(queries: list[int], contexts: list[int], block_size: int, kv_heads: int, head_dim: int,
+               dtype: torch.dtype, seed: int = 0):
+    """Random caches holding every sequence's `contexts[b]` tokens in shuffled blocks (the new ones included, as the
+    KV store writes them before attention), and `queries[b]` new query rows per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(widths) + 3  # spare blocks hold garbage that must never be read
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(contexts), max(widths) + 2, dtype=torch.int32)
+    used = 0
+    for b, width in enumerate(widths):
+        tables[b, :width] = torch.tensor(order[used:used + width], dtype=torch.int32)
+        used += width
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    starts = torch.tensor([0] + queries, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return (k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(contexts, dtype=torch.int32, device=DEVICE), starts.to(DEVICE))
+
+
+def check(queries: list[int], contexts: list[int], *, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+          block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    k_cache, v_cache, tables, lens, starts = make_batch(queries, contexts, block_size, kv_heads, head_dim, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(queries), heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim ** -0.5
+    got = extend_attention(q, k_cache, v_cache, tables, lens, starts, scale, max_query_len=max(queries))
+    want = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, lens, starts, scale)
+    torch.testing.assert_close(got.double(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("queries, contexts", [
+    ([1], [1]),                                  # a one-token prompt
+    ([7], [7]),                                  # a whole prompt, shorter than a block
+    ([33], [33]),                                # a whole prompt across three blocks
+    ([5], [21]),                                 # a chunk after 16 cached tokens (a block boundary)
+    ([9], [30]),                                 # a chunk starting inside a block
+    ([1, 1, 1], [1, 17, 40]),                    # decode rows
+    ([1, 12, 40, 3], [50, 12, 57, 19]),          # a mixed step: decode, prompt, chunk after a cached prefix
+    ([17, 16, 15], [17, 32, 47]),                # chunk ends at, before and after block boundaries
+])
+def test_matches_the_reference(queries, contexts):
+    check(queries, contexts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit(dtype):
+    check([1, 20, 6], [45, 20, 38], dtype=dtype, seed=3)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (2, 2, 64, 4),      # MHA, small blocks: many table lookups per tile
+    (8, 2, 24, 16),     # head_dim not a power of two
+    (6, 1, 128, 32),    # one KV head for six query heads
+])
+def test_shapes(heads, kv_heads, head_dim, block_size):
+    check([3, 11], [29, 11], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, seed=7)
+
+
+def test_long_context_crosses_many_tiles():
+    check([24, 1], [200, 131], seed=11)
+
+
+def test_max_query_len_read_from_the_batch_when_not_given():
+    k_cache, v_cache, tables, lens, starts = make_batch([2, 5], [9, 5], 4, 1, 16, torch.float32)
+    q = torch.randn(7, 2, 16).to(DEVICE)
+    got = extend_attention(q, k_cache, v_cache, tables, lens, starts, 0.25)
+    torch.testing.assert_close(got, paged_attention_ref(q, k_cache, v_cache, tables, lens, starts, 0.25))
+
+
+def test_bad_shapes_are_named():
+    k_cache, v_cache, tables, lens, starts = make_batch([2], [9], 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="extend_attention"):
+        extend_attention(torch.randn(2, 3, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts, 0.25)  # 3 % 2
+    with pytest.raises(ValueError, match="extend_attention"):
+        extend_attention(torch.randn(2, 2, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts[:1], 0.25)

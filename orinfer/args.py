@@ -62,6 +62,9 @@ class EngineArgs:
         "share of GPU memory the engine may use: weights, KV cache and work buffers"))
     kv_cache_bytes: int | None = None  # explicit KV-cache budget; default: from free GPU memory, or 1 GiB on the CPU
     num_kv_blocks: int | None = None   # explicit block count (tests use it to force preemption)
+    enable_prefix_caching: bool = field(default=True, metadata=_cli(
+        "reuse the KV of prompt prefixes already computed (full blocks, found by hash); --no-prefix-caching computes "
+        "every prompt from scratch", flag="--prefix-caching"))
     cuda_graph: bool = field(default=True, metadata=_cli(
         "replay decode steps as CUDA graphs (triton backend); --no-cuda-graph runs them eagerly (debugging)"))
     fused_ffn: bool = field(default=True, metadata=_cli(

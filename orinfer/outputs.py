@@ -47,8 +47,10 @@ class RequestOutput:
     finish_reason: str | None       # "stop" (EOS, stop id or stop string), "length", "abort"; None while running
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (as vLLM reports them)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_text,
-                   seq.completion_token_ids, seq.finish_reason, RequestMetrics.of(seq), list(seq.logprobs))
+                   seq.completion_token_ids, seq.finish_reason, RequestMetrics.of(seq), list(seq.logprobs),
+                   seq.num_prompt_cached_tokens)

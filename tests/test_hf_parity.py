@@ -30,7 +30,12 @@ def paged_logits(llm: LLM, ids: list[int], prefill_len: int, mm: Any = None) -> 
     decode step per remaining token."""
     engine, runner = llm.engine, llm.engine.runner
     seq = Sequence("probe", ids[:prefill_len], SamplingParams(max_tokens=1, temperature=0.0), mm=mm)
-    engine.block_manager.allocate(seq)
+    caching = engine.block_manager.enable_prefix_caching
+    engine.block_manager.enable_prefix_caching = False  # every row's logits: no prefix may come from the cache
+    try:
+        engine.block_manager.allocate(seq)
+    finally:
+        engine.block_manager.enable_prefix_caching = caching
     rows = []
     try:
         with torch.inference_mode():

@@ -16,8 +16,11 @@ from PIL import Image
 
 from hf_models import VL_CONFIGS, VL_IDS, build_hf_vl_model, hf_vl_greedy, hf_vl_logits
 from orinfer import LLM, SamplingParams
+from orinfer.config import ModelConfig
 from orinfer.engine.multimodal import MultimodalInputs, expand_placeholders
 from orinfer.layers.mrope import mrope_cos_sin, mrope_frequency_axes, mrope_positions
+from orinfer.layers.ops import TORCH_OPS
+from orinfer.loader import load_hf_model
 from test_hf_parity import paged_logits
 
 pytest.importorskip("transformers")
@@ -165,8 +168,14 @@ def test_mixed_batch_and_preemption_keep_tokens(vl_pair, tmp_path):
     alone = [llm.generate(p, params)[0].token_ids for p in [vl_prompt] + text_prompts]
     together = [o.token_ids for o in llm.generate([vl_prompt] + text_prompts, params)]
     assert together == alone
-    path = llm.engine.parts  # same weights, a KV cache of 14 blocks of 4 tokens: three sequences cannot all fit
-    small = LLM.from_parts(path, llm.engine.config.replace(num_kv_blocks=14, block_size=4))
+    # The same weights in a model of its own (a model's attention layers hold one engine's KV pool), with a KV cache
+    # of 14 blocks of 4 tokens: three sequences cannot all fit.
+    path = tmp_path / "vl"
+    hf.save_pretrained(path, safe_serialization=True)
+    model = load_hf_model(path, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"), ModelConfig.from_hf(path),
+                          progress=False)
+    small = LLM.from_parts(dataclasses.replace(llm.engine.parts, model=model),
+                           llm.engine.config.replace(num_kv_blocks=14, block_size=4))
     # The most recently admitted sequence is preempted first: the image prompt goes last.
     outs = small.generate(text_prompts + [vl_prompt], params)
     assert [o.token_ids for o in outs] == alone[1:] + alone[:1]
@@ -178,10 +187,8 @@ def test_mixed_batch_and_preemption_keep_tokens(vl_pair, tmp_path):
 def test_triton_backend_greedy_matches_torch(vl_pair, tmp_path):
     """The triton op table (vision kernels included; Triton's CPU interpreter without a GPU, CUDA with graphs on
     one) gives the torch backend's greedy tokens for an image prompt."""
-    from orinfer.config import ModelConfig
     from orinfer.engine.llm_engine import EngineParts
     from orinfer.layers.triton_ops import triton_ops
-    from orinfer.loader import load_hf_model
 
     hf, llm = vl_pair
     path = tmp_path / "vl"
@@ -213,9 +220,6 @@ def _legacy_name(name: str) -> str:
 def test_legacy_checkpoint_layout_loads_the_same_weights(vl_pair, tmp_path):
     from safetensors.torch import save_file
 
-    from orinfer.config import ModelConfig
-    from orinfer.layers.ops import TORCH_OPS
-    from orinfer.loader import load_hf_model
 
     hf, llm = vl_pair
     hf.save_pretrained(tmp_path, safe_serialization=True)

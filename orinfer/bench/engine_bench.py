@@ -41,13 +41,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes: list[int], decode_tokens: int,
                  decode_prompt_len: int = DECODE_PROMPT_LEN, repeats: int = 3) -> dict:
-    """Prefill at each prompt length (median of `repeats`), decode throughput at each batch size."""
+    """Prefill at each prompt length (median of `repeats`), decode throughput at each batch size. Every prompt is drawn
+    from its own seed, so none starts with tokens of another and no prefill is served from the prefix cache."""
     greedy = dict(temperature=0.0, ignore_eos=True)
     out: dict = {"prefill": {}, "decode": {}}
     llm.generate(_prompts(1, 64, cfg.vocab_size, 0), SamplingParams(max_tokens=8, **greedy))  # warm-up
     for length in prompt_lens:
-        runs = [llm.generate(_prompts(1, length, cfg.vocab_size, r), SamplingParams(max_tokens=1, **greedy))[0]
-                for r in range(repeats + 1)][1:]
+        runs = [llm.generate(_prompts(1, length, cfg.vocab_size, 1000 * length + r),
+                             SamplingParams(max_tokens=1, **greedy))[0] for r in range(repeats + 1)][1:]
         seconds = statistics.median(1 / o.metrics.prefill_tok_s * length for o in runs)
         ttft = statistics.median(o.metrics.ttft_s for o in runs)
         out["prefill"][length] = {"tok_s": length / seconds, "seconds": seconds, "ttft_ms": ttft * 1000,

@@ -46,7 +46,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.set_defaults(func=func)
 
 
-BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant")
+BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant",
+                         "enable_prefix_caching")
 
 
 def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -> dict:

@@ -1,23 +1,47 @@
-"""Allocation of fixed-size KV-cache blocks to sequences.
+"""Allocation of fixed-size KV-cache blocks to sequences, with automatic prefix caching.
 
 The cache is a pool of `num_blocks` blocks of `block_size` token slots each (per layer, K and V). A sequence holds
 ceil(tokens / block_size) blocks, listed in its block table; blocks need not be contiguous, so memory never
-fragments and a sequence grows one block at a time. (No prefix sharing yet: each block has one owner.)
+fragments and a sequence grows one block at a time.
+
+Prefix caching: a full block whose tokens' K/V have been computed is identified by a hash chained from its parent
+block's hash and its own token ids, so two sequences whose prompts start with the same tokens compute the same chain.
+`allocate` gives a new sequence the cached blocks of its prompt's longest cached prefix (at least one token is always
+left to compute: the step that computes it samples the first token) and fresh blocks for the rest. Blocks are
+reference-counted; a block nobody holds goes back to the free queue but stays findable by its hash until the pool
+hands it out again: freed blocks without a hash are handed out first (they also tend to be warm in L2), then hashed
+ones, least recently freed first (a sequence's tail blocks before its head, which more prompts share).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
 
 from orinfer.engine.sequence import Sequence
 
 
+def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """The identity of a full block: a 128-bit digest of its parent's hash and its token ids (collisions are
+    negligible at that width, unlike Python's 64-bit hash())."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(b",".join(str(t).encode() for t in token_ids))
+    return digest.digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks   # the hash of a full, computed block
+        self.cached: dict[bytes, int] = {}                       # hash -> block holding those tokens
+        # Blocks nobody holds, in the order they are handed out (see the module docstring).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_queried_tokens = 0   # prompt tokens looked up in the cache (prefix-cache hit rate)
+        self.num_hit_tokens = 0       # of those, tokens found
 
     @property
     def num_free_blocks(self) -> int:
@@ -25,19 +49,63 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (0..1)."""
+        """Fraction of blocks held by sequences (0..1); cached blocks nobody holds count as free."""
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
+    # --- prefix lookup ----------------------------------------------------------------------------------------------
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks that hold the longest prefix of the sequence's tokens, leaving at least one token."""
+        if not self.enable_prefix_caching or seq.mm is not None:  # images: their content is not hashed yet
+            return []
+        size = self.block_size
+        hits: list[int] = []
+        parent = None
+        for index in range((seq.num_tokens - 1) // size):
+            parent = block_hash(parent, seq.token_ids[index * size:(index + 1) * size])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def can_allocate(self, seq: Sequence) -> bool:
-        return seq.blocks_needed(self.block_size) <= len(self.free_blocks)
+        hits = self._prefix_hits(seq)
+        taken_from_free = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return seq.blocks_needed(self.block_size) - len(hits) + taken_from_free <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence) -> None:
-        """Gives a waiting sequence blocks for all its current tokens (prefill writes them)."""
+        """Gives a waiting sequence blocks for all its current tokens: the cached ones of its longest cached prefix
+        (`seq.num_cached_tokens` tokens, which the prefill then skips), fresh ones for the rest."""
         assert not seq.block_table, "sequence already holds blocks"
-        needed = seq.blocks_needed(self.block_size)
-        if needed > len(self.free_blocks):
+        if not self.can_allocate(seq):
             raise RuntimeError("allocate() called without can_allocate()")
-        seq.block_table = [self.free_blocks.popleft() for _ in range(needed)]
+        hits = self._prefix_hits(seq)
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        fresh = [self._take_free() for _ in range(seq.blocks_needed(self.block_size) - len(hits))]
+        seq.block_table = hits + fresh
+        seq.block_hashes = [self.hashes[b] for b in hits]
+        seq.num_cached_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+        if self.enable_prefix_caching and seq.mm is None:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
+
+    def _take_free(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        old = self.hashes[block]
+        if old is not None:  # evicted: its tokens are no longer findable
+            if self.cached.get(old) == block:
+                del self.cached[old]
+            self.hashes[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    # --- growth -----------------------------------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the sequence's newest token (whose KV this decode step writes) has, or can get, a slot."""
@@ -46,10 +114,34 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> None:
         while len(seq.block_table) < seq.blocks_needed(self.block_size):
-            seq.block_table.append(self.free_blocks.popleft())
+            seq.block_table.append(self._take_free())
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """Registers the sequence's blocks that `num_computed` computed tokens (K/V written by finished steps) fill,
+        so later prompts can find them. A block already cached under the same hash (the same tokens computed by
+        another sequence at the same time) stays this sequence's own."""
+        if not self.enable_prefix_caching or seq.mm is not None:
+            return
+        size = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_computed // size:
+            index = len(hashes)
+            digest = block_hash(hashes[-1] if hashes else None, seq.token_ids[index * size:(index + 1) * size])
+            hashes.append(digest)
+            block = seq.block_table[index]
+            if digest not in self.cached and self.hashes[block] is None:
+                self.cached[digest] = block
+                self.hashes[block] = digest
+
+    # --- release ----------------------------------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
-        # Most recently used blocks go to the front: they are the likeliest to still be in the GPU's L2.
-        for block in reversed(seq.block_table):
-            self.free_blocks.appendleft(block)
+        """Drops the sequence's hold on its blocks; blocks nobody holds become free (hashed ones stay findable)."""
+        for block in reversed(seq.block_table):  # tail first: evicted before the head, which more prompts share
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if self.hashes[block] is None:
+                    self.free_blocks.move_to_end(block, last=False)  # handed out next: nothing to keep, warm in L2
         seq.block_table = []
+        seq.block_hashes = []

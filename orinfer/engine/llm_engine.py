@@ -60,7 +60,7 @@ class LLMEngine:
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
                                   graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
                                   vision_warmup_patches=self._largest_image_patches())
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
@@ -234,6 +234,8 @@ class LLMEngine:
         for i, seq in live:
             token = sample.token_ids[i]
             seq.resolve_pending(token)
+            # Every token but the newest now has its K/V in the cache: full blocks become findable by later prompts.
+            self.block_manager.commit(seq, len(seq.token_ids) - 1)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if sample.logprobs is not None and seq.params.logprobs is not None:

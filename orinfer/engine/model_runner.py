@@ -18,6 +18,7 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.sequence import Sequence
+from orinfer.errors import ConfigError
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import MultimodalBatch
@@ -40,6 +41,8 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
+        if engine_config.enable_prefix_caching and device.type == "cuda":
+            self._warmup_cached_prefix()
         self.graphs: DecodeGraphs | None = None
         # Graphs need a backend whose decode path never syncs with the host (the torch reference does): one that has
         # graph hooks.
@@ -106,11 +109,31 @@ class ModelRunner:
         if self.vision_warmup_patches and hasattr(self.model, "warmup_images"):
             self.model.warmup_images(self.vision_warmup_patches)
 
+    @torch.inference_mode()
+    def _warmup_cached_prefix(self) -> None:
+        """Prefills over a cached prefix (two query rows over block 0, writing nothing), so that the kernels of a
+        prefix-cache hit compile at start-up rather than stalling the first request that hits (0.8-1.4 s on the H200).
+        Triton compiles a kernel once per class of each integer argument (1, a multiple of 16, other): block tables
+        of width 16 and of width 2 cover the widths a batch's table can have (never 1 in a hit: two blocks at least)."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        for width in (2, 16):
+            meta = AttentionMetadata(
+                is_prefill=True, query_start_loc=torch.tensor([0, 2], **i32), context_lens=torch.tensor([2], **i32),
+                max_query_len=2, max_context_len=2,
+                slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=self.device),
+                block_tables=torch.zeros(1, width, **i32), has_cached_prefix=True)
+            self.model(torch.zeros(2, dtype=torch.int64, device=self.device), torch.arange(2, device=self.device), meta)
+
     def _allocate_kv_cache(self) -> None:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = []
         for attn in self.model.attention_layers():
+            if attn.k_cache is not None:
+                # Attention layers hold one pool: a second engine over the same model would point the first one's
+                # block tables at the wrong (and smaller or larger) pool.
+                raise ConfigError("this model already serves another engine (its attention layers hold that engine's "
+                                  "KV cache); load the weights again for a second engine")
             # Zeros, although a slot is always written before attention reads it: CUDA-graph padding rows read one
             # slot they never wrote, and it must hold finite values.
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -140,8 +163,9 @@ class ModelRunner:
             # Prefill (also the recompute of a preempted sequence) runs every token; decode only the newest. A
             # lookahead decode's newest token is still on the device (pending): its id here is a stand-in that
             # execute() replaces with the device ids.
-            first = 0 if is_prefill else seq.num_tokens - 1
-            ids.extend(seq.token_ids if is_prefill else seq.token_ids[-1:])
+            # A prefill skips the tokens its prefix-cache hit brought (their K/V are in the cache already).
+            first = seq.num_cached_tokens if is_prefill else seq.num_tokens - 1
+            ids.extend(seq.token_ids[first:] if is_prefill else seq.token_ids[-1:])
             # Decode of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted position.
             # (Its prefill positions come from the MultimodalBatch instead.)
             shift = 0 if is_prefill else seq.rope_delta
@@ -157,6 +181,7 @@ class ModelRunner:
             max_context_len=max(lens),
             slot_mapping=self._upload(slots, torch.int64),
             block_tables=self._block_tables(seqs),
+            has_cached_prefix=is_prefill and any(s.num_cached_tokens for s in seqs),
         )
         last_rows = self._upload([s - 1 for s in starts[1:]], torch.int64)
         return self._upload(ids, torch.int64), self._upload(positions, torch.int64), meta, last_rows

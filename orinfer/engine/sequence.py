@@ -48,6 +48,9 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []   # prefix-cache hashes of the table's first full, computed blocks
+        self.num_cached_tokens = 0            # leading tokens whose K/V came from the prefix cache at admission
+        self.num_prompt_cached_tokens = 0     # the same at the first admission (reported in the output)
         self.finish_reason: str | None = None
         self.output_text = ""          # detokenized completion, stop strings removed
         self.emitted_chars = 0         # how much of output_text has been streamed

@@ -33,6 +33,9 @@ class AttentionMetadata:
     max_context_len: int
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    # A prefill in which some sequence starts after cached tokens (a prefix-cache hit): its queries must also attend
+    # to K/V in the cache, not only to this step's own.
+    has_cached_prefix: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -68,9 +71,9 @@ class Attention(nn.Module):
         target = None if kv_stored else self.kv_store(v, meta)
         if target is not None:
             self.ops.store_kv(k, v, target.k_cache, target.v_cache, target.slot_mapping)
-        if meta.is_prefill:
-            # Every prefill starts at position 0 (recompute after preemption re-runs the whole sequence), so the
-            # fresh k/v are the whole context: a varlen flash kernel needs no reads from the cache.
+        if meta.is_prefill and not meta.has_cached_prefix:
+            # Every sequence starts at position 0, so the fresh k/v are the whole context: a varlen flash kernel
+            # needs no reads from the cache.
             out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale, max_seqlen=meta.max_query_len)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,

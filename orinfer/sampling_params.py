@@ -2,12 +2,17 @@
 
 Fields left as None take the model's defaults from generation_config.json (as vLLM does), then the neutral value
 (temperature 1, no top-k/top-p/min-p, no penalties). temperature 0 means greedy.
+
+The sampler holds these values in float32 (top_k in int64) tensors, so each is checked as that dtype holds it too: a
+value that overflows there, rounds onto an open bound (top_p=1e-300 is 0 in float32), or whose reciprocal the sampler
+cannot hold (repetition_penalty divides the logits) is refused like any other out-of-range value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +20,7 @@ from orinfer.errors import RequestError
 
 # generation_config.json key -> SamplingParams field, for the defaults a checkpoint may set.
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_INT64_MAX = 2 ** 63 - 1
 
 
 @dataclass
@@ -48,9 +54,12 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, low=1, allow_none=True)
         _check_float("temperature", self.temperature, low=0.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_int("top_k", self.top_k, low=-1, allow_none=True)
+        _check_int("top_k", self.top_k, low=-1, high=_INT64_MAX, allow_none=True)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        if self.repetition_penalty is not None and math.isinf(_float32(1.0 / _float32(self.repetition_penalty))):
+            raise _bad("repetition_penalty", self.repetition_penalty,
+                       "is too small for float32: the sampler divides the logits by it")
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_int("seed", self.seed, low=-(2 ** 63), allow_none=True)
@@ -94,12 +103,27 @@ def _check_float(name: str, value: Any, low: float | None = None, high: float | 
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, value, "must be a number")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise _bad(name, value, "must be finite")
     if low is not None and (value < low or (low_open and value == low)):
         raise _bad(name, value, f"must be {'>' if low_open else '>='} {low}")
     if high is not None and value > high:
         raise _bad(name, value, f"must be <= {high}")
+    # As the sampler's float32 tensors hold it. The bounds are float32 values and rounding is monotonic, so a value
+    # within them stays within them, except that it may round onto an open bound (or overflow without a bound).
+    as_f32 = _float32(value)
+    if math.isinf(as_f32):
+        raise _bad(name, value, "is too large for float32, the sampler's precision")
+    if low_open and as_f32 == low:
+        raise _bad(name, value, f"is {low} in float32, the sampler's precision; it must be > {low}")
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, +-inf where it overflows."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None,

@@ -1,6 +1,7 @@
 """Hostile and malformed requests against the real server (127.0.0.1, API key on): each one gets a 4xx with an
 OpenAI-style error object, none a 5xx, and the server keeps answering afterwards. Also: the API key guard, admission
-control (429), and /health turning 503 once the engine loop has died."""
+control (400 for a request larger than --max-pending, 429 for a busy server), and /health turning 503 once the engine
+loop has died."""
 
 from __future__ import annotations
 
@@ -206,8 +207,12 @@ def test_overload_is_429(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", device="cpu", progress=False)
     app = build_app(llm, "tiny", limits=ServerLimits(max_pending_sequences=2))
     with BackgroundServer(app) as bg, httpx.Client(base_url=bg.url, timeout=30) as c:
-        _assert_openai_error(c.post(COMP, json=comp(n=3)), 429)
+        _assert_openai_error(c.post(COMP, json=comp(n=3)), 400)  # more than the limit alone: never admissible
         assert c.post(COMP, json=comp(n=2)).status_code == 200
+        app.state.server.loop.load = lambda: 1                   # one sequence in the engine: n=2 must wait
+        r = c.post(COMP, json=comp(n=2))
+        _assert_openai_error(r, 429)
+        assert r.headers["retry-after"] == "1"
 
 
 def test_dead_engine_reports_503(tiny_dir):

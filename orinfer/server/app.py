@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API: `build_app(llm, served_model_name, api_key=None, limits=ServerLimits())`.
 
-Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), GET /v1/models, GET /health,
-GET /metrics, GET /openapi.json. Every request goes through `guard.Guard` (request-head size, API key on every route
-but /health, HTTP metrics). Handlers read the body themselves (`request_body`: content type, size limit, strict JSON
-without NaN), validate it with the pydantic models of `protocol`, render and tokenize the prompt (and decode images)
-in worker threads, then hand the token ids to the engine thread (`engine_loop`). Every client mistake is a 4xx with
-an OpenAI-style error object (`errors`); a 5xx means a bug or a dead engine.
+Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), GET /v1/models, GET and HEAD
+/health, GET /metrics, GET /openapi.json; no redirects (a trailing slash is a 404). Every request goes through
+`guard.Guard` (request-head size, API key on every route but /health, HTTP metrics). Handlers read the body
+themselves (`request_body`: JSON content type in UTF-8, size limit, strict JSON without NaN), validate it with the
+pydantic models of `protocol`, render and tokenize the prompt (and decode images) in worker threads, then hand the
+token ids to the engine thread (`engine_loop`). Every client mistake is a 4xx with an OpenAI-style error object
+(`errors`); a 5xx means a bug or a dead engine.
 
     app.py            this file: the app factory, routes, /openapi.json
     state.py          ServerLimits, ServerState (checks shared by the endpoints, submit, tokenize)
@@ -55,7 +56,10 @@ def build_app(llm: Any, served_model_name: str, api_key: str | None = None, limi
         finally:
             await asyncio.to_thread(srv.loop.stop)
 
-    app = FastAPI(title="orinfer", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # redirect_slashes=False: Starlette would answer /health/ with a redirect to an absolute URL built from the
+    # request's Host header; a path with a trailing slash is a 404 like any other unknown path.
+    app = FastAPI(title="orinfer", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False)
     app.state.server = srv
     app.add_middleware(Guard, api_key=api_key, metrics=srv.metrics, max_header_bytes=srv.limits.max_header_bytes)
     add_error_handlers(app)
@@ -70,6 +74,10 @@ def _add_routes(app: FastAPI, srv: ServerState) -> None:
         if not srv.loop.alive:
             return JSONResponse(engine_unavailable(srv.loop.dead_message()).body(), status_code=503)
         return JSONResponse({"status": "ok"})
+
+    # HEAD /health for load balancers and probes (same status; the server sends no body). A route of its own, out of
+    # /openapi.json, so that the GET operation keeps its unique operationId.
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -109,7 +117,7 @@ def _document_bodies(app: FastAPI, srv: ServerState) -> None:
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             props = js["properties"]
             props["model"] = {"anyOf": [{"type": "string", "enum": [srv.name]}, {"type": "null"}], "default": None}
-            props["n"]["anyOf"][0]["maximum"] = srv.limits.max_n
+            props["n"]["anyOf"][0]["maximum"] = min(srv.limits.max_n, srv.limits.max_pending_sequences)
             for key in ("max_tokens", "max_completion_tokens"):
                 if key in props and srv.limits.max_tokens is not None:
                     props[key]["anyOf"][0]["maximum"] = srv.limits.max_tokens

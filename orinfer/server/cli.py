@@ -42,7 +42,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context length)")
     p.add_argument("--max-pending", type=int, default=4096,
-                   help="sequences running or queued before new requests get 429")
+                   help="sequences running or queued before new requests get 429 (retry later); a request of "
+                        "more sequences than this alone (prompts x n) gets 400")
     img = p.add_argument_group("images (Qwen3-VL models)")
     img.add_argument("--max-images-per-request", type=_positive_int, default=8,
                      help="images in one chat request (default 8)")

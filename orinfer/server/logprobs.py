@@ -64,12 +64,19 @@ class LogprobFormatter:
         return ChatLogprobs(content=entries)
 
     def completion(self, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        """The completions API's lists. Each `top_logprobs` entry holds the sampled token first, then the `logprobs`
+        most likely ones (up to logprobs + 1 entries, as OpenAI documents and vLLM returns): with `logprobs: 0` it is
+        {sampled token: its logprob}, never an empty dict."""
         out = CompletionLogprobs()
         for lp in lps:
             text = self.token(lp.token_id)[0]
+            value = clean_logprob(lp.logprob)
             out.tokens.append(text)
-            out.token_logprobs.append(clean_logprob(lp.logprob))
-            out.top_logprobs.append({self.token(t)[0]: clean_logprob(v) for t, v in lp.top})
+            out.token_logprobs.append(value)
+            top = {text: value}
+            for t, v in lp.top:
+                top.setdefault(self.token(t)[0], clean_logprob(v))
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)
         return out

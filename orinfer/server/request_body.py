@@ -1,5 +1,5 @@
-"""Reading a request body: content type, size limit and strict JSON (`read_json`), validation against a pydantic
-model with one clear 400 naming the field (`validate_body`), and the checked `chat_template_kwargs`."""
+"""Reading a request body: JSON content type in UTF-8, size limit and strict JSON (`read_json`), validation against a
+pydantic model with one clear 400 naming the field (`validate_body`), and the checked `chat_template_kwargs`."""
 
 from __future__ import annotations
 
@@ -19,13 +19,28 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    ctype = request.headers.get("content-type")
-    if ctype is not None:
-        media = ctype.split(";", 1)[0].strip().lower()
-        if media != "application/json" and not media.endswith("+json"):
-            raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+def _check_content_type(ctype: str | None) -> None:
+    """A JSON media type is required: a POST without one (or with a form's or text/plain) is what a browser page may
+    send cross-origin without a CORS preflight. JSON is UTF-8 (RFC 8259); another declared charset is refused rather
+    than read as UTF-8 (and json.loads would guess UTF-16/32 from the bytes: the body is decoded as UTF-8 only)."""
+    if ctype is None:
+        raise APIError(415, "the request has no Content-Type; send Content-Type: application/json",
+                       code="unsupported_media_type")
+    media, *params = ctype.split(";")
+    media = media.strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+                       code="unsupported_media_type")
+    for param in params:
+        key, _, value = param.partition("=")
+        charset = value.strip().strip('"').lower()
+        if key.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            raise APIError(415, f"the request body must be UTF-8 JSON, not charset {charset!r}",
                            code="unsupported_media_type")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    _check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -42,10 +57,14 @@ async def read_json(request: Request, limit: int) -> Any:
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        text = raw.decode("utf-8-sig")  # a leading BOM is allowed (RFC 8259 lets a parser ignore it)
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"invalid JSON: the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise APIError(400, "invalid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity
         raise APIError(400, f"invalid JSON: {exc}") from None
 
 

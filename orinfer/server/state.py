@@ -34,7 +34,8 @@ class ServerLimits:
     max_stop: int = 16                       # stop strings
     max_stop_chars: int = 256                # characters per stop string
     max_stop_token_ids: int = 64
-    max_pending_sequences: int = 4096        # sequences in or queued for the engine (429 beyond)
+    max_pending_sequences: int = 4096        # sequences in or queued for the engine (429 beyond; 400 for a request
+                                             # larger than this alone, which could never be admitted)
     # Images (vision-language models).
     max_images_per_request: int = 8
     max_image_bytes: int = 20 * 1024 * 1024  # encoded bytes of one image (its base64 is 4/3 of that)
@@ -86,6 +87,9 @@ class ServerState:
         if n * num_prompts > lim.max_sequences:
             raise APIError(400, f"{num_prompts} prompts x n={n} is above this server's limit of {lim.max_sequences} "
                                 "sequences per request", param="n")
+        if n * num_prompts > lim.max_pending_sequences:  # could never be admitted, even by an idle server: not a 429
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} is above this server's limit of "
+                                f"{lim.max_pending_sequences} pending sequences (--max-pending)", param="n")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -155,7 +159,7 @@ class ServerState:
             raise engine_unavailable(self.loop.dead_message())
         if self.loop.load() + len(prompts) > self.limits.max_pending_sequences:
             raise APIError(429, "the server is overloaded; retry later", type="rate_limit_error",
-                           code="server_overloaded")
+                           code="server_overloaded", headers={"Retry-After": "1"})
         group = RequestGroup(request_id, prompts, params, images=images, max_pixels=max_pixels)
         try:
             self.loop.submit(group)

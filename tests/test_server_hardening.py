@@ -1,0 +1,195 @@
+"""Server hardening against the real server (127.0.0.1, API key on): admission of `n` against --max-pending (400 for
+a request that can never be admitted, 429 with Retry-After for a busy server), sampling values that break in the
+sampler's float32, HEAD /health and no slash redirect built from the Host header, completions' `logprobs: 0`, and
+the Content-Type (JSON, UTF-8) a POST must declare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from orinfer import LLM, SamplingParams  # noqa: E402
+from orinfer.engine.sequence import TokenLogprob  # noqa: E402
+from orinfer.errors import RequestError  # noqa: E402
+from orinfer.server.app import ServerLimits, build_app  # noqa: E402
+from orinfer.server.cli import BackgroundServer  # noqa: E402
+from orinfer.server.logprobs import LogprobFormatter  # noqa: E402
+
+KEY = "sk-test-hardening"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MAX_PENDING = 2
+
+
+@pytest.fixture(scope="module")
+def app(tiny_dir):
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, max_model_len=512)
+    return build_app(llm, "tiny", api_key=KEY, limits=ServerLimits(max_tokens=64, max_pending_sequences=MAX_PENDING))
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    with BackgroundServer(app) as bg:
+        yield bg
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30, headers=AUTH) as c:
+        yield c
+
+
+def chat(**fields):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Who is Alice?"}], "max_tokens": 4, **fields}
+
+
+def comp(**fields):
+    return {"model": "tiny", "prompt": "Alice was beginning to get very", "max_tokens": 4, **fields}
+
+
+def _error(r, status, param=None):
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# --- 1, 3: admission --------------------------------------------------------------------------------------------------
+
+def test_n_above_max_pending_is_400_on_an_idle_server(http):
+    err = _error(http.post(COMP, json=comp(n=MAX_PENDING + 1)), 400, "n")
+    assert f"n={MAX_PENDING + 1}" in err["message"] and f"limit of {MAX_PENDING}" in err["message"]
+    _error(http.post(CHAT, json=chat(n=MAX_PENDING + 1)), 400, "n")
+    # prompts x n counts: two prompts with n=2 are four sequences
+    _error(http.post(COMP, json=comp(prompt=["Alice", "Down"], n=2)), 400, "n")
+    assert http.post(COMP, json=comp(n=MAX_PENDING)).status_code == 200
+
+
+def test_busy_server_is_429_with_retry_after(app, http, monkeypatch):
+    monkeypatch.setattr(app.state.server.loop, "load", lambda: MAX_PENDING)  # the engine holds all it may
+    r = http.post(COMP, json=comp())
+    err = _error(r, 429)
+    assert err["type"] == "rate_limit_error"
+    assert r.headers["retry-after"] == "1"
+    monkeypatch.undo()
+    assert http.post(COMP, json=comp()).status_code == 200
+
+
+# --- 2: values the sampler's float32 cannot hold ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("repetition_penalty", 1e-300),   # 0 in float32: logits / 0
+    ("repetition_penalty", 1e-39),    # a float32 subnormal whose reciprocal overflows
+    ("repetition_penalty", 1e39),     # inf in float32
+    ("temperature", 1e39),
+    ("top_p", 1e-300),                # 0 in float32, but top_p must be > 0
+    ("top_k", 2 ** 63),               # beyond int64
+])
+def test_sampling_params_refuse_values_float32_cannot_hold(field, value):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**{field: value})
+    with pytest.raises(RequestError, match=field):  # also a checkpoint's generation_config
+        SamplingParams().with_defaults({field: value})
+
+
+def test_sampling_params_keep_small_values_float32_can_hold():
+    SamplingParams(repetition_penalty=1e-30, top_p=1e-30, temperature=1e-300, min_p=1e-300, top_k=2 ** 63 - 1)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, chat(repetition_penalty=1e-300), "repetition_penalty"),
+    (COMP, comp(repetition_penalty=1e-300), "repetition_penalty"),
+    (COMP, comp(top_p=1e-300), "top_p"),
+])
+def test_server_refuses_values_float32_cannot_hold(http, path, body, param):
+    _error(http.post(path, json=body), 400, param)
+
+
+# --- 4: /health -------------------------------------------------------------------------------------------------------
+
+def test_head_health(server):
+    r = httpx.head(server.url + "/health", timeout=10)  # no API key needed, as for GET
+    assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize("path", ["/health/", "/v1/models/", "/metrics/"])
+def test_no_redirect_built_from_the_host_header(http, path):
+    r = http.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
+    assert "location" not in r.headers and not 300 <= r.status_code < 400
+    _error(r, 404)
+
+
+# --- 5: completions logprobs 0 ----------------------------------------------------------------------------------------
+
+class _Tok:
+    def id_to_token(self, i):
+        return "abcd"[i]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token():
+    fmt = LogprobFormatter(_Tok())
+    out = fmt.completion([TokenLogprob(1, -0.5),                                  # logprobs 0
+                          TokenLogprob(2, -3.0, [(1, -0.1), (3, -1.0)]),          # sampled outside the top 2
+                          TokenLogprob(1, -0.1, [(1, -0.1), (3, -1.0)])], 0)      # sampled is the top 1
+    assert out.tokens == ["b", "c", "b"] and out.token_logprobs == [-0.5, -3.0, -0.1]
+    assert out.top_logprobs == [{"b": -0.5}, {"c": -3.0, "b": -0.1, "d": -1.0}, {"b": -0.1, "d": -1.0}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_zero(http, stream):
+    r = http.post(COMP, json=comp(logprobs=0, temperature=0, max_tokens=5, stream=stream))
+    assert r.status_code == 200, r.text[:300]
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    else:
+        lps = [r.json()["choices"][0]["logprobs"]]
+    tokens = [t for lp in lps for t in lp["tokens"]]
+    token_logprobs = [v for lp in lps for v in lp["token_logprobs"]]
+    tops = [t for lp in lps for t in lp["top_logprobs"]]
+    assert len(tokens) == len(token_logprobs) == len(tops) == 5
+    assert tops == [{t: v} for t, v in zip(tokens, token_logprobs)]
+    assert all(v <= 0 for v in token_logprobs)
+
+
+def test_completion_logprobs_include_the_sampled_token(http):
+    out = http.post(COMP, json=comp(logprobs=1, temperature=1.5, seed=3, max_tokens=8)).json()
+    lp = out["choices"][0]["logprobs"]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(value)
+
+
+# --- 6: Content-Type --------------------------------------------------------------------------------------------------
+
+def test_post_without_content_type_is_415(http):
+    r = http.post(COMP, content=json.dumps(comp()).encode())
+    assert "content-type" not in r.request.headers
+    _error(r, 415)
+
+
+@pytest.mark.parametrize("charset", ["utf-16", "UTF-16LE", "latin-1", '"utf-32"'])
+def test_non_utf8_charset_is_415(http, charset):
+    name = charset.strip('"')
+    body = json.dumps(comp()).encode(name)
+    err = _error(http.post(COMP, content=body, headers={"Content-Type": f"application/json; charset={charset}"}), 415)
+    assert name.lower() in err["message"].lower()
+
+
+@pytest.mark.parametrize("ctype", ["application/json; charset=utf-8", "application/json;charset=UTF-8",
+                                   'application/json; charset="utf-8"', "application/json; charset=utf8"])
+def test_utf8_charset_is_accepted(http, ctype):
+    r = http.post(COMP, content=json.dumps(comp()).encode(), headers={"Content-Type": ctype})
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_utf16_body_without_charset_is_400(http):
+    r = http.post(COMP, content=json.dumps(comp()).encode("utf-16"), headers={"Content-Type": "application/json"})
+    _error(r, 400)

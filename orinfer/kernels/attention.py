@@ -151,6 +151,34 @@ def exact_fp32_dots(a: torch.dtype, b: torch.dtype) -> bool:
 # --- Triton: varlen causal flash attention (prefill) ------------------------------------------------------------------
 
 @triton.jit
+def tile_scores(q, k, scale_log2, DOT_F32: tl.constexpr):
+    """q [M, D] . k [N, D]^T * scale, in the log2 domain (fp32): exact fp32 dots, or 16-bit tensor-core dots."""
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s * scale_log2
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One tile of the online softmax: the new row maxima, the rescale of what was accumulated, the tile's
+    probabilities p = 2^(s - max) and the new row sums."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def tile_values(p, v, DOT_F32: tl.constexpr):
+    """p [M, N] . v [N, D] with fp32 accumulation."""
+    if DOT_F32:
+        return tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_base, v_base, keys, offs_m, d, length, stride_kt, stride_vt, scale_log2,
                  D: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
     """One key tile of the online softmax: updates (m_i, l_i, acc) with keys [BLOCK_N] of the segment."""
@@ -159,23 +187,12 @@ def _attend_tile(q, m_i, l_i, acc, k_base, v_base, keys, offs_m, d, length, stri
     else:
         kv_mask = (d < D)[None, :]
     k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_mask, other=0.0)
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2
+    s = tile_scores(q, k, scale_log2, DOT_F32)
     if MASKED:
         s = tl.where((keys[None, :] <= offs_m[:, None]) & (keys < length)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile's first key is <= every row's position
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = online_softmax(s, m_i, l_i)  # finite: the tile's first key is <= every row's position
     v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kv_mask, other=0.0)
-    if DOT_F32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return m_new, l_i, acc * alpha[:, None] + tile_values(p, v, DOT_F32)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import LOG2E, exact_fp32_dots
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots, online_softmax, tile_scores, tile_values
 from orinfer.kernels.gemv import check_device, interpreting
 
 
@@ -35,23 +35,12 @@ def _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, pos, context, k
     offs = slot[:, None] * (HK * D) + kvh * D + d[None, :]
     kv_mask = in_context[:, None] & (d < D)[None, :]
     k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2
+    s = tile_scores(q, k, scale_log2, DOT_F32)
     if MASKED:
         s = tl.where((keys[None, :] <= pos[:, None]) & in_context[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every row's first tile holds key 0 <= its position
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = online_softmax(s, m_i, l_i)  # finite: every row's first tile holds key 0 <= its position
     v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
-    if DOT_F32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return m_new, l_i, acc * alpha[:, None] + tile_values(p, v, DOT_F32)
 
 
 @triton.jit

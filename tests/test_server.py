@@ -209,6 +209,15 @@ def test_metrics_page(server, client):
                  "orinfer_time_per_output_token_seconds_count", "orinfer_prompt_tokens_total"):
         assert name in after
     assert after['orinfer_http_requests_total{code="200",route="/v1/completions"}'] >= 1
+    # A prompt of several KV blocks, twice: the second finds the first's computed full blocks in the prefix cache.
+    long = " ".join([ALICE] * 8)
+    client.completions.create(model="tiny", prompt=long, max_tokens=4, temperature=0)
+    after = _metrics(server)
+    client.completions.create(model="tiny", prompt=long, max_tokens=4, temperature=0)
+    again = _metrics(server)
+    queried = again["orinfer_prefix_cache_queries_total"] - after["orinfer_prefix_cache_queries_total"]
+    hits = again["orinfer_prefix_cache_hits_total"] - after["orinfer_prefix_cache_hits_total"]
+    assert queried > 0 and 0 < hits < queried
 
 
 def test_serve_subcommand_parses():

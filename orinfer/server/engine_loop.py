@@ -253,4 +253,5 @@ class EngineLoop:
         bm, sched = self.engine.block_manager, self.engine.scheduler
         self._stats = {"running": float(len(sched.running)), "waiting": float(len(sched.waiting)),
                        "free_blocks": float(bm.num_free_blocks), "num_blocks": float(bm.num_blocks),
-                       "tracked": float(len(self._tracked))}
+                       "tracked": float(len(self._tracked)), "prefix_cache_queries": float(bm.num_queried_tokens),
+                       "prefix_cache_hits": float(bm.num_hit_tokens)}

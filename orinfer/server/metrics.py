@@ -84,6 +84,12 @@ class Gauge(_Metric):
         return self.header() + [f"{self.name} {_fmt_value(float(self._read()))}"]
 
 
+class CounterSnapshot(Gauge):
+    """A counter kept by the engine thread (its published stats), read when rendering."""
+
+    kind = "counter"
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -127,7 +133,7 @@ class Histogram(_Metric):
 
 class ServerMetrics:
     """Every metric the server exports. `stats` returns the engine snapshot: a dict with running, waiting,
-    free_blocks, num_blocks, alive."""
+    free_blocks, num_blocks, alive, prefix_cache_queries, prefix_cache_hits."""
 
     def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
         lock = threading.Lock()
@@ -153,6 +159,10 @@ class ServerMetrics:
             Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lock, self._usage),
             Gauge(p + "kv_cache_free_blocks", "Free KV-cache blocks.", lock, lambda: self._stat("free_blocks")),
             Gauge(p + "kv_cache_total_blocks", "KV-cache blocks in the pool.", lock, lambda: self._stat("num_blocks")),
+            CounterSnapshot(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", lock,
+                            lambda: self._stat("prefix_cache_queries")),
+            CounterSnapshot(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (their K/V reused).",
+                            lock, lambda: self._stat("prefix_cache_hits")),
             Gauge(p + "engine_alive", "1 while the engine loop runs, 0 once it died.", lock,
                   lambda: self._stat("alive")),
         ]

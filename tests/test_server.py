@@ -220,6 +220,25 @@ def test_metrics_page(server, client):
     assert queried > 0 and 0 < hits < queried
 
 
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: 0 the first time, whole cached blocks when the
+    same long prompt comes again, in chat and completions, streamed (with include_usage) or not."""
+    long = " ".join(["The Queen of Hearts, she made some tarts."] * 6)
+    messages = [{"role": "user", "content": long}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    assert [c.usage for c in stream if c.usage][0].prompt_tokens_details.cached_tokens == cached
+    for _ in range(2):  # the second time, each of the two prompts finds its blocks; each counts once, not n times
+        two = client.completions.create(model="tiny", prompt=[long, long + " Alice"], n=2, max_tokens=2,
+                                        temperature=0)
+    assert 0 < two.usage.prompt_tokens_details.cached_tokens <= two.usage.prompt_tokens
+
+
 def test_serve_subcommand_parses():
     import argparse
 
@@ -417,7 +436,8 @@ def test_chat_stream_reasoning_fields():
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "I ponder"
     assert "".join(d.get("content", "") for d in deltas) == "The answer."
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 6,
-                                                                    "total_tokens": 11}
+                                                                    "total_tokens": 11,
+                                                                    "prompt_tokens_details": {"cached_tokens": 0}}
     sent = [e["token"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
             for e in c["choices"][0]["logprobs"]["content"]]
     assert sent == ["0", "1", "2", "3", "4"]  # every token's logprob, once, even when its text was held back

@@ -92,7 +92,8 @@ def test_a_backlog_becomes_one_chunk():
     assert [e["token"] for e in chunks[1]["choices"][0]["logprobs"]["content"]] == [str(i) for i in range(20)]
     assert chunks[2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 20,
-                                                                  "total_tokens": 23}
+                                                                  "total_tokens": 23,
+                                                                  "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
                               logprobs=srv.chat_logprobs(c.logprobs) if req.logprobs else None,
                               finish_reason=c.finish_reason))
     body = ChatCompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
-                                  usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices))))
+                                  usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                      [c.cached for c in choices], n)))
     return JSONResponse(body.model_dump())
 
 
@@ -122,11 +123,13 @@ async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, c
     parsers = [ReasoningParser(think) if think is not ThinkState.CONTENT else None for _ in range(n)]
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
     tokens = [0] * n
+    cached = [0] * n
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(n)])
     async for up in group.updates():
         i, parser = up.index, parsers[up.index]
         tokens[i] = up.num_completion_tokens
+        cached[i] = up.num_cached_tokens
         pending[i].extend(up.logprobs)
         split = parser.feed(up.text) if parser is not None else Split(content=up.text)
         if up.finish_reason is not None and parser is not None:
@@ -146,4 +149,4 @@ async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, c
         if up.finish_reason is not None:
             yield chunk([{"index": i, "delta": {}, "logprobs": lps, "finish_reason": up.finish_reason}])
     if include_usage:
-        yield chunk([], usage(prompt_tokens, sum(tokens)))
+        yield chunk([], usage(prompt_tokens, sum(tokens), cached, n))

@@ -73,7 +73,7 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         return AbortingStream(completion_stream(srv, group, request_id, created, echoes, prompt_tokens,
-                                                include_usage, req.logprobs is not None), group.abort)
+                                                include_usage, req.logprobs is not None, n), group.abort)
     try:
         choices = await collect(request, group, len(params))
     except ClientGone:
@@ -85,20 +85,23 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
                             if req.logprobs is not None else None)
            for k, c in enumerate(choices)]
     body = CompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
-                              usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices))))
+                              usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                  [c.cached for c in choices], n)))
     return JSONResponse(body.model_dump())
 
 
 def completion_stream(srv: ServerState, group: RequestGroup, request_id: str, created: int, echoes: list[str],
-                      prompt_tokens: int, include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
-    """The whole SSE stream of a streaming completion (`_completion_events`, then [DONE]; see `finish_stream`)."""
+                      prompt_tokens: int, include_usage: bool, want_logprobs: bool, n: int = 1
+                      ) -> AsyncIterator[str]:
+    """The whole SSE stream of a streaming completion (`_completion_events`, then [DONE]; see `finish_stream`).
+    `n`: choices per prompt (adjacent)."""
     return finish_stream(_completion_events(srv, group, request_id, created, echoes, prompt_tokens, include_usage,
-                                            want_logprobs), group)
+                                            want_logprobs, n), group)
 
 
 async def _completion_events(srv: ServerState, group: RequestGroup, request_id: str, created: int,
                              echoes: list[str], prompt_tokens: int, include_usage: bool,
-                             want_logprobs: bool) -> AsyncIterator[str]:
+                             want_logprobs: bool, n: int) -> AsyncIterator[str]:
     """The SSE events of a streaming completion: the echoed prompts, one chunk per update (updates already queued
     arrive merged, see RequestGroup.updates), the usage chunk."""
     def chunk(choices: list[dict[str, Any]], usage_obj: dict[str, int] | None = None) -> str:
@@ -106,16 +109,18 @@ async def _completion_events(srv: ServerState, group: RequestGroup, request_id: 
 
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
+    cached = [0] * len(echoes)
     for k, echo in enumerate(echoes):
         if echo:
             yield chunk([{"index": k, "text": echo, "logprobs": None, "finish_reason": None}])
     async for up in group.updates():
         k = up.index
         tokens[k] = up.num_completion_tokens
+        cached[k] = up.num_cached_tokens
         lps = None
         if want_logprobs and up.logprobs:
             lps = srv.completion_logprobs(up.logprobs, offsets[k]).model_dump()
         offsets[k] += len(up.text)
         yield chunk([{"index": k, "text": up.text, "logprobs": lps, "finish_reason": up.finish_reason}])
     if include_usage:
-        yield chunk([], usage(prompt_tokens, sum(tokens)))
+        yield chunk([], usage(prompt_tokens, sum(tokens), cached, n))

@@ -206,7 +206,8 @@ class EngineLoop:
             elif not text and not lps:
                 continue
             group = tracked.group
-            update = SeqUpdate(tracked.index, text, lps, seq.num_completion_tokens, reason)
+            update = SeqUpdate(tracked.index, text, lps, seq.num_completion_tokens, reason,
+                               seq.num_prompt_cached_tokens)
             batches.setdefault(id(group.loop), (group.loop, []))[1].append((group, update))
         for loop, items in batches.values():
             try:

@@ -37,11 +37,12 @@ class SeqUpdate:
     logprobs: list[TokenLogprob]        # log-probabilities of the tokens generated since the last update
     num_completion_tokens: int
     finish_reason: str | None           # "stop" | "length" | "abort" when the sequence ended
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
 
     def then(self, later: "SeqUpdate") -> "SeqUpdate":
         """This update followed by a later one of the same sequence, as one update."""
         return SeqUpdate(self.index, self.text + later.text, self.logprobs + later.logprobs,
-                         later.num_completion_tokens, later.finish_reason)
+                         later.num_completion_tokens, later.finish_reason, later.num_cached_tokens)
 
 
 class RequestGroup:

@@ -23,6 +23,7 @@ class Choice:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.tokens = 0
+        self.cached = 0                 # prompt tokens served from the prefix cache
         self.finish_reason: str | None = None
 
 
@@ -47,6 +48,7 @@ async def collect(request: Request, group: RequestGroup, count: int) -> list[Cho
             c.text.append(up.text)
             c.logprobs.extend(up.logprobs)
             c.tokens = up.num_completion_tokens
+            c.cached = up.num_cached_tokens
             c.finish_reason = up.finish_reason or c.finish_reason
 
     consumer = asyncio.ensure_future(consume())
@@ -97,8 +99,14 @@ def stream_chunk(request_id: str, kind: str, created: int, model: str, choices: 
     return sse(obj)
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: list[int] | None = None, n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage object. `cached`: each choice's prompt tokens served from the prefix cache, choices of one prompt
+    adjacent (n per prompt): a prompt counts once, as in prompt_tokens (`prompt_tokens_details.cached_tokens`)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(cached[::n])}
+    return out
 
 
 async def finish_stream(events: AsyncIterator[str], group: RequestGroup) -> AsyncIterator[str]:

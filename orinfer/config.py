@@ -1,7 +1,8 @@
 """Model and engine configuration.
 
 `ModelConfig` is the engine's view of a Hugging Face `config.json`: only the fields the forward pass needs, under
-one set of names for every supported family (the engine's own settings are `orinfer.args.EngineArgs`). Presets give the real shapes of published checkpoints for synthetic benchmarks.
+one set of names for every supported family (the engine's own settings are `orinfer.args.EngineArgs`). Presets give
+the real shapes of published checkpoints for synthetic benchmarks.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ ones, least recently freed first (a sequence's tail blocks before its head, whic
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 
 from orinfer.engine.sequence import Sequence
@@ -25,7 +26,7 @@ def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
     """The identity of a full block: a 128-bit digest of its parent's hash and its token ids (collisions are
     negligible at that width, unlike Python's 64-bit hash())."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
-    digest.update(b",".join(str(t).encode() for t in token_ids))
+    digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
 
@@ -54,40 +55,49 @@ class BlockManager:
 
     # --- prefix lookup ----------------------------------------------------------------------------------------------
 
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The hashes of the sequence's first `num_blocks` full blocks (of known tokens), each computed once: the
+        scheduler asks again every step while a sequence waits, and `commit` needs the same chain."""
+        chain, size = seq.block_chain, self.block_size
+        while len(chain) < num_blocks:
+            index = len(chain)
+            chain.append(block_hash(chain[-1] if chain else None, seq.token_ids[index * size:(index + 1) * size]))
+        return chain
+
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the longest prefix of the sequence's tokens, leaving at least one token."""
         if not self.enable_prefix_caching or seq.mm is not None:  # images: their content is not hashed yet
             return []
-        size = self.block_size
         hits: list[int] = []
-        parent = None
-        for index in range((seq.num_tokens - 1) // size):
-            parent = block_hash(parent, seq.token_ids[index * size:(index + 1) * size])
-            block = self.cached.get(parent)
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(self._chain(seq, index + 1)[index])
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._prefix_hits(seq)
+    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether the free queue covers the fresh blocks and the cached hits nobody holds (they leave it too)."""
         taken_from_free = sum(1 for b in hits if self.ref_counts[b] == 0)
         return seq.blocks_needed(self.block_size) - len(hits) + taken_from_free <= len(self.free_blocks)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self._fits(seq, self._prefix_hits(seq))
 
     def allocate(self, seq: Sequence) -> None:
         """Gives a waiting sequence blocks for all its current tokens: the cached ones of its longest cached prefix
         (`seq.num_cached_tokens` tokens, which the prefill then skips), fresh ones for the rest."""
         assert not seq.block_table, "sequence already holds blocks"
-        if not self.can_allocate(seq):
-            raise RuntimeError("allocate() called without can_allocate()")
         hits = self._prefix_hits(seq)
+        if not self._fits(seq, hits):
+            raise RuntimeError("allocate() called without can_allocate()")
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         fresh = [self._take_free() for _ in range(seq.blocks_needed(self.block_size) - len(hits))]
         seq.block_table = hits + fresh
-        seq.block_hashes = [self.hashes[b] for b in hits]
+        seq.num_committed_blocks = len(hits)  # registered already: they came from the cache
         seq.num_cached_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
@@ -122,16 +132,16 @@ class BlockManager:
         another sequence at the same time) stays this sequence's own."""
         if not self.enable_prefix_caching or seq.mm is not None:
             return
-        size = self.block_size
-        hashes = seq.block_hashes
-        while len(hashes) < num_computed // size:
-            index = len(hashes)
-            digest = block_hash(hashes[-1] if hashes else None, seq.token_ids[index * size:(index + 1) * size])
-            hashes.append(digest)
-            block = seq.block_table[index]
+        full = num_computed // self.block_size
+        if full <= seq.num_committed_blocks:
+            return
+        chain = self._chain(seq, full)
+        for index in range(seq.num_committed_blocks, full):
+            digest, block = chain[index], seq.block_table[index]
             if digest not in self.cached and self.hashes[block] is None:
                 self.cached[digest] = block
                 self.hashes[block] = digest
+        seq.num_committed_blocks = full
 
     # --- release ----------------------------------------------------------------------------------------------------
 
@@ -144,4 +154,4 @@ class BlockManager:
                 if self.hashes[block] is None:
                     self.free_blocks.move_to_end(block, last=False)  # handed out next: nothing to keep, warm in L2
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_committed_blocks = 0

@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 
 
 # Greedy lookahead steps of up to this many rows read their ids where the previous replay left them (`run`). AWQ
-# bench on the H200, in place against copied: batch 1 561 against 544 tok/s; batch 32 6346
-# against 6827, for a reason not found yet, so larger batches keep the copy. (Against the sampler outside the graph
-# and the copy: batch 16 4712 against 4582, batch 48 7667 against 7749.)
+# bench on the H200, in place against copied: batch 1 561 against 544 tok/s; batch 32 6346 against 6827, for a reason
+# not found yet, so larger batches keep the copy. (Against the sampler outside the graph and the copy: batch 16 4712
+# against 4582, batch 48 7667 against 7749.)
 IN_PLACE_MAX_ROWS = 16
 
 # Decode attention bounds its split count by the width of the block table it is given (kernels/decode_attention.py).

@@ -33,8 +33,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineArgs,
                  device: torch.device, kv_dtype: torch.dtype, max_model_len: int,
                  graph_hooks: GraphHooks | None = None, vision_warmup_patches: int = 0) -> None:
-        """`graph_hooks`: the backend's CUDA-graph hooks (None: decode runs eagerly). `vision_warmup_patches`: patches of the largest image a request may bring; the GPU memory probe encodes
-        one that large (models with `warmup_images`), so the KV cache leaves room for the vision tower."""
+        """`graph_hooks`: the backend's CUDA-graph hooks (None: decode runs eagerly). `vision_warmup_patches`:
+        patches of the largest image a request may bring; the GPU memory probe encodes one that large (models with
+        `warmup_images`), so the KV cache leaves room for the vision tower."""
         self.model, self.model_config, self.config = model, model_config, engine_config
         self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len

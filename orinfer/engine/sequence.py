@@ -48,7 +48,10 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[bytes] = []   # prefix-cache hashes of the table's first full, computed blocks
+        # Prefix-cache hashes of the token ids' first full blocks, computed once (tokens only ever get appended), and
+        # how many of the block table's blocks are registered under them.
+        self.block_chain: list[bytes] = []
+        self.num_committed_blocks = 0
         self.num_cached_tokens = 0            # leading tokens whose K/V came from the prefix cache at admission
         self.num_prompt_cached_tokens = 0     # the same at the first admission (reported in the output)
         self.finish_reason: str | None = None

@@ -161,8 +161,8 @@ class ServerMetrics:
             Gauge(p + "kv_cache_total_blocks", "KV-cache blocks in the pool.", lock, lambda: self._stat("num_blocks")),
             CounterSnapshot(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", lock,
                             lambda: self._stat("prefix_cache_queries")),
-            CounterSnapshot(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (their K/V reused).",
-                            lock, lambda: self._stat("prefix_cache_hits")),
+            CounterSnapshot(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (K/V reused).", lock,
+                            lambda: self._stat("prefix_cache_hits")),
             Gauge(p + "engine_alive", "1 while the engine loop runs, 0 once it died.", lock,
                   lambda: self._stat("alive")),
         ]

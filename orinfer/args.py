@@ -56,7 +56,12 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_cli(
         "context length in tokens (default: the model's max_position_embeddings)"))
     max_num_seqs: int = field(default=64, metadata=_cli("sequences decoded together at most"))
-    max_num_batched_tokens: int = field(default=8192, metadata=_cli("tokens in one prefill step at most"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_cli(
+        "tokens in one step at most (decode rows and prompt chunks); with chunked prefill, also the longest pause a "
+        "prompt can put between two tokens of running streams"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_cli(
+        "split long prompts into chunks of the step budget that run alongside decoding streams; "
+        "--no-chunked-prefill runs each prompt whole", flag="--chunked-prefill"))
     block_size: int = field(default=16, metadata=_cli("tokens per KV-cache block"))
     gpu_memory_utilization: float = field(default=0.90, metadata=_cli(
         "share of GPU memory the engine may use: weights, KV cache and work buffers"))

@@ -78,7 +78,7 @@ def _train(model: torch.nn.Module, tokens: torch.Tensor, steps: int, seq_len: in
         p.requires_grad_(True)
     optim = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     starts = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32)
-    meta = AttentionMetadata(is_prefill=True, query_start_loc=starts, context_lens=torch.full((batch,), seq_len),
+    meta = AttentionMetadata(from_start=True, query_start_loc=starts, context_lens=torch.full((batch,), seq_len),
                              max_query_len=seq_len, max_context_len=seq_len)
     positions = torch.arange(seq_len).repeat(batch)
     loss_value = float("nan")

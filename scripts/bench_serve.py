@@ -5,10 +5,21 @@
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1 8 64 --max-tokens 128 \
         --out benchmarks/serve.json
 
-For each concurrency level C it sends `--requests` streaming requests (default max(16, 4*C)), C at a time, each with
-the same prompt length and `ignore_eos` so every request generates exactly `--max-tokens` tokens. Per request it
-measures TTFT (send -> first generated text), TPOT ((last token time - first token time) / (tokens - 1)) and the
-end-to-end latency; per level, output tokens per second over the wall time, and the p50/p99 of each latency.
+Workloads (`--workload`):
+  uniform      for each concurrency level C, `--requests` streaming requests (default max(16, 4*C)), C at a time, each
+               with the same prompt length and `ignore_eos` so every request generates exactly `--max-tokens` tokens.
+               Per request: TTFT (send -> first generated text), TPOT ((last token time - first token time) /
+               (tokens - 1)) and the end-to-end latency; per level, output tokens per second over the wall time, and
+               the p50/p99 of each latency.
+  multi-turn   `--conversations` chats at once, `--turns` turns each, all opening with the same `--system-words`
+               prompt; each turn resends the whole conversation (as chat clients and agents do) plus `--user-words`
+               new words and gets `--max-tokens` tokens. TTFT p50/p99 per turn: prefix caching shows in turns 2+.
+  long-prompt  `--streams` requests stream `--stream-tokens` tokens each; once all are streaming, one prompt of
+               `--long-words` words arrives. Its TTFT, and the largest gap between two tokens of a running stream
+               while it is computed (and before it arrived, for reference): chunked prefill bounds that gap.
+
+`--word-vocab N` makes prompts of random words "w<k>", k < N (the synthetic word-level tokenizer of
+scripts/bench_serve_synthetic.py: one token per word, and distinct requests share no prefix by accident).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import argparse
 import asyncio
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -68,50 +80,161 @@ def summary(values: list[float]) -> dict:
             "mean": round(statistics.fmean(ms), 3) if ms else float("nan")}
 
 
-def make_prompt(i: int, words: int) -> str:
+def make_prompt(i: int, words: int, word_vocab: int | None = None) -> str:
+    if word_vocab:
+        return random_words(random.Random(i), words, word_vocab)
     body = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words))
     return f"Request {i}: {body}"
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, i: int) -> Result:
-    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+def random_words(rng: random.Random, words: int, word_vocab: int) -> str:
+    return " ".join(f"w{rng.randrange(1, word_vocab)}" for _ in range(words))
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when each piece of text arrived (perf_counter seconds) and the text."""
+
+    sent: float
+    times: list[float] = field(default_factory=list)
+    text: str = ""
+    tokens: int = 0
+    error: str = ""
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.sent
+
+    def gaps(self, start: float = float("-inf"), end: float = float("inf")) -> list[float]:
+        """Gaps between consecutive pieces whose interval overlaps [start, end]."""
+        return [b - a for a, b in zip(self.times, self.times[1:]) if b >= start and a <= end]
+
+
+async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                            temperature: float = 0.0, stream: Stream | None = None) -> Stream:
+    """Streams one /v1/completions request (ignore_eos)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
-    if args.endpoint == "chat":
-        path = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": make_prompt(i, args.prompt_words)}]
-        body["chat_template_kwargs"] = {"enable_thinking": False}
-    else:
-        path = "/v1/completions"
-        body["prompt"] = make_prompt(i, args.prompt_words)
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
+    return await stream_request(client, "/v1/completions", body, stream)
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict, stream: Stream | None = None) -> Stream:
+    """POSTs a streaming request and records when each piece of text arrives; `error` says what went wrong."""
+    out = stream or Stream(time.perf_counter())
+    out.sent = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
-                return Result(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return Result(False, error=str(chunk["error"])[:200])
+                    out.error = str(chunk["error"])[:200]
+                    return out
                 if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                    out.tokens = chunk["usage"]["completion_tokens"]
+                text = ""
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta", {})
-                    text = choice.get("text") or delta.get("content") or delta.get("reasoning_content")
-                    if text:
-                        now = time.perf_counter()
-                        first = first if first is not None else now
-                        last = now
+                    text += choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+                if text:
+                    out.times.append(time.perf_counter())
+                    out.text += text
+                    out.started.set()
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return Result(False, error=f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    if first is None:
-        return Result(False, error="no text received")
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    return Result(True, ttft=first - start, tpot=tpot, e2e=end - start, tokens=tokens)
+        out.error = f"{type(exc).__name__}: {exc}"
+    if not out.error and not out.times:
+        out.error = "no text received"
+    return out
+
+
+def _client(args: argparse.Namespace, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4)
+    return httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=httpx.Timeout(args.timeout))
+
+
+async def multi_turn(args: argparse.Namespace, model: str) -> dict:
+    """The multi-turn chat workload (see the module docstring): TTFT per turn."""
+    vocab = args.word_vocab
+    system = random_words(random.Random(1), args.system_words, vocab) if vocab else make_prompt(1, args.system_words)
+    ttfts: list[list[float]] = [[] for _ in range(args.turns)]
+    failed = 0
+
+    async def conversation(client: httpx.AsyncClient, index: int) -> None:
+        nonlocal failed
+        rng = random.Random(1000 + index)
+        history = system
+        for turn in range(args.turns):
+            user = random_words(rng, args.user_words, vocab) if vocab else make_prompt(index * 10 + turn, args.user_words)
+            history += " " + user
+            reply = await stream_completion(client, model, history, args.max_tokens, args.temperature)
+            if reply.error:
+                failed += 1
+                print(f"  failed: {reply.error}", file=sys.stderr)
+                return
+            ttfts[turn].append(reply.ttft)
+            history += reply.text
+
+    start = time.perf_counter()
+    async with _client(args, args.conversations) as client:
+        await asyncio.gather(*[conversation(client, i) for i in range(args.conversations)])
+    wall = time.perf_counter() - start
+    turns = [{"turn": t + 1, "requests": len(v), "ttft_ms": summary(v)} for t, v in enumerate(ttfts)]
+    later = [x for v in ttfts[1:] for x in v]
+    return {"conversations": args.conversations, "turns": args.turns, "system_words": args.system_words,
+            "user_words": args.user_words, "failed": failed, "wall_s": round(wall, 3), "per_turn": turns,
+            "later_turns_ttft_ms": summary(later)}
+
+
+async def long_prompt(args: argparse.Namespace, model: str) -> dict:
+    """The long-prompt-arrives workload (see the module docstring)."""
+    vocab = args.word_vocab
+    async with _client(args, args.streams + 1) as client:
+        streams = [Stream(time.perf_counter()) for _ in range(args.streams)]
+        tasks = [asyncio.create_task(stream_completion(client, model, make_prompt(50_000 + i, args.prompt_words, vocab),
+                                                       args.stream_tokens, args.temperature, stream))
+                 for i, stream in enumerate(streams)]
+        await asyncio.gather(*[s.started.wait() for s in streams])
+        await asyncio.sleep(args.settle)
+        prompt = random_words(random.Random(7), args.long_words, vocab) if vocab else make_prompt(7, args.long_words)
+        long = await stream_completion(client, model, prompt, 16, args.temperature)
+        await asyncio.gather(*tasks)
+    errors = [s.error for s in streams + [long] if s.error]
+    for error in errors[:1]:
+        print(f"  failed: {error}", file=sys.stderr)
+    if long.error:
+        return {"failed": len(errors)}
+    arrived, answered = long.sent, long.times[0]
+    during = [g for s in streams for g in s.gaps(arrived, answered)]
+    before = [g for s in streams for g in s.gaps(end=arrived)]
+    return {"streams": args.streams, "stream_tokens": args.stream_tokens, "long_words": args.long_words,
+            "failed": len(errors), "long_prompt_ttft_ms": round(long.ttft * 1000, 3),
+            "max_gap_during_ms": round(max(during, default=0.0) * 1000, 3),
+            "max_gap_before_ms": round(max(before, default=0.0) * 1000, 3),
+            "gap_before_ms": summary(before)}
+
+
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, i: int) -> Result:
+    prompt = make_prompt(i, args.prompt_words, args.word_vocab)
+    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if args.endpoint == "chat":
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    else:
+        path = "/v1/completions"
+        body["prompt"] = prompt
+    out = await stream_request(client, path, body)
+    if out.error:
+        return Result(False, error=out.error)
+    tpot = (out.times[-1] - out.times[0]) / (out.tokens - 1) if out.tokens > 1 else 0.0
+    return Result(True, ttft=out.ttft, tpot=tpot, e2e=time.perf_counter() - out.sent, tokens=out.tokens)
 
 
 async def run_level(args: argparse.Namespace, model: str, concurrency: int, offset: int) -> Level:
@@ -145,6 +268,12 @@ async def main_async(args: argparse.Namespace) -> dict:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
     if args.warmup:
         await run_level(args, model, 1, offset=10_000_000)
+    common = {"url": args.url, "model": model, "workload": args.workload, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "host": platform.node(), "command": " ".join(sys.argv)}
+    if args.workload == "multi-turn":
+        return {**common, "multi_turn": await multi_turn(args, model)}
+    if args.workload == "long-prompt":
+        return {**common, "long_prompt": await long_prompt(args, model)}
     levels = []
     for c in args.concurrency:
         level = await run_level(args, model, c, offset=c * 100_000)
@@ -158,6 +287,20 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def markdown(report: dict) -> str:
+    if "multi_turn" in report:
+        mt = report["multi_turn"]
+        rows = ["| turn | requests | TTFT p50 ms | TTFT p99 ms |", "|---:|---:|---:|---:|"]
+        rows += [f"| {t['turn']} | {t['requests']} | {t['ttft_ms']['p50']:.1f} | {t['ttft_ms']['p99']:.1f} |"
+                 for t in mt["per_turn"]]
+        return "\n".join(rows)
+    if "long_prompt" in report:
+        lp = report["long_prompt"]
+        if "long_prompt_ttft_ms" not in lp:
+            return "failed"
+        return ("| streams | long prompt words | long prompt TTFT ms | max gap while it is computed ms | "
+                "max gap before ms |\n|---:|---:|---:|---:|---:|\n"
+                f"| {lp['streams']} | {lp['long_words']} | {lp['long_prompt_ttft_ms']:.1f} | "
+                f"{lp['max_gap_during_ms']:.1f} | {lp['max_gap_before_ms']:.1f} |")
     rows = ["| concurrency | requests | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lv in report["levels"]:
@@ -172,7 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
-    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--workload", default="uniform", choices=["uniform", "multi-turn", "long-prompt"])
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"], help="uniform workload")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--requests", type=int, default=None, help="per level (default max(16, 4 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -180,6 +324,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--word-vocab", type=int, default=None, help="prompts of random words w<k>, k < N")
+    p.add_argument("--conversations", type=int, default=32, help="multi-turn")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn")
+    p.add_argument("--system-words", type=int, default=2000, help="multi-turn: shared opening")
+    p.add_argument("--user-words", type=int, default=50, help="multi-turn: new words per turn")
+    p.add_argument("--streams", type=int, default=32, help="long-prompt: streams decoding")
+    p.add_argument("--stream-tokens", type=int, default=512, help="long-prompt: tokens per stream")
+    p.add_argument("--long-words", type=int, default=16000, help="long-prompt: the arriving prompt")
+    p.add_argument("--settle", type=float, default=1.0, help="long-prompt: seconds of streaming before it arrives")
     p.add_argument("--out", default=None, help="write the report as JSON here (and a .md table beside it)")
     return p.parse_args(argv)
 
@@ -197,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     if args.out:
         write_report(report, args.out)
-    return 1 if any(lv["failed"] for lv in report["levels"]) else 0
+    failed = [lv["failed"] for lv in report.get("levels", [])]
+    failed += [report[k].get("failed", 0) for k in ("multi_turn", "long_prompt") if k in report]
+    return 1 if any(failed) else 0
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 
     python3 scripts/bench_serve_synthetic.py --synthetic qwen3-8b --concurrency 1 8 64 --max-tokens 128 \
         --out benchmarks/serve-qwen3-8b.json
+    python3 scripts/bench_serve_synthetic.py --no-prefix-caching --workload multi-turn --max-tokens 64 --out mt.json
 
 Random weights emit random token ids, so the tokenizer is a synthetic word-level one covering the whole vocabulary
 (token i <-> the word "w<i>"; unknown words -> w0): every id detokenizes to text, so streamed deltas, TTFT and
-TPOT are measured on the real HTTP + SSE path. The server binds to loopback on a free port; the load generator is
+TPOT are measured on the real HTTP + SSE path. Prompts are random words of that vocabulary (`--word-vocab`, passed
+on), so requests share no prefix unless the workload means them to. The server binds to loopback on a free port; the load generator is
 scripts/bench_serve.py in a child process (as vLLM's and SGLang's serving benchmarks run: a client in the server's
 process would share its interpreter lock and slow the server it measures); requests use `ignore_eos` so each produces
 exactly --max-tokens tokens. Options not listed by --help (--concurrency, --max-tokens, --requests, --out, ...) go
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 import bench_serve  # same folder: the load generator and report writer
-from orinfer.args import EngineArgs
+from orinfer.args import add_engine_args, engine_args_from_namespace
 from orinfer.bench.engine_bench import build_synthetic_llm
 from orinfer.config import preset, resolve_dtype
 from orinfer.server.app import ServerLimits, build_app
@@ -52,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--device", default="cuda")
+    add_engine_args(p, only=["enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens"])
     args, rest = p.parse_known_args(argv)
     device = torch.device(args.device)
     cfg = preset(args.synthetic)
     dtype, _ = resolve_dtype(args.dtype, device, cfg.torch_dtype)
-    engine_config = EngineArgs(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    llm = build_synthetic_llm(cfg, dtype, device, "auto", engine_config, tokenizer=synthetic_tokenizer(cfg.vocab_size))
+    engine_config = engine_args_from_namespace(args).replace(max_num_seqs=args.max_num_seqs,
+                                                              max_model_len=args.max_model_len)
+    rest = ["--word-vocab", str(cfg.vocab_size), *rest]
+    llm = build_synthetic_llm(cfg, dtype, device, engine_config, tokenizer=synthetic_tokenizer(cfg.vocab_size))
     app = build_app(llm, args.synthetic, limits=ServerLimits(max_pending_sequences=4096), reasoning=False)
     server = BackgroundServer(app).start(timeout=600)
     load_args = bench_serve.parse_args(["--url", server.url, *rest])
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(raw.read_text())
     report["command"] = "python3 scripts/bench_serve_synthetic.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report["server"] = {"model": f"synthetic {args.synthetic} ({dtype})", "max_num_seqs": args.max_num_seqs,
+                        "prefix_caching": engine_config.enable_prefix_caching,
+                        "chunked_prefill": engine_config.enable_chunked_prefill,
+                        "max_num_batched_tokens": engine_config.max_num_batched_tokens,
                         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         # uvicorn's "auto" loop is uvloop when installed; the HTTP parser stays h11 (header limits)
                         "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio", "http": "h11"}

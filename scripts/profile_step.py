@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quant == "awq":
         cfg.quantization = QuantConfig(group_size=128)
     engine_args = EngineArgs(max_num_seqs=1, max_model_len=args.prompt_len + 1024, kv_cache_bytes=1 << 30,
-                             cuda_graph=False)
-    llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), "triton", engine_args)
+                             cuda_graph=False, backend="triton", max_num_batched_tokens=max(2048, args.prompt_len))
+    llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), engine_args)
     ids = torch.randint(100, cfg.vocab_size - 100, (args.prompt_len,)).tolist()
     llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up, tuning
     for label, max_tokens in ((f"prefill {args.prompt_len}", 1), (f"prefill {args.prompt_len} + 16 decode steps", 17)):

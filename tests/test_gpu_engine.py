@@ -66,12 +66,13 @@ def test_greedy_decode_takes_the_graphs_argmax(tiny_path, monkeypatch, extra):
     if "in_place_rows" in extra:
         monkeypatch.setattr(cuda_graph, "IN_PLACE_MAX_ROWS", extra.pop("in_place_rows"))
 
-    sampled_in = []   # for each sampler call: whether its step was a prefill
+    sampled_in = []   # for each sampler call: whether its step had prompt rows
     real_sample, real_execute = model_runner.sample, model_runner.ModelRunner.execute
 
-    def execute(self, seqs, is_prefill, *args, **kwargs):
-        monkeypatch.setattr(model_runner, "sample", lambda *a: sampled_in.append(is_prefill) or real_sample(*a))
-        return real_execute(self, seqs, is_prefill, *args, **kwargs)
+    def execute(self, plan, *args, **kwargs):
+        prompt = not plan.is_decode
+        monkeypatch.setattr(model_runner, "sample", lambda *a: sampled_in.append(prompt) or real_sample(*a))
+        return real_execute(self, plan, *args, **kwargs)
 
     monkeypatch.setattr(model_runner.ModelRunner, "execute", execute)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **extra)
@@ -100,9 +101,9 @@ def test_plain_greedy_graph_steps_copy_no_ids_to_the_host(tiny_path, monkeypatch
         copies.append(t is not None and t.is_cuda)
         return real_to_host(t)
 
-    def init(self, seqs, is_prefill, *args):
-        prefills.append(is_prefill)
-        real_init(self, seqs, is_prefill, *args)
+    def init(self, seqs, prompt_seqs, *args):
+        prefills.append(bool(prompt_seqs))
+        real_init(self, seqs, prompt_seqs, *args)
 
     monkeypatch.setattr(in_flight, "_to_host", to_host)
     monkeypatch.setattr(in_flight.InFlightStep, "__init__", init)

@@ -9,6 +9,7 @@ import torch
 
 from hf_models import CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
+from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
 
 pytest.importorskip("transformers")
@@ -39,15 +40,18 @@ def paged_logits(llm: LLM, ids: list[int], prefill_len: int, mm: Any = None) -> 
     rows = []
     try:
         with torch.inference_mode():
-            input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=True)
-            batch = runner.prepare_multimodal([seq])
+            plan = StepPlan([seq], [prefill_len])
+            input_ids, positions, meta, _ = runner.prepare(plan)
+            batch = runner.prepare_multimodal(plan)
             extra = () if batch is None else (batch,)
             rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta, *extra)))
+            seq.num_computed_tokens = prefill_len
             for token in ids[prefill_len:]:
                 seq.append_token(token)
                 engine.block_manager.append_slot(seq)
-                input_ids, positions, meta, _ = runner.prepare([seq], is_prefill=False)
+                input_ids, positions, meta, _ = runner.prepare(StepPlan([seq], [1]))
                 rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
+                seq.num_computed_tokens += 1
     finally:
         engine.block_manager.free(seq)
     return torch.cat(rows)

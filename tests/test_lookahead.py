@@ -54,9 +54,9 @@ def test_batch_one_same_tokens_and_lookahead_happened(on, off):
     want, _ = _generate(off, "Alice was beginning to get very", params)
     got, launches = _generate(on, "Alice was beginning to get very", params)
     assert _seen(got) == _seen(want)
-    # Prefill, then 29 decode steps: every decode step but the first was launched behind the one before it (the
-    # last token is certainly the last one, by length, so no step is launched behind it).
-    assert launches == 28
+    # Prefill, then 29 decode steps: every decode step was launched behind the step before it, the first behind the
+    # prefill (the last token is certainly the last one, by length, so no step is launched behind it).
+    assert launches == 29
     m = got[0].metrics
     assert m.num_generated_tokens == 30 and m.decode_tok_s > 0 and m.ttft_s > 0 and m.prefill_tok_s > 0
 

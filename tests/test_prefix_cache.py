@@ -8,6 +8,7 @@ import torch
 
 from hf_models import build_hf_model, hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
+from orinfer.engine.multimodal import MultimodalInputs
 from orinfer.engine.block_manager import BlockManager, block_hash
 from orinfer.engine.sequence import Sequence
 
@@ -97,18 +98,36 @@ def test_can_allocate_counts_cached_blocks_taken_from_the_free_queue():
     assert manager.can_allocate(seq(list(range(8))))     # 1 hit + 1 fresh: the 2 free blocks
 
 
-def test_disabled_cache_and_image_prompts_never_hit():
+def test_disabled_cache_never_hits():
     off = BlockManager(8, BLOCK, enable_prefix_caching=False)
     computed(off, list(range(9)))
     s = seq(list(range(9)))
     off.allocate(s)
     assert s.num_cached_tokens == 0 and not off.cached
-    on = BlockManager(8, BLOCK)
-    computed(on, list(range(9)))
-    image = seq(list(range(9)))
-    image.mm = object()                                  # image content is not hashed yet: never shared
-    on.allocate(image)
-    assert image.num_cached_tokens == 0
+
+
+def with_image(tokens: list[int], image_start: int, digest: bytes) -> Sequence:
+    """A sequence whose prompt holds an image starting at `image_start` (only what the block hash reads)."""
+    s = seq(tokens)
+    s.mm = MultimodalInputs(torch.zeros(0, 1), [], torch.zeros(3, 0, dtype=torch.int64), 0,
+                            torch.zeros(0, dtype=torch.int64), [image_start], [digest])
+    return s
+
+
+def test_image_content_is_part_of_the_block_identity():
+    """Same placeholder tokens, different image: the blocks from the image's start on are not shared; the blocks
+    before it are, and the same image again hits all of them."""
+    manager = BlockManager(16, BLOCK)
+    tokens = list(range(13))
+    first = with_image(tokens, 5, b"cat")
+    manager.allocate(first)
+    manager.commit(first, 13)
+    other = with_image(tokens, 5, b"dog")
+    manager.allocate(other)
+    assert other.num_cached_tokens == 4                   # block 0 ends before the image (index 5, block 1)
+    same = with_image(tokens, 5, b"cat")
+    manager.allocate(same)
+    assert same.num_cached_tokens == 12
 
 
 def test_hit_counters():
@@ -135,23 +154,24 @@ def engine(path, **settings) -> LLM:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_waves_of_shared_prefixes_give_the_uncached_tokens(model, async_scheduling):
-    """Wave 1 computes the shared prefix; wave 2's prompts find it (a hit ending at a block boundary, one ending
-    inside a block, the whole prompt again) and decode exactly what an engine without the cache and HF decode."""
+    """Wave 1 computes the shared prefix (its second prompt already reuses the blocks the first computes in the same
+    step); wave 2's prompts find it (a hit ending at a block boundary, one ending inside a block, the whole prompt
+    again) and decode exactly what an engine without the cache and HF decode."""
     hf, path = model
     cached = engine(path, async_scheduling=async_scheduling)
     plain = engine(path, async_scheduling=async_scheduling, enable_prefix_caching=False)
     wave1 = [SYSTEM + [11, 12], SYSTEM + [30, 31, 32, 33, 34]]
     wave2 = [SYSTEM + [40], SYSTEM[:10] + [60, 61, 62], SYSTEM + [11, 12], SYSTEM + [30, 31, 32, 33, 34, 35, 36]]
-    for wave in (wave1, wave2):
+    for wave, hits in ((wave1, [0, 12]), (wave2, [12, 8, 12, 16])):
         got = cached.generate(wave, GREEDY)
         want = plain.generate(wave, GREEDY)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert [o.token_ids for o in got] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in wave]
         assert all(o.num_cached_tokens == 0 for o in want)
-    assert [o.num_cached_tokens for o in got] == [12, 8, 12, 16]
+        assert [o.num_cached_tokens for o in got] == hits
     manager = cached.engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks          # everything released, cached blocks included
-    assert manager.num_hit_tokens == 48
+    assert manager.num_hit_tokens == 60
 
 
 def test_preemption_with_a_tiny_pool_recomputes_from_the_cache(model):

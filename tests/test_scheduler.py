@@ -1,12 +1,14 @@
 """The scheduler and the block manager on their own: Sequence objects made by hand, no model, no engine.
 
-The helpers drive them the way LLMEngine does: `schedule()` picks a batch, the step samples one token per sequence
+The helpers drive them the way LLMEngine does: `schedule()` plans a step (decode rows and prompt chunks), launching it
+advances each sequence's computed tokens and gives the sequences that reached their newest token a sampled one
 (`step`), a finished or aborted sequence goes through `Scheduler.finish`, and a lookahead step is a
 `reserve_lookahead` on a batch whose tokens are still pending (`num_pending`).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable
 
@@ -14,7 +16,7 @@ import pytest
 
 from orinfer.args import EngineArgs
 from orinfer.engine.block_manager import BlockManager
-from orinfer.engine.scheduler import Scheduler
+from orinfer.engine.scheduler import Scheduler, StepPlan
 from orinfer.engine.sequence import Sequence, SequenceStatus
 from orinfer.sampling_params import SamplingParams
 
@@ -23,13 +25,19 @@ BLOCK = 4   # tokens per block in every test
 
 # --- helpers --------------------------------------------------------------------------------------------------------
 
+_prompts = itertools.count(1)
+
+
 def seq(name: str, num_tokens: int) -> Sequence:
-    """A sequence whose prompt is `num_tokens` tokens long."""
-    return Sequence(name, list(range(1, num_tokens + 1)), SamplingParams())
+    """A sequence whose prompt is `num_tokens` tokens long (its own tokens: no prefix shared with another)."""
+    base = next(_prompts) * 1000
+    return Sequence(name, list(range(base, base + num_tokens)), SamplingParams())
 
 
-def scheduler(num_blocks: int, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024) -> Scheduler:
-    config = EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=BLOCK)
+def scheduler(num_blocks: int, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024,
+              chunked: bool = True) -> Scheduler:
+    config = EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=BLOCK,
+                        enable_chunked_prefill=chunked)
     return Scheduler(config, BlockManager(num_blocks, BLOCK))
 
 
@@ -38,18 +46,35 @@ def admit(sched: Scheduler, *seqs: Sequence) -> None:
         sched.add(s)
 
 
-def step(sched: Scheduler) -> tuple[list[str], bool]:
-    """One engine step without lookahead: schedule, then each scheduled sequence gets its sampled token.
-    Returns the request ids of the batch and whether it was a prefill."""
-    batch, is_prefill = sched.schedule()
-    for s in batch:
-        s.append_token(7)
-    return [s.request_id for s in batch], is_prefill
+def launch_plan(plan: StepPlan) -> None:
+    """What the engine does when it launches a plan: the planned tokens count as computed; each sequence that reached
+    its newest token gets a pending one."""
+    sampled = plan.sampled
+    for s, n in zip(plan.seqs, plan.num_new_tokens):
+        s.num_computed_tokens += n
+    for s in sampled:
+        s.num_pending += 1
+
+
+def step(sched: Scheduler) -> list[tuple[str, int]]:
+    """One engine step without lookahead: schedule, launch, and each sampling sequence gets its token.
+    Returns (request id, tokens run) per row of the plan."""
+    plan = sched.schedule()
+    launch_plan(plan)
+    for s in plan.seqs:
+        if s.num_pending:
+            s.resolve_pending(7)
+    return [(s.request_id, n) for s, n in zip(plan.seqs, plan.num_new_tokens)]
+
+
+def decodes(*names: str) -> list[tuple[str, int]]:
+    return [(name, 1) for name in names]
 
 
 def launch(batch: list[Sequence]) -> None:
-    """The engine launched a step for `batch`: each sequence has one more token whose id is still on the device."""
+    """A lookahead decode step launched for `batch`: each sequence has one more token, still on the device."""
     for s in batch:
+        s.num_computed_tokens += 1
         s.num_pending += 1
 
 
@@ -80,48 +105,83 @@ def check_invariants(sched: Scheduler, live: list[Sequence]) -> None:
     assert len(sched.running) <= sched.config.max_num_seqs
     for s in sched.running:
         assert s.status is SequenceStatus.RUNNING
-        assert len(s.block_table) == blocks_for(s.num_tokens - 1)
+        assert s.num_computed_tokens < s.num_tokens
+        # The blocks of its tokens (admission), or of all but the newest one (decoding: the next row writes it).
+        assert blocks_for(s.num_tokens - 1) <= len(s.block_table) <= blocks_for(s.num_tokens)
     for s in sched.waiting:
         assert s.status is SequenceStatus.WAITING and s.block_table == []
 
 
-# --- prefill: token budget, FIFO, max_num_seqs ----------------------------------------------------------------------
+# --- the token budget: decodes first, then prompt chunks, FIFO, max_num_seqs -----------------------------------------
 
-def test_prefill_respects_the_token_budget_in_fifo_order() -> None:
+def test_decodes_come_first_and_prompts_share_the_rest_of_the_budget_in_fifo_order() -> None:
     sched = scheduler(64, max_num_batched_tokens=10)
     admit(sched, seq("a", 4), seq("b", 6), seq("c", 8), seq("d", 3), seq("e", 2))
-    assert step(sched) == (["a", "b"], True)         # exactly the budget: 4 + 6 = 10
+    assert step(sched) == [("a", 4), ("b", 6)]                    # exactly the budget
     assert ids(sched.waiting) == ["c", "d", "e"]
-    # c + d = 11 is over; e would fit beside c (8 + 2) but may not overtake d.
-    assert step(sched) == (["c"], True)
-    assert step(sched) == (["d", "e"], True)
+    # a and b decode; c's 8 tokens fill the rest.
+    assert step(sched) == decodes("a", "b") + [("c", 8)]
+    assert step(sched) == decodes("a", "b", "c") + [("d", 3), ("e", 2)]
     assert ids(sched.running) == ["a", "b", "c", "d", "e"]
-    assert step(sched) == (["a", "b", "c", "d", "e"], False)
+    assert step(sched) == decodes("a", "b", "c", "d", "e")
 
 
-def test_prompt_longer_than_the_budget_runs_alone() -> None:
+def test_long_prompts_run_in_chunks_beside_decoding_streams() -> None:
     sched = scheduler(64, max_num_batched_tokens=10)
+    a, long = seq("a", 3), seq("long", 25)
+    admit(sched, a, long)
+    assert step(sched) == [("a", 3), ("long", 7)]
+    assert long.num_computed_tokens == 7 and not long.num_completion_tokens    # no token sampled mid-prompt
+    assert step(sched) == decodes("a") + [("long", 9)]
+    assert step(sched) == decodes("a") + [("long", 9)]
+    assert long.num_completion_tokens == 1                        # the last chunk sampled its first token
+    assert step(sched) == decodes("a", "long")
+    assert len(long.block_table) == blocks_for(25)
+
+
+def test_a_chunk_budget_of_one_token() -> None:
+    sched = scheduler(64, max_num_batched_tokens=1)
+    a, b = seq("a", 3), seq("b", 2)
+    admit(sched, a, b)
+    assert [step(sched) for _ in range(3)] == [[("a", 1)], [("a", 1)], [("a", 1)]]
+    # a decodes every step (decode rows always run); b waits for a budget that a's decode leaves empty.
+    assert step(sched) == decodes("a") and ids(sched.waiting) == ["b"]
+    sched.finish(a)
+    assert [step(sched) for _ in range(3)] == [[("b", 1)], [("b", 1)], decodes("b")]
+
+
+def test_without_chunking_a_prompt_runs_whole() -> None:
+    sched = scheduler(64, max_num_batched_tokens=10, chunked=False)
     admit(sched, seq("short", 3), seq("long", 25), seq("after", 2))
-    assert step(sched) == (["short"], True)     # 3 + 25 > 10: long waits for the next step
-    assert step(sched) == (["long"], True)      # alone, though over the budget
-    assert step(sched) == (["after"], True)     # nothing may join a batch that is already over
-    assert step(sched) == (["short", "long", "after"], False)
+    assert step(sched) == [("short", 3)]            # 3 + 25 > 10: long waits for a step without another prompt
+    assert step(sched) == decodes("short") + [("long", 25)]       # over the budget, but not never
+    assert step(sched) == decodes("short", "long") + [("after", 2)]
 
 
 def test_max_num_seqs_caps_running_and_admits_as_others_finish() -> None:
     sched = scheduler(64, max_num_seqs=2)
     s0, s1, s2, s3 = (seq(f"s{i}", 3) for i in range(4))
     admit(sched, s0, s1, s2, s3)
-    assert step(sched) == (["s0", "s1"], True)
+    assert step(sched) == [("s0", 3), ("s1", 3)]
     assert ids(sched.waiting) == ["s2", "s3"]
-    assert step(sched) == (["s0", "s1"], False)     # full: the queue waits, the running ones decode
+    assert step(sched) == decodes("s0", "s1")     # full: the queue waits, the running ones decode
     sched.finish(s0)
-    assert step(sched) == (["s2"], True)
+    assert step(sched) == decodes("s1") + [("s2", 3)]
     assert ids(sched.running) == ["s1", "s2"] and ids(sched.waiting) == ["s3"]
     sched.finish(s1)
     sched.finish(s2)
-    assert step(sched) == (["s3"], True)
+    assert step(sched) == [("s3", 3)]
     assert ids(sched.running) == ["s3"] and not sched.waiting
+
+
+def test_identical_prompts_admitted_together_share_the_blocks_the_first_computes() -> None:
+    """The choices of an n > 1 request: the second finds the first's full blocks, registered when it was planned."""
+    sched = scheduler(16)
+    first = Sequence("n0", list(range(50, 60)), SamplingParams())
+    second = Sequence("n1", list(range(50, 60)), SamplingParams())
+    admit(sched, first, second)
+    assert step(sched) == [("n0", 10), ("n1", 2)]
+    assert second.num_cached_tokens == 8 and second.block_table[:2] == first.block_table[:2]
 
 
 # --- decode ----------------------------------------------------------------------------------------------------------
@@ -135,7 +195,7 @@ def test_decode_gives_every_running_sequence_a_slot_for_its_newest_token() -> No
     tables = {"a": [], "b": []}
     for _ in range(6):
         before = {s.request_id: list(s.block_table) for s in (a, b)}
-        assert step(sched) == (["a", "b"], False)
+        assert step(sched) == decodes("a", "b")
         for s in (a, b):
             written = s.num_tokens - 1               # the decode step wrote the KV of the token sampled before it
             assert len(s.block_table) == blocks_for(written)
@@ -151,10 +211,10 @@ def test_preemption_takes_the_most_recently_admitted_first_and_recomputes_it_lat
     sched = scheduler(3, max_num_seqs=3)
     a, b, c, d = seq("a", 4), seq("b", 2), seq("c", 2), seq("d", 4)
     admit(sched, a, b, c, d)
-    assert step(sched) == (["a", "b", "c"], True)   # one block each, none left; d waits (max_num_seqs)
+    assert step(sched) == [("a", 4), ("b", 2), ("c", 2)]   # one block each, none left; d waits (max_num_seqs)
     c_block = c.block_table[0]
     # a (now 5 tokens) needs a second block; b and c (3 tokens) do not. c, admitted last, gives up its block.
-    assert step(sched) == (["a", "b"], False)
+    assert step(sched) == decodes("a", "b")
     assert a.block_table[1] == c_block
     assert ids(sched.running) == ["a", "b"]
     assert ids(sched.waiting) == ["c", "d"]          # at the front, ahead of d
@@ -162,10 +222,10 @@ def test_preemption_takes_the_most_recently_admitted_first_and_recomputes_it_lat
     assert [s.num_preemptions for s in (a, b, d)] == [0, 0, 0]
     assert sched.block_manager.num_free_blocks == 0
     sched.finish(a)                                  # frees 2 blocks
-    batch, is_prefill = sched.schedule()
-    assert is_prefill and ids(batch) == ["c", "d"]
+    plan = sched.schedule()
+    assert ids(plan.seqs) == ["b", "c", "d"] and plan.num_new_tokens == [1, 3, 4]
     # Recomputed: its prompt and the token it had generated, in one block.
-    assert c.status is SequenceStatus.RUNNING and c.token_ids == [1, 2, 7] and len(c.block_table) == 1
+    assert c.status is SequenceStatus.RUNNING and c.token_ids[2:] == [7] and len(c.block_table) == 1
     assert ids(sched.running) == ["b", "c", "d"] and not sched.waiting
 
 
@@ -176,12 +236,12 @@ def test_several_preemptions_in_one_step_keep_the_queue_in_admission_order() -> 
     step(sched)                                      # one block each, none free; all need a second one
     c_block, d_block = c.block_table[0], d.block_table[0]
     # a takes d's block, b takes c's: the newest go first, and back to the queue in their original order.
-    assert step(sched) == (["a", "b"], False)
+    assert step(sched) == decodes("a", "b")
     assert (a.block_table[1], b.block_table[1]) == (d_block, c_block)
     assert ids(sched.waiting) == ["c", "d"]
     assert [s.num_preemptions for s in (a, b, c, d)] == [0, 0, 1, 1]
     sched.finish(b)
-    assert step(sched) == (["c"], True)              # c (5 tokens) gets b's 2 blocks; d must wait for more
+    assert step(sched) == decodes("a") + [("c", 5)]  # c (5 tokens) gets b's 2 blocks; d must wait for more
     assert ids(sched.waiting) == ["d"]
 
 
@@ -190,7 +250,7 @@ def test_a_lone_sequence_that_cannot_grow_preempts_itself() -> None:
     a = seq("a", 8)
     admit(sched, a)
     step(sched)                                      # 9 tokens: needs a third block, and the pool has two
-    assert step(sched) == ([], False)
+    assert step(sched) == []
     assert ids(sched.waiting) == ["a"] and a.num_preemptions == 1 and a.block_table == []
     assert sched.block_manager.num_free_blocks == 2
 
@@ -201,10 +261,10 @@ def decoding(sched: Scheduler, *seqs: Sequence) -> list[Sequence]:
     """Admits `seqs`, runs their prefill and launches a decode step; returns the decode batch."""
     admit(sched, *seqs)
     step(sched)
-    batch, is_prefill = sched.schedule()
-    assert not is_prefill and batch == list(seqs)
-    launch(batch)
-    return batch
+    plan = sched.schedule()
+    assert plan.is_decode and plan.seqs == list(seqs)
+    launch_plan(plan)
+    return plan.seqs
 
 
 def test_lookahead_reserves_the_next_slot() -> None:
@@ -277,7 +337,7 @@ def test_abort_of_a_preempted_sequence() -> None:
     a, b = seq("a", 4), seq("b", 4)
     admit(sched, a, b)
     step(sched)
-    assert step(sched) == (["a"], False)             # b preempted: its block went to a
+    assert step(sched) == decodes("a")               # b preempted: its block went to a
     assert ids(sched.waiting) == ["b"] and b.block_table == []
     sched.finish(b)
     assert not sched.waiting and b.status is SequenceStatus.FINISHED
@@ -292,8 +352,8 @@ def test_random_schedule_keeps_blocks_disjoint_and_returns_them_all() -> None:
     sched = scheduler(num_blocks, max_num_seqs=4, max_num_batched_tokens=budget)
     live: list[Sequence] = []
     target: dict[str, int] = {}                      # total length at which a sequence finishes
-    stats = dict.fromkeys(["prefills", "decodes", "reserved", "declined", "preempted", "readmitted", "finished",
-                           "aborted"], 0)
+    stats = dict.fromkeys(["prefills", "decodes", "chunks", "reserved", "declined", "preempted", "readmitted",
+                           "finished", "aborted"], 0)
 
     def end(s: Sequence) -> None:
         sched.finish(s)
@@ -308,17 +368,19 @@ def test_random_schedule_keeps_blocks_disjoint_and_returns_them_all() -> None:
             live.append(s)
         queue_before = ids(sched.waiting)
         preemptions_before = sum(s.num_preemptions for s in live)
-        batch, is_prefill = sched.schedule()
+        plan = sched.schedule()
+        batch = plan.seqs
         stats["preempted"] += sum(s.num_preemptions for s in live) - preemptions_before
-        if is_prefill:
-            stats["prefills"] += 1
-            assert ids(batch) == queue_before[:len(batch)]                         # FIFO
-            assert len(batch) == 1 or sum(s.num_tokens for s in batch) <= budget
-            stats["readmitted"] += sum(1 for s in batch if s.num_preemptions)
-        elif batch:
-            stats["decodes"] += 1
-        launch(batch)
-        if batch and not is_prefill and rng.random() < 0.5:
+        admitted = [s for s in batch if s.request_id in queue_before]
+        assert ids(admitted) == queue_before[:len(admitted)]                        # FIFO
+        decode_rows = sum(1 for s in batch if s.num_uncomputed_tokens == 1)
+        assert plan.num_tokens <= max(budget, decode_rows)
+        assert all(n <= s.num_uncomputed_tokens for s, n in zip(batch, plan.num_new_tokens))
+        stats["readmitted"] += sum(1 for s in admitted if s.num_preemptions)
+        stats["chunks"] += sum(1 for s, n in zip(batch, plan.num_new_tokens) if n < s.num_uncomputed_tokens)
+        stats["decodes" if plan.is_decode and batch else "prefills"] += 1
+        launch_plan(plan)
+        if batch and plan.is_decode and rng.random() < 0.5:
             if sched.reserve_lookahead(batch):
                 stats["reserved"] += 1
                 launch(batch)

@@ -38,12 +38,16 @@ def vl_pair(request, tmp_path_factory):
     hf = build_hf_vl_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
+    write_preprocessor_config(path)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, progress=False)
+    return hf, llm
+
+
+def write_preprocessor_config(path) -> None:
     # Small pixel bounds keep the images (and the CPU time) small; the same bounds go to HF's processor.
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "patch_size": 16, "merge_size": 2,
          "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4, progress=False)
-    return hf, llm
 
 
 def random_inputs(prompt: list[int], grids: list[tuple[int, int, int]], seed: int = 0
@@ -182,6 +186,31 @@ def test_mixed_batch_and_preemption_keep_tokens(vl_pair, tmp_path):
     assert outs[-1].metrics.num_preemptions > 0
 
 
+def test_chunks_and_prefix_cache_keep_two_same_size_images_apart(vl_pair, tmp_path):
+    """Two prompts alike but for their image (same size: same placeholder tokens), with prompt chunks of 5 tokens
+    (boundaries inside the images) and prefix caching: each gets HF's tokens for its own image, the second shares
+    only the blocks before its image, and a repeat of the first hits up to its last token."""
+    hf, llm = vl_pair
+    path = tmp_path / "vl"
+    hf.save_pretrained(path, safe_serialization=True)
+    write_preprocessor_config(path)
+    chunked = LLM(path, dtype="float32", device="cpu", block_size=4, progress=False, max_num_batched_tokens=5)
+    prompt = [5, 17, 42, 99, 3, VS, IMG, VE, 7]
+    pil = images([(64, 48), (64, 48)], seed=3)
+    outs = []
+    for image in (pil[0], pil[1], pil[0]):
+        outs.append(chunked.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": [image]}},
+                                     SamplingParams(max_tokens=12, logprobs=3, **GREEDY))[0])
+    for out, image in zip(outs, (pil[0], pil[1], pil[0])):
+        pixels, grids = hf_pixels([image])
+        assert out.token_ids == hf_vl_greedy(hf, out.prompt_token_ids, 12, pixels, grids)
+    # The first token's runner-up log-probabilities read the whole prompt: they tell the images apart (the tiny
+    # model's greedy tokens may not), and the repeat, served from the cache, reproduces them.
+    first = [[logprob for _, logprob in o.logprobs[0].top[1:]] for o in outs]
+    assert first[0] != pytest.approx(first[1], abs=1e-3) and first[2] == pytest.approx(first[0], abs=1e-5)
+    assert [o.num_cached_tokens for o in outs] == [0, 4, 4 * ((len(outs[0].prompt_token_ids) - 1) // 4)]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="no CUDA and no TRITON_INTERPRET")
 def test_triton_backend_greedy_matches_torch(vl_pair, tmp_path):
@@ -285,7 +314,7 @@ def test_gpu_memory_probe_encodes_a_large_image(vl_pair, monkeypatch):
     _, llm = vl_pair
     model = llm.engine.runner.model
     calls, encode = [], model.encode_images
-    monkeypatch.setattr(model, "encode_images", lambda mm: (calls.append(mm.grid_thw), encode(mm)))
+    monkeypatch.setattr(model, "encode_images", lambda pixels, grids: (calls.append(grids), encode(pixels, grids)))
     model.warmup_images(300)
     assert calls == []  # torch backend: no probe
     monkeypatch.setattr(model.visual, "ops", dataclasses.replace(model.visual.ops, materializes_attention=False))

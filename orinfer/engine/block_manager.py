@@ -5,7 +5,7 @@ ceil(tokens / block_size) blocks, listed in its block table; blocks need not be 
 fragments and a sequence grows one block at a time.
 
 Prefix caching: a full block whose tokens' K/V have been computed is identified by a hash chained from its parent
-block's hash and its own token ids, so two sequences whose prompts start with the same tokens compute the same chain.
+block's hash and its own token ids (and the content of images that start in it), so two sequences whose prompts start with the same tokens compute the same chain.
 `allocate` gives a new sequence the cached blocks of its prompt's longest cached prefix (at least one token is always
 left to compute: the step that computes it samples the first token) and fresh blocks for the rest. Blocks are
 reference-counted; a block nobody holds goes back to the free queue but stays findable by its hash until the pool
@@ -22,11 +22,13 @@ from collections import OrderedDict
 from orinfer.engine.sequence import Sequence
 
 
-def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """The identity of a full block: a 128-bit digest of its parent's hash and its token ids (collisions are
-    negligible at that width, unlike Python's 64-bit hash())."""
+def block_hash(parent: bytes | None, token_ids: list[int], extra: list[bytes] = ()) -> bytes:
+    """The identity of a full block: a 128-bit digest of its parent's hash, its token ids and `extra` (the content
+    digests of images that start in it; collisions are negligible at that width, unlike Python's 64-bit hash())."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    for item in extra:
+        digest.update(item)
     return digest.digest()
 
 
@@ -60,13 +62,14 @@ class BlockManager:
         scheduler asks again every step while a sequence waits, and `commit` needs the same chain."""
         chain, size = seq.block_chain, self.block_size
         while len(chain) < num_blocks:
-            index = len(chain)
-            chain.append(block_hash(chain[-1] if chain else None, seq.token_ids[index * size:(index + 1) * size]))
+            start = len(chain) * size
+            images = seq.mm.hashes_starting_in(start, start + size) if seq.mm is not None else []
+            chain.append(block_hash(chain[-1] if chain else None, seq.token_ids[start:start + size], images))
         return chain
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the longest prefix of the sequence's tokens, leaving at least one token."""
-        if not self.enable_prefix_caching or seq.mm is not None:  # images: their content is not hashed yet
+        if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         for index in range((seq.num_tokens - 1) // self.block_size):
@@ -80,6 +83,10 @@ class BlockManager:
         """Whether the free queue covers the fresh blocks and the cached hits nobody holds (they leave it too)."""
         taken_from_free = sum(1 for b in hits if self.ref_counts[b] == 0)
         return seq.blocks_needed(self.block_size) - len(hits) + taken_from_free <= len(self.free_blocks)
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of a waiting sequence that `allocate` would take from the cache."""
+        return len(self._prefix_hits(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self._fits(seq, self._prefix_hits(seq))
@@ -101,7 +108,7 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
-        if self.enable_prefix_caching and seq.mm is None:
+        if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_cached_tokens
 
@@ -127,10 +134,10 @@ class BlockManager:
             seq.block_table.append(self._take_free())
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
-        """Registers the sequence's blocks that `num_computed` computed tokens (K/V written by finished steps) fill,
-        so later prompts can find them. A block already cached under the same hash (the same tokens computed by
+        """Registers the sequence's blocks that its first `num_computed` tokens fill (K/V written by launched steps:
+        a later reader is queued behind them), so later prompts can find them. A block already cached under the same hash (the same tokens computed by
         another sequence at the same time) stays this sequence's own."""
-        if not self.enable_prefix_caching or seq.mm is not None:
+        if not self.enable_prefix_caching:
             return
         full = num_computed // self.block_size
         if full <= seq.num_committed_blocks:

@@ -97,7 +97,7 @@ class DecodeGraphs:
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The decode step over the first `blocks` columns of the block table (contexts of up to that many blocks)."""
         meta = AttentionMetadata(
-            is_prefill=False, query_start_loc=self.query_start_loc[:batch + 1],
+            from_start=False, query_start_loc=self.query_start_loc[:batch + 1],
             context_lens=self.context_lens[:batch], max_query_len=1, max_context_len=blocks * self.block_size,
             slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch, :blocks])
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], meta)

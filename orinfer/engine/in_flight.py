@@ -31,10 +31,11 @@ class HostSample:
 
 
 class InFlightStep:
-    """One launched step: its batch (row i samples for seqs[i]), when it was launched, its device outputs."""
+    """One launched step: the sequences that sample in it (row i samples for seqs[i]), those that ran prompt tokens
+    in it, when it was launched, and its device outputs."""
 
-    def __init__(self, seqs: list[Sequence], is_prefill: bool, start: float, out: SamplerOutput) -> None:
-        self.seqs, self.is_prefill, self.start = seqs, is_prefill, start
+    def __init__(self, seqs: list[Sequence], prompt_seqs: list[Sequence], start: float, out: SamplerOutput) -> None:
+        self.seqs, self.prompt_seqs, self.start = seqs, prompt_seqs, start
         self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
         host = {f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)
                 if f.name not in ("token_ids", "host_token_ids")}

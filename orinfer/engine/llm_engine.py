@@ -1,12 +1,12 @@
 """The engine loop: requests in, one scheduled step at a time, tokens and text out.
 
-`add_request` validates a request and queues it; `step` runs one scheduler decision (a prefill or a decode batch)
-and returns the sequences that advanced; `abort` drops a request and frees its blocks at once. Callers (LLM, the
+`add_request` validates a request and queues it; `step` runs one scheduler decision (decode rows and prompt chunks,
+`scheduler.py`) and returns the sequences that advanced; `abort` drops a request and frees its blocks at once. Callers (LLM, the
 server) drive `step` in a loop.
 
 Lookahead (EngineArgs.async_scheduling, see in_flight.py): in the steady state of decoding, `step` launches the
 next decode step before it waits for the current one, so a decode step is usually in flight between two calls.
-Anything that needs the host to know every token first (a prefill to admit, a preemption) drains it.
+Anything that needs the host to know every token first (a prompt to admit or continue, a preemption) drains it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
 from orinfer.engine.model_runner import ModelRunner
 from orinfer.engine.multimodal import prepare_images
-from orinfer.engine.scheduler import Scheduler
+from orinfer.engine.scheduler import Scheduler, StepPlan
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.errors import RequestError
 from orinfer.layers.ops import Ops
@@ -168,39 +168,45 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Processes one batch; returns the sequences that got a token (finished ones included).
+        """Processes one step; returns the sequences that got a token (finished ones included).
 
-        The batch is the step left in flight by the previous call, if any, else a newly scheduled one. Before waiting
-        for its tokens, the next decode step is launched behind it when that is safe (`_launch_lookahead`)."""
+        The step is the one left in flight by the previous call, if any, else a newly scheduled one. Before waiting
+        for its tokens, the next decode step is launched behind it when that is safe (`_launch_lookahead`). A step
+        that only ran prompt chunks returns no sequence."""
         current = self.in_flight
         if current is None:
-            seqs, is_prefill = self.scheduler.schedule()
-            if not seqs:
+            plan = self.scheduler.schedule()
+            if not plan:
                 return []
-            current = self.in_flight = self._launch(seqs, is_prefill)
+            current = self.in_flight = self._launch(plan)
         # (in_flight is replaced only once the next step is launched: if launching raises, `current` stays there
         # for the next call to collect, so no sequence keeps a pending token that nothing will resolve.)
         self.in_flight = self._launch_lookahead(current)
         return self._resolve(current)
 
-    def _launch(self, seqs: list[Sequence], is_prefill: bool, after: InFlightStep | None = None,
-                rows: list[int] | None = None) -> InFlightStep:
-        """Queues a step on the device; each sequence gets a pending token. `after`/`rows`: lookahead inputs."""
+    def _launch(self, plan: StepPlan, after: InFlightStep | None = None, rows: list[int] | None = None
+                ) -> InFlightStep:
+        """Queues a step on the device: each sequence's planned tokens count as computed, and each that samples gets
+        a pending token. `after`/`rows`: lookahead inputs."""
         start = time.perf_counter()
-        for seq in seqs:
+        for seq in plan.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
         prev_ids = after.device_ids if after is not None else None
-        out = self.runner.execute(seqs, is_prefill, prev_ids, rows)
-        for seq in seqs:
+        sampled = plan.sampled
+        prompt_seqs = [seq for seq in plan.seqs if not seq.is_decoding]
+        out = self.runner.execute(plan, prev_ids, rows)
+        for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
+            seq.num_computed_tokens += num_new
+        for seq in sampled:
             seq.num_pending += 1
-        return InFlightStep(seqs, is_prefill, start, out)
+        return InFlightStep(sampled, prompt_seqs, start, out)
 
     def _launch_lookahead(self, current: InFlightStep) -> InFlightStep | None:
-        """The next decode step, launched while `current` (a decode step) is in flight; None (drain) whenever the
-        plain next step could differ: a prefill to admit or a preemption. (Penalties read the pending tokens on the
-        device: `ModelRunner.sampling_batch`.)"""
-        if not self.lookahead or current.is_prefill:
+        """The next decode step, launched while `current` is in flight; None (drain) whenever the plain next step
+        could differ: a sequence to admit, a prompt still being computed, or a preemption. (Penalties read the pending
+        tokens on the device: `ModelRunner.sampling_batch`.)"""
+        if not self.lookahead:
             return None
         running = list(self.scheduler.running)
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
@@ -211,7 +217,7 @@ class LLMEngine:
         if not batch or rows is None or not self.scheduler.reserve_lookahead(batch):
             return None
         self.num_lookahead_steps += 1
-        return self._launch(batch, False, current, rows)
+        return self._launch(StepPlan(batch, [1] * len(batch)), current, rows)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""
@@ -222,10 +228,9 @@ class LLMEngine:
         are skipped. Timings are read after the wait: they cover the device work."""
         sample = step.wait()
         now = time.perf_counter()
+        for seq in step.prompt_seqs:
+            seq.prefill_seconds += now - step.start
         live = [(i, seq) for i, seq in enumerate(step.seqs) if not seq.is_finished]
-        if step.is_prefill:
-            for _, seq in live:
-                seq.prefill_seconds += now - step.start
         self._process(live, sample, now)
         return [seq for _, seq in live]
 
@@ -234,8 +239,6 @@ class LLMEngine:
         for i, seq in live:
             token = sample.token_ids[i]
             seq.resolve_pending(token)
-            # Every token but the newest now has its K/V in the cache: full blocks become findable by later prompts.
-            self.block_manager.commit(seq, len(seq.token_ids) - 1)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if sample.logprobs is not None and seq.params.logprobs is not None:

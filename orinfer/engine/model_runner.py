@@ -2,8 +2,8 @@
 
 The runner knows no concrete model: it needs `forward(input_ids, positions, meta)`, `compute_logits(hidden)` and
 `attention_layers()` (each gets a `k_cache`/`v_cache` pair bound to it). A model that sets `supports_multimodal`
-also gets, for prefills of sequences with images, a `MultimodalBatch` as a fourth argument, after its
-`encode_images(batch)` ran (timed here: the request's vision-encode time).
+also gets, for steps with prompt rows of sequences with images, a `MultimodalBatch` as a fourth argument, built from
+what its `encode_images(pixel_values, grid_thw)` returned (timed here: the request's vision-encode time).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from torch import nn
 from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
+from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
-from orinfer.layers.mrope import MultimodalBatch
+from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
-        if engine_config.enable_prefix_caching and device.type == "cuda":
+        if device.type == "cuda":
             self._warmup_cached_prefix()
         self.graphs: DecodeGraphs | None = None
         # Graphs need a backend whose decode path never syncs with the host (the torch reference does): one that has
@@ -92,14 +93,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup_forward(self) -> None:
-        # A prefill of the largest batch the scheduler will form, in sequences of at most 1024 tokens.
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        # The largest step the scheduler will form, as prompts of at most 1024 tokens. Without chunked prefill a prompt
+        # longer than the budget runs whole, in a step of its own.
+        tokens = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill:
+            tokens = max(tokens, self.max_model_len)
+        tokens = min(tokens, self.max_model_len * self.config.max_num_seqs)
         lengths = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
         meta = AttentionMetadata(
-            is_prefill=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            from_start=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             context_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
             max_query_len=max(lengths), max_context_len=max(lengths))
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
@@ -112,17 +117,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup_cached_prefix(self) -> None:
-        """Prefills over a cached prefix (two query rows over block 0, writing nothing), so that the kernels of a
-        prefix-cache hit compile at start-up rather than stalling the first request that hits (0.8-1.4 s on the H200).
+        """Prompt rows over a cached context (two query rows over block 0, writing nothing), so that the kernels of
+        prompt chunks and prefix-cache hits compile at start-up rather than stalling the first request that needs them
+        (0.8-1.4 s on the H200).
         Triton compiles a kernel once per class of each integer argument (1, a multiple of 16, other): block tables
         of width 16 and of width 2 cover the widths a batch's table can have (never 1 in a hit: two blocks at least)."""
         i32 = dict(dtype=torch.int32, device=self.device)
         for width in (2, 16):
             meta = AttentionMetadata(
-                is_prefill=True, query_start_loc=torch.tensor([0, 2], **i32), context_lens=torch.tensor([2], **i32),
+                from_start=False, query_start_loc=torch.tensor([0, 2], **i32), context_lens=torch.tensor([2], **i32),
                 max_query_len=2, max_context_len=2,
                 slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=self.device),
-                block_tables=torch.zeros(1, width, **i32), has_cached_prefix=True)
+                block_tables=torch.zeros(1, width, **i32))
             self.model(torch.zeros(2, dtype=torch.int64, device=self.device), torch.arange(2, device=self.device), meta)
 
     def _allocate_kv_cache(self) -> None:
@@ -153,78 +159,109 @@ class ModelRunner:
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         return self._upload(rows, torch.int32)
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids [T], positions [T], metadata, rows whose logits are needed [B])."""
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids [T], positions [T], metadata, rows whose logits are needed [sampling sequences])."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
-        for seq in seqs:
-            # Prefill (also the recompute of a preempted sequence) runs every token; decode only the newest. A
-            # lookahead decode's newest token is still on the device (pending): its id here is a stand-in that
+        last_rows: list[int] = []
+        for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
+            first = seq.num_computed_tokens
+            end = first + num_new
+            chunk = seq.token_ids[first:end]
+            # A lookahead decode's newest token is still on the device (pending): its id here is a stand-in that
             # execute() replaces with the device ids.
-            # A prefill skips the tokens its prefix-cache hit brought (their K/V are in the cache already).
-            first = seq.num_cached_tokens if is_prefill else seq.num_tokens - 1
-            ids.extend(seq.token_ids[first:] if is_prefill else seq.token_ids[-1:])
-            # Decode of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted position.
-            # (Its prefill positions come from the MultimodalBatch instead.)
-            shift = 0 if is_prefill else seq.rope_delta
-            positions.extend(range(first + shift, seq.num_tokens + shift))
-            slots.extend(self._slot(seq, p) for p in range(first, seq.num_tokens))
+            ids.extend(chunk + [0] * (num_new - len(chunk)))
+            # Decode rows of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted
+            # position. (Its prompt rows take their positions from the MultimodalBatch instead.)
+            shift = seq.rope_delta if seq.is_decoding else 0
+            positions.extend(range(first + shift, end + shift))
+            slots.extend(self._slot(seq, p) for p in range(first, end))
             starts.append(len(ids))
-        lens = [s.num_tokens for s in seqs]
+            if plan.samples(index):
+                last_rows.append(len(ids) - 1)
+        lens = [seq.num_computed_tokens + n for seq, n in zip(plan.seqs, plan.num_new_tokens)]
         meta = AttentionMetadata(
-            is_prefill=is_prefill,
+            from_start=all(seq.num_computed_tokens == 0 for seq in plan.seqs),
             query_start_loc=self._upload(starts, torch.int32),
             context_lens=self._upload(lens, torch.int32),
-            max_query_len=max(b - a for a, b in zip(starts[:-1], starts[1:])),
+            max_query_len=max(plan.num_new_tokens),
             max_context_len=max(lens),
             slot_mapping=self._upload(slots, torch.int64),
-            block_tables=self._block_tables(seqs),
-            has_cached_prefix=is_prefill and any(s.num_cached_tokens for s in seqs),
+            block_tables=self._block_tables(plan.seqs),
         )
-        last_rows = self._upload([s - 1 for s in starts[1:]], torch.int64)
-        return self._upload(ids, torch.int64), self._upload(positions, torch.int64), meta, last_rows
+        return (self._upload(ids, torch.int64), self._upload(positions, torch.int64), meta,
+                self._upload(last_rows, torch.int64))
 
-    def prepare_multimodal(self, seqs: list[Sequence]) -> MultimodalBatch | None:
-        """The visual inputs of a prefill batch, or None when the model takes none or no sequence has images."""
-        if not getattr(self.model, "supports_multimodal", False) or all(s.mm is None for s in seqs):
+    def prepare_multimodal(self, plan: StepPlan) -> MultimodalBatch | None:
+        """The M-RoPE positions and visual embeddings of a step that runs prompt rows of a sequence with images; None
+        when the model takes no images or no such row runs (decode rows of such sequences use shifted plain RoPE).
+
+        A sequence's images are encoded once, by the first step whose rows reach one of them, and kept on its
+        MultimodalInputs until its last visual row has run: each chunk takes the rows it covers."""
+        if not getattr(self.model, "supports_multimodal", False) \
+                or all(seq.mm is None or seq.is_decoding for seq in plan.seqs):
             return None
-        positions, pixels, grids, rows = [], [], [], []
+        self._encode_images(plan)
+        positions, rows, picked_rows = [], [], []
         offset = 0
-        for seq in seqs:
-            n = seq.num_tokens
+        for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if seq.mm is None:
-                positions.append(torch.arange(n).expand(3, n))  # text: the same position on every axis
+                positions.append(torch.arange(first, end).expand(3, num_new))  # text: equal axes
             else:
-                positions.append(seq.mm.positions(n))
-                pixels.append(seq.mm.pixel_values)
-                grids.extend(seq.mm.grid_thw)
-                rows.append(seq.mm.placeholder_index + offset)
-            offset += n
-        return MultimodalBatch(
-            positions=self._to_device(torch.cat(positions, dim=1)),
-            pixel_values=self._to_device(torch.cat(pixels)), grid_thw=grids,
-            visual_rows=self._to_device(torch.cat(rows)))
+                positions.append(seq.mm.positions(end)[:, first:])
+                index = seq.mm.placeholder_index
+                picked = ((index >= first) & (index < end)).nonzero().squeeze(1)
+                if picked.numel():
+                    rows.append(index[picked] - first + offset)
+                    picked_rows.append((seq.mm.encoded, self._to_device(picked)))
+                if seq.mm.encoded is not None and not bool((index >= end).any()):
+                    seq.mm.encoded = None  # every visual row has run (this step still holds what it reads)
+            offset += num_new
+        embeds, deepstack = None, []
+        if picked_rows:
+            embeds = torch.cat([encoded.embeds.index_select(0, pick) for encoded, pick in picked_rows])
+            num_features = len(picked_rows[0][0].deepstack)
+            deepstack = [torch.cat([encoded.deepstack[layer].index_select(0, pick) for encoded, pick in picked_rows])
+                         for layer in range(num_features)]
+        visual_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        return MultimodalBatch(positions=self._to_device(torch.cat(positions, dim=1)),
+                               visual_rows=self._to_device(visual_rows), embeds=embeds, deepstack=deepstack)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
             return tensor.to(self.device)
         return tensor.contiguous().pin_memory().to(self.device, non_blocking=True)
 
-    def _encode_images(self, seqs: list[Sequence], mm: MultimodalBatch) -> None:
-        """Runs the vision tower once for the whole batch; each sequence is charged its share of the time (by
-        patches), since one tower call serves all of them."""
+    def _encode_images(self, plan: StepPlan) -> None:
+        """Runs the vision tower once over the images of every sequence whose rows in this step reach its images for
+        the first time (since admission); each sequence is charged its share of the time, by patches."""
+        todo = []
+        for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
+            if seq.mm is not None and seq.mm.encoded is None:
+                index = seq.mm.placeholder_index
+                first = seq.num_computed_tokens
+                if bool(((index >= first) & (index < first + num_new)).any()):
+                    todo.append(seq)
+        if not todo:
+            return
         start = time.perf_counter()
-        self.model.encode_images(mm)
+        pixels = self._to_device(torch.cat([seq.mm.pixel_values for seq in todo]))
+        embeds, deepstack = self.model.encode_images(pixels, [grid for seq in todo for grid in seq.mm.grid_thw])
+        counts = [seq.mm.placeholder_index.numel() for seq in todo]
+        if embeds.shape[0] != sum(counts):
+            raise ValueError(f"the vision tower made {embeds.shape[0]} visual tokens for {sum(counts)} placeholder rows")
+        per_seq_deepstack = list(zip(*(feature.split(counts) for feature in deepstack))) or [()] * len(todo)
+        for seq, seq_embeds, seq_deepstack in zip(todo, embeds.split(counts), per_seq_deepstack):
+            seq.mm.encoded = EncodedImages(seq_embeds, list(seq_deepstack))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a prefill with images: one sync to time the tower honestly
+            torch.cuda.synchronize(self.device)  # a step with images: one sync to time the tower honestly
         elapsed = time.perf_counter() - start
-        patches = sum(s.mm.num_patches for s in seqs if s.mm is not None)
-        for seq in seqs:
-            if seq.mm is not None:
-                seq.vision_seconds += elapsed * seq.mm.num_patches / patches
+        patches = sum(seq.mm.num_patches for seq in todo)
+        for seq in todo:
+            seq.vision_seconds += elapsed * seq.mm.num_patches / patches
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list to the device without blocking the host: pinned staging + an asynchronous copy (a plain
@@ -271,37 +308,43 @@ class ModelRunner:
     # --- step -------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], is_prefill: bool, prev_ids: torch.Tensor | None = None,
-                rows: list[int] | None = None) -> SamplerOutput:
-        """Queues one step; returns its samples, on the device (nothing here waits for the device).
+    def execute(self, plan: StepPlan, prev_ids: torch.Tensor | None = None, rows: list[int] | None = None
+                ) -> SamplerOutput:
+        """Queues one step; returns the samples of the plan's sampling sequences, on the device (nothing here waits
+        for the device).
 
         Lookahead decode: the input id of seqs[i] is prev_ids[rows[i]], the previous step's sample, read on the
         device while that step may still be running (stream order makes it wait), never through the host."""
+        seqs = plan.seqs
         device_ids = None
         if prev_ids is not None:
-            assert not is_prefill and rows is not None and len(rows) == len(seqs)
+            assert plan.is_decode and rows is not None and len(rows) == len(seqs)
             same = rows == list(range(len(prev_ids)))  # the steady state: the same batch again
             device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
+        sampled = plan.sampled
+        if not sampled:  # prompt chunks only: K/V to write, nothing to sample
+            input_ids, positions, meta, _ = self.prepare(plan)
+            self._forward(plan, input_ids, positions, meta)
+            return SamplerOutput(token_ids=torch.zeros(0, dtype=torch.int64, device=self.device))
         # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens.
-        sampling = self.sampling_batch(seqs, pending=device_ids)
-        if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+        sampling = self.sampling_batch(sampled, pending=device_ids)
+        if plan.is_decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, device_ids)
             if sampling.plain_argmax:  # what `sample` would compute, done inside the graph
                 batch = len(seqs)
                 return SamplerOutput(token_ids=self.graphs.greedy_ids(batch),
                                      host_token_ids=self.graphs.greedy_host_ids(batch))
         else:
-            input_ids, positions, meta, last_rows = self.prepare(seqs, is_prefill)
+            input_ids, positions, meta, last_rows = self.prepare(plan)
             if device_ids is not None:
                 input_ids = device_ids
-            mm = self.prepare_multimodal(seqs) if is_prefill else None
-            if mm is None:
-                hidden = self.model(input_ids, positions, meta)
-            else:
-                self._encode_images(seqs, mm)
-                hidden = self.model(input_ids, positions, meta, mm)
+            hidden = self._forward(plan, input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[last_rows])
         return sample(logits, sampling)
 
-
-
+    def _forward(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        mm = self.prepare_multimodal(plan)
+        if mm is None:
+            return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, mm)

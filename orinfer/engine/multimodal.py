@@ -9,15 +9,17 @@ decode offset (delta) are computed once, here; the runner only concatenates them
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from orinfer.config import ModelConfig
 from orinfer.errors import OrinferError, RequestError
-from orinfer.layers.mrope import mrope_positions
+from orinfer.layers.mrope import EncodedImages, mrope_positions
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,16 @@ class MultimodalInputs:
     prompt_positions: torch.Tensor              # int64 [3, prompt_len]: (t, h, w) position of every prompt token
     delta: int                                  # generated token n sits at position n + delta on every axis
     placeholder_index: torch.Tensor             # int64 [visual tokens]: prompt indices of the expanded placeholders
+    # Per image: the prompt index of its first visual token and a digest of its pixels and grid, which the prefix
+    # cache mixes into the hash of the block where the image starts (two images never share blocks).
+    image_starts: list[int] = field(default_factory=list)
+    image_hashes: list[bytes] = field(default_factory=list)
+    # The tower's outputs while a prompt is computed in chunks (device memory; `ModelRunner.prepare_multimodal`).
+    encoded: EncodedImages | None = None
+
+    def hashes_starting_in(self, start: int, end: int) -> list[bytes]:
+        """The digests of the images whose first visual token lies in prompt indices [start, end)."""
+        return [h for first, h in zip(self.image_starts, self.image_hashes) if start <= first < end]
 
     @property
     def num_patches(self) -> int:
@@ -101,4 +113,16 @@ def prepare_images(token_ids: Sequence[int], images: Sequence[Any], processor: A
         raise RequestError(f"image placeholders: {exc}") from None
     index = torch.tensor([i for i, t in enumerate(expanded) if t == image_token], dtype=torch.int64)
     log.debug("request with %d image(s): grids %s, %d visual tokens", len(images), processed.grid_thw, len(index))
-    return expanded, MultimodalInputs(processed.pixel_values, list(processed.grid_thw), positions, delta, index)
+    grids = list(processed.grid_thw)
+    starts = [int(index[offset]) for offset in itertools.accumulate([0] + counts[:-1])]
+    patches = processed.pixel_values.split([t * h * w for t, h, w in grids])
+    hashes = [image_digest(pixels, grid) for pixels, grid in zip(patches, grids)]
+    return expanded, MultimodalInputs(processed.pixel_values, grids, positions, delta, index, starts, hashes)
+
+
+def image_digest(pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> bytes:
+    """A 128-bit digest of one image's preprocessed patches and grid (what the tower sees, so equal digests mean
+    equal visual tokens)."""
+    digest = hashlib.blake2b(repr(tuple(int(v) for v in grid)).encode(), digest_size=16)
+    digest.update(pixel_values.contiguous().numpy().tobytes())
+    return digest.digest()

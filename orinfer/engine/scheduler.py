@@ -1,21 +1,71 @@
-"""Continuous batching: decide, each step, which sequences run.
+"""Continuous batching by token budget: decide, each step, which tokens of which sequences run.
 
-Policy (as in vLLM's v0 scheduler): if sequences are waiting and fit, run a prefill step for as many of them as the
-token budget and free blocks allow; otherwise run one decode step for every running sequence. New requests therefore
-join between decode steps of others. When the cache is full, the most recently admitted sequence is preempted: its
-blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + output so far) later.
+Each sequence knows how many of its tokens are computed (`Sequence.num_computed_tokens`). A step spends a budget of
+`max_num_batched_tokens` tokens:
+  1. every running sequence that is decoding gets its one token, first (in admission order; always, even when they
+     alone exceed the budget);
+  2. running sequences part-way through their prompt get the next chunk of it;
+  3. waiting sequences are admitted, in arrival order, while the budget, `max_num_seqs` and the free blocks allow;
+     a prefix-cache hit counts its cached tokens as computed.
+So one step can mix decode rows with prompt chunks, and a long prompt is computed over several steps while the
+others keep decoding. A sequence samples a token only in the step that computes its last uncomputed token. With
+chunked prefill off, a prompt is never split: it waits for a step whose remaining budget holds all of it (or, if
+it is longer than the whole budget, for a step with no other prompt in it).
+
+An admitted sequence gets blocks for all its current tokens at once; a decode row gets a slot for its newest token.
+When the free blocks cannot cover a decode row, the most recently admitted sequence is preempted: its blocks are
+released (their full blocks stay findable in the prefix cache, so the recompute is mostly cache hits) and it goes
+back to the front of the queue.
 
 `reserve_lookahead` serves the engine's lookahead (a decode step launched while the previous one is still on the
-device): it only extends block tables, and declines whenever the plain decode step would do anything more.
+device): it only extends block tables, and declines whenever the plain next step would do anything more.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from orinfer.args import EngineArgs
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepPlan:
+    """One step: seqs[i] runs its tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i])."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, index: int) -> bool:
+        """Whether seqs[index] reaches its newest token this step (and so samples the next one)."""
+        seq = self.seqs[index]
+        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that sample a token this step, in batch order (row i of the step's samples)."""
+        return [seq for i, seq in enumerate(self.seqs) if self.samples(i)]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row is a plain decode row (the CUDA-graph path)."""
+        return all(seq.is_decoding for seq in self.seqs)
 
 
 class Scheduler:
@@ -23,7 +73,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()   # admission order
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -31,61 +81,98 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns (sequences to run this step, is_prefill)."""
-        batch = self._schedule_prefill()
-        if batch:
-            return batch, True
-        return self._schedule_decode(), False
-
-    def _schedule_prefill(self) -> list[Sequence]:
-        batch: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            # A prompt longer than the budget still runs, alone, so that no request can wait forever.
-            if batch and tokens + seq.num_tokens > self.config.max_num_batched_tokens:
+    def schedule(self) -> StepPlan:
+        """The next step's plan (empty when nothing can run). Blocks are allocated and prefix-cache hits counted
+        here; the engine advances `num_computed_tokens` when it launches the step."""
+        plan = StepPlan()
+        # Decode rows always run, even past the budget (a budget under max_num_seqs): a stream never stalls; prompts
+        # get what is left.
+        budget = self.config.max_num_batched_tokens - self._schedule_decodes(plan)
+        for seq in self.running:
+            if budget <= 0:
                 break
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            batch.append(seq)
-            tokens += seq.num_tokens
-        return batch
+            if seq.num_uncomputed_tokens > 1:
+                chunk = self._chunk(seq.num_uncomputed_tokens, budget, prefill_in_plan=len(plan) > 0)
+                if chunk == 0:
+                    break  # not split (chunking off): later prompts wait behind it, in order
+                self._plan(plan, seq, chunk)
+                budget -= chunk
+        self._admit(plan, budget)
+        return plan
 
-    def _schedule_decode(self) -> list[Sequence]:
-        batch: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
+    def _plan(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
+        plan.add(seq, num_new)
+        # Register the full blocks this step computes at once: a prompt admitted after it, even in this same step (the
+        # choices of an n > 1 request), reuses them. Every layer stores its K/V before it attends, and later steps
+        # run after this one on the device. (A pending token's id is not known yet: its block registers later.)
+        self.block_manager.commit(seq, min(seq.num_computed_tokens + num_new, len(seq.token_ids)))
+
+    def _chunk(self, uncomputed: int, budget: int, prefill_in_plan: bool) -> int:
+        """How many of a prompt's `uncomputed` tokens run this step (0: none)."""
+        if self.config.enable_chunked_prefill:
+            return min(uncomputed, budget)
+        if uncomputed <= budget or not prefill_in_plan:
+            return uncomputed  # whole; a prompt over the full budget runs in a step of its own, not never
+        return 0
+
+    def _schedule_decodes(self, plan: StepPlan) -> int:
+        """Adds every running sequence that decodes (one token each), preempting the most recently admitted ones
+        while the free blocks cannot give a decode row the slot of its newest token. Returns the tokens planned."""
+        running = list(self.running)
+        index = 0
+        while index < len(running):
+            seq = running[index]
+            index += 1
+            if seq.num_uncomputed_tokens != 1:
+                continue
             while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
+                victim = running.pop()  # never one already planned: those sit before `seq`
+                self._preempt(victim)
+                if victim is seq:
                     break
             else:
                 self.block_manager.append_slot(seq)
-                batch.append(seq)
-        self.running.extend(batch)
-        return batch
+                self._plan(plan, seq, 1)
+        self.running = deque(running)
+        return len(plan)
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        prompts_in_plan = any(seq.num_uncomputed_tokens > 1 for seq in plan.seqs)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            uncomputed = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
+            chunk = self._chunk(uncomputed, budget, prefill_in_plan=prompts_in_plan)
+            if chunk == 0:
+                break
+            self.block_manager.allocate(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._plan(plan, seq, chunk)
+            budget -= chunk
+            prompts_in_plan = True
 
     def reserve_lookahead(self, batch: list[Sequence]) -> bool:
-        """Gives each running sequence of `batch` a slot for its next token, unless `schedule` would now admit a
-        waiting sequence (a prefill) or the free blocks cannot cover them all (a preemption): then it changes nothing
-        and returns False. `running` is left as is: the batch is the running sequences (in order) minus those the
-        engine knows will finish. (A queue that cannot be admitted now does not stop the lookahead: a sequence that
-        finishes when the in-flight step resolves frees room one step later than without lookahead.)"""
+        """Gives each sequence of `batch` a slot for its next token, unless the plain next step would differ from a
+        decode step over exactly the running sequences: a waiting sequence to admit, a running one still in its
+        prompt, or free blocks that cannot cover them all (a preemption). Then it changes nothing and returns False.
+        `running` is left as is: the batch is the running sequences (in order) minus those the engine knows will
+        finish. (A queue that cannot be admitted now does not stop the lookahead: a sequence that finishes when the
+        in-flight step resolves frees room one step later than without lookahead.)"""
         if self.waiting and len(self.running) < self.config.max_num_seqs \
                 and self.block_manager.can_allocate(self.waiting[0]):
+            return False
+        if any(seq.num_uncomputed_tokens != 1 for seq in self.running):
             return False
         missing = sum(s.blocks_needed(self.block_manager.block_size) - len(s.block_table) for s in batch)
         if missing > self.block_manager.num_free_blocks:
             return False
         for seq in batch:
             self.block_manager.append_slot(seq)
+            self.block_manager.commit(seq, len(seq.token_ids))  # as `_plan` does: known tokens, written by launched steps
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -93,6 +180,7 @@ class Scheduler:
         assert not seq.num_pending, "preempting a sequence whose newest token is still on the device"
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.num_computed_tokens = 0
         self.block_manager.free(seq)
         self.waiting.appendleft(seq)
 
@@ -102,6 +190,8 @@ class Scheduler:
         # A token still in flight (lookahead) is dropped. Its step writes KV into the blocks freed here, but any
         # later user of them is queued on the device behind that step, so its writes win.
         seq.num_pending = 0
+        if seq.mm is not None:
+            seq.mm.encoded = None  # finished or aborted inside its prompt: the tower's outputs are not needed
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)

@@ -15,7 +15,7 @@ from orinfer.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not in the KV cache (new, or preempted and to be recomputed)
-    RUNNING = "running"      # its KV is in the cache; decoding
+    RUNNING = "running"      # admitted: holds KV blocks; prefilling (in chunks) or decoding
     FINISHED = "finished"
 
 
@@ -52,6 +52,9 @@ class Sequence:
         # how many of the block table's blocks are registered under them.
         self.block_chain: list[bytes] = []
         self.num_committed_blocks = 0
+        # Leading tokens whose K/V launched steps have written (or the prefix cache had): the next step runs tokens
+        # from here. A decoding sequence has computed all but its newest token.
+        self.num_computed_tokens = 0
         self.num_cached_tokens = 0            # leading tokens whose K/V came from the prefix cache at admission
         self.num_prompt_cached_tokens = 0     # the same at the first admission (reported in the output)
         self.finish_reason: str | None = None
@@ -73,6 +76,17 @@ class Sequence:
     def num_tokens(self) -> int:
         """Tokens including the pending ones: what the KV cache holds or a launched step will write."""
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next steps must still run before this sequence samples again (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Whether its next step is a plain decode row: one token, past the prompt (an M-RoPE sequence then sits at
+        index + delta on every axis; a last prompt token may not)."""
+        return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
     def num_completion_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """Self-attention over the paged KV cache, and the per-step batch description it reads.
 
 The model runner fills an `AttentionMetadata` for each step; every attention layer reads it. Tokens of all sequences
-in the step are concatenated into one flat batch of T rows ("varlen"), so prefill of several prompts and decode of
-many sequences share one code path.
+in the step are concatenated into one flat batch of T rows ("varlen"), so prompts, prompt chunks and decode rows
+share one code path.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ class AttentionMetadata:
     forward runs without a cache (training, warm-up), in which case every sequence is attended from scratch.
     """
 
-    is_prefill: bool
+    # Every sequence's new tokens start at position 0 (whole prompts, nothing cached): this step's own K/V are the
+    # whole context, so attention needs no reads from the cache. False when any row continues a cached context (decode
+    # rows, prompt chunks after the first, prefix-cache hits).
+    from_start: bool
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
     max_query_len: int
     max_context_len: int
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
-    # A prefill in which some sequence starts after cached tokens (a prefix-cache hit): its queries must also attend
-    # to K/V in the cache, not only to this step's own.
-    has_cached_prefix: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -71,9 +71,8 @@ class Attention(nn.Module):
         target = None if kv_stored else self.kv_store(v, meta)
         if target is not None:
             self.ops.store_kv(k, v, target.k_cache, target.v_cache, target.slot_mapping)
-        if meta.is_prefill and not meta.has_cached_prefix:
-            # Every sequence starts at position 0, so the fresh k/v are the whole context: a varlen flash kernel
-            # needs no reads from the cache.
+        if meta.from_start:
+            # The fresh k/v are the whole context: a varlen flash kernel, no reads from the cache.
             out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale, max_seqlen=meta.max_query_len)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,

@@ -85,22 +85,29 @@ def mrope_positions(token_ids: Sequence[int], image_token_id: int, grids: Sequen
 
 
 @dataclass
+class EncodedImages:
+    """The vision tower's outputs for one request's images: embeds [M, H] (one row per visual token, in prompt
+    order) and one DeepStack feature [M, H] per tapped tower block."""
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
+@dataclass
 class MultimodalBatch:
-    """The visual part of one prefill step, built by the runner for models that declare `supports_multimodal`.
+    """The visual part of one step, built by the runner for models that declare `supports_multimodal`.
 
     positions [3, T] int64: the M-RoPE positions of every row of the flat batch (text rows have equal axes).
-    pixel_values [N, C] float32 and grid_thw: the patches and (t, h, w) grids of every image in the step, in row
-    order. visual_rows [M] int64: the rows of the flat batch that receive the image embeddings, in the same order
-    (M = sum of t*h*w/merge**2). `embeds` / `deepstack` hold the vision tower's outputs once encoded.
+    visual_rows [M] int64: the rows of the flat batch that receive image embeddings (rows of a prompt chunk that
+    fall inside an image), embeds [M, H] those embeddings and deepstack one [M, H] feature per tapped tower block,
+    in the same order; M may be 0 (a chunk of text after or between images).
     """
 
     positions: torch.Tensor
-    pixel_values: torch.Tensor
-    grid_thw: list[tuple[int, int, int]]
     visual_rows: torch.Tensor
     embeds: torch.Tensor | None = None
     deepstack: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def has_images(self) -> bool:
-        return len(self.grid_thw) > 0
+        return self.visual_rows.shape[0] > 0

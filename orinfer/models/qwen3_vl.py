@@ -1,8 +1,9 @@
 """Qwen3-VL (HF's Qwen3VLForConditionalGeneration): the vision tower in front of a Qwen3 decoder.
 
-Data flow of a prefill that holds images (the runner passes a `MultimodalBatch`):
+Data flow of a step with prompt rows of images (the runner passes a `MultimodalBatch`):
 
     pixel patches --vision tower--> visual embeddings [M, H] + DeepStack features (one [M, H] per tapped block)
+    (`encode_images`, once per request; the runner hands each prompt chunk the rows it covers)
     token embeddings, with rows `visual_rows` (the <|image_pad|> placeholders) replaced by the visual embeddings
     -> decoder layers with M-RoPE (a per-token cos/sin table); after decoder layer i < len(DeepStack), feature i is
        added in place to the hidden states at the visual rows (the seed's DeepStack slice add)
@@ -71,14 +72,12 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         """Encode repeated image sizes through CUDA graphs of the tower (`qwen3_vl_vision_graphs`; CUDA only)."""
         self.vision_graphs = VisionGraphCache(self.visual)
 
-    def encode_images(self, mm: MultimodalBatch) -> None:
-        """Runs the vision tower on the batch's images and stores embeds / DeepStack features on `mm`."""
-        embeds, deepstack = (self.vision_graphs or self.visual)(mm.pixel_values, mm.grid_thw)
-        if embeds.shape[0] != mm.visual_rows.shape[0]:
-            raise ValueError(f"the vision tower made {embeds.shape[0]} visual tokens for "
-                             f"{mm.visual_rows.shape[0]} placeholder rows")
-        mm.embeds = embeds.to(self.act_dtype)
-        mm.deepstack = [feature.to(self.act_dtype) for feature in deepstack]
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The vision tower on patches [N, C] of images with (t, h, w) grids: (embeds [M, H], DeepStack features,
+        each [M, H]) in the decoder's activation dtype, M = sum of t*h*w / merge**2."""
+        embeds, deepstack = (self.vision_graphs or self.visual)(pixel_values, grid_thw)
+        return embeds.to(self.act_dtype), [feature.to(self.act_dtype) for feature in deepstack]
 
     def warmup_images(self, num_patches: int) -> None:
         """Encodes one blank square image of about `num_patches` patches: the runner's memory probe, so that the KV
@@ -91,9 +90,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         side = max(2, int(num_patches ** 0.5) // 2 * 2)
         device = self.mrope_axes.device
         pixels = torch.zeros(side * side, self.vision_config.patch_dim, device=device)
-        rows = torch.zeros(side * side // self.vision_config.merge_unit, dtype=torch.int64, device=device)
-        self.encode_images(MultimodalBatch(positions=rows.expand(3, -1), pixel_values=pixels,
-                                           grid_thw=[(1, side, side)], visual_rows=rows))
+        self.encode_images(pixels, [(1, side, side)])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 mm: MultimodalBatch | None = None) -> torch.Tensor:
@@ -103,8 +100,6 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         text = self.language_model
         embeds = text.embed_tokens(input_ids)
         if mm.has_images:
-            if mm.embeds is None:
-                self.encode_images(mm)
             embeds[mm.visual_rows] = mm.embeds.to(embeds.dtype)
         cos_sin = mrope_cos_sin(text.rotary.cos_sin, mm.positions, self.mrope_axes)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)

@@ -58,7 +58,7 @@ def calibration_batch(token_ids: list[int], seq_len: int, max_tokens: int, devic
     for n in lengths:
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(
-        is_prefill=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        from_start=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         context_lens=torch.tensor(lengths, dtype=torch.int32, device=device), max_query_len=max(lengths),
         max_context_len=max(lengths))
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])

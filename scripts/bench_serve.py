@@ -216,7 +216,7 @@ async def long_prompt(args: argparse.Namespace, model: str) -> dict:
             "failed": len(errors), "long_prompt_ttft_ms": round(long.ttft * 1000, 3),
             "max_gap_during_ms": round(max(during, default=0.0) * 1000, 3),
             "max_gap_before_ms": round(max(before, default=0.0) * 1000, 3),
-            "gap_before_ms": summary(before)}
+            "gap_during_ms": summary(during), "gap_before_ms": summary(before)}
 
 
 async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, i: int) -> Result:

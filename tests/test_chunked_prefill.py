@@ -42,8 +42,8 @@ def test_any_chunk_budget_gives_hf_tokens(model, budget, async_scheduling, prefi
 
 
 def test_steps_mix_decode_rows_and_prompt_chunks(model):
-    """A prompt arriving while others decode is computed in chunks beside their decode rows; every stream keeps
-    getting a token each step, and all tokens match HF."""
+    """A prompt arriving while others decode is computed in chunks beside their decode rows, also in steps launched
+    behind the one before (lookahead); every stream keeps getting a token each step, and all tokens match HF."""
     hf, path, _ = model
     llm = engine(path, max_num_batched_tokens=6)
     plans: list[tuple[int, int]] = []   # per step: (decode rows, prompt tokens)
@@ -56,6 +56,16 @@ def test_steps_mix_decode_rows_and_prompt_chunks(model):
         return plan
 
     llm.engine.scheduler.schedule = schedule
+    real_lookahead = llm.engine.scheduler.plan_lookahead
+    lookahead_chunks = []   # prompt tokens of each step launched behind another
+
+    def plan_lookahead(batch) -> StepPlan | None:
+        plan = real_lookahead(batch)
+        if plan is not None:
+            lookahead_chunks.append(plan.num_tokens - len(batch))
+        return plan
+
+    llm.engine.scheduler.plan_lookahead = plan_lookahead
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     early = [llm.engine.add_request(p, params) for p in PROMPTS[:2]]
     for _ in range(4):
@@ -64,6 +74,7 @@ def test_steps_mix_decode_rows_and_prompt_chunks(model):
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert any(rows == 2 and prompt > 0 for rows, prompt in plans)
+    assert any(lookahead_chunks)           # chunks also ran in steps launched behind the one before
     assert all(rows + prompt <= 6 for rows, prompt in plans)
     for seq, prompt in zip(early + [late], PROMPTS[:3]):
         assert seq.completion_token_ids == hf_greedy(hf, prompt, 20)

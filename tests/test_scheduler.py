@@ -3,7 +3,7 @@
 The helpers drive them the way LLMEngine does: `schedule()` plans a step (decode rows and prompt chunks), launching it
 advances each sequence's computed tokens and gives the sequences that reached their newest token a sampled one
 (`step`), a finished or aborted sequence goes through `Scheduler.finish`, and a lookahead step is a
-`reserve_lookahead` on a batch whose tokens are still pending (`num_pending`).
+`plan_lookahead` on a batch whose tokens are still pending (`num_pending`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def blocks_for(num_tokens: int) -> int:
 
 
 def state(sched: Scheduler, seqs: list[Sequence]) -> tuple:
-    """Everything reserve_lookahead could change, for before/after comparisons."""
+    """Everything plan_lookahead could change, for before/after comparisons."""
     return ({s.request_id: list(s.block_table) for s in seqs}, list(sched.block_manager.free_blocks),
             ids(sched.waiting), ids(sched.running), [s.status for s in seqs])
 
@@ -271,10 +271,23 @@ def test_lookahead_reserves_the_next_slot() -> None:
     sched = scheduler(8)
     a, b = seq("a", 3), seq("b", 2)
     batch = decoding(sched, a, b)                    # a: 5 tokens with the pending one, b: 4
-    assert sched.reserve_lookahead(batch)
+    assert sched.plan_lookahead(batch)
     assert (len(a.block_table), len(b.block_table)) == (2, 1)     # a crossed a block boundary, b did not
     assert sched.block_manager.num_free_blocks == 5
     assert ids(sched.running) == ["a", "b"] and not sched.waiting
+
+
+def test_lookahead_plans_the_next_chunk_of_a_running_prompt_after_the_decode_rows() -> None:
+    sched = scheduler(64, max_num_batched_tokens=6)
+    a, long = seq("a", 3), seq("long", 20)
+    admit(sched, a, long)
+    assert step(sched) == [("a", 3), ("long", 3)]
+    plan = sched.schedule()                          # a decodes; long's next chunk
+    assert [(s.request_id, n) for s, n in zip(plan.seqs, plan.num_new_tokens)] == [("a", 1), ("long", 5)]
+    launch_plan(plan)
+    look = sched.plan_lookahead([a])
+    assert [(s.request_id, n) for s, n in zip(look.seqs, look.num_new_tokens)] == [("a", 1), ("long", 5)]
+    assert look.sampled == [a]
 
 
 @pytest.mark.parametrize("why", ["batch is full", "head of the queue does not fit"])
@@ -286,7 +299,7 @@ def test_lookahead_goes_on_when_nothing_could_be_admitted(why: str) -> None:
     a, b = seq("a", 3), seq("b", 2)
     batch = decoding(sched, a, b)
     admit(sched, waiting)
-    assert sched.reserve_lookahead(batch)
+    assert sched.plan_lookahead(batch)
     assert (len(a.block_table), len(b.block_table)) == (2, 1)
     assert ids(sched.waiting) == ["w"] and waiting.block_table == []
 
@@ -297,7 +310,7 @@ def test_lookahead_declines_when_a_waiting_sequence_could_be_admitted() -> None:
     batch = decoding(sched, a, b)
     admit(sched, w)
     before = state(sched, [a, b, w])
-    assert not sched.reserve_lookahead(batch)
+    assert not sched.plan_lookahead(batch)
     assert state(sched, [a, b, w]) == before
 
 
@@ -306,7 +319,7 @@ def test_lookahead_declines_when_blocks_do_not_suffice() -> None:
     a, b = seq("a", 3), seq("b", 3)
     batch = decoding(sched, a, b)                    # one block each, one free; both need a second one
     before = state(sched, [a, b])
-    assert not sched.reserve_lookahead(batch)
+    assert not sched.plan_lookahead(batch)
     assert state(sched, [a, b]) == before            # all or nothing: a did not take the free block
     assert sched.block_manager.num_free_blocks == 1
 
@@ -352,8 +365,8 @@ def test_random_schedule_keeps_blocks_disjoint_and_returns_them_all() -> None:
     sched = scheduler(num_blocks, max_num_seqs=4, max_num_batched_tokens=budget)
     live: list[Sequence] = []
     target: dict[str, int] = {}                      # total length at which a sequence finishes
-    stats = dict.fromkeys(["prefills", "decodes", "chunks", "reserved", "declined", "preempted", "readmitted",
-                           "finished", "aborted"], 0)
+    stats = dict.fromkeys(["prefills", "decodes", "chunks", "reserved", "lookahead chunks", "declined", "preempted",
+                           "readmitted", "finished", "aborted"], 0)
 
     def end(s: Sequence) -> None:
         sched.finish(s)
@@ -380,13 +393,20 @@ def test_random_schedule_keeps_blocks_disjoint_and_returns_them_all() -> None:
         stats["chunks"] += sum(1 for s, n in zip(batch, plan.num_new_tokens) if n < s.num_uncomputed_tokens)
         stats["decodes" if plan.is_decode and batch else "prefills"] += 1
         launch_plan(plan)
-        if batch and plan.is_decode and rng.random() < 0.5:
-            if sched.reserve_lookahead(batch):
+        stepped = list(batch)
+        decoders = [s for s in sched.running if s.num_uncomputed_tokens == 1]
+        if set(map(id, decoders)) <= set(map(id, plan.sampled)) and rng.random() < 0.5:
+            look = sched.plan_lookahead(decoders)   # the engine's batch (none ends by length here: it cannot know)
+            if look:
                 stats["reserved"] += 1
-                launch(batch)
+                stats["lookahead chunks"] += any(n > 1 or not s.is_decoding for s, n in zip(look.seqs,
+                                                                                           look.num_new_tokens))
+                assert look.seqs[:len(decoders)] == decoders and look.num_tokens <= max(budget, len(decoders))
+                launch_plan(look)
+                stepped += [s for s in look.seqs if s not in stepped]
             else:
                 stats["declined"] += 1
-        for s in batch:
+        for s in stepped:
             while s.num_pending and not s.is_finished:
                 s.resolve_pending(rng.randrange(1000))
                 if s.num_tokens >= target[s.request_id]:

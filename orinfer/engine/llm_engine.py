@@ -203,21 +203,25 @@ class LLMEngine:
         return InFlightStep(sampled, prompt_seqs, start, out)
 
     def _launch_lookahead(self, current: InFlightStep) -> InFlightStep | None:
-        """The next decode step, launched while `current` is in flight; None (drain) whenever the plain next step
-        could differ: a sequence to admit, a prompt still being computed, or a preemption. (Penalties read the pending
-        tokens on the device: `ModelRunner.sampling_batch`.)"""
+        """The next step, launched while `current` is in flight: decode rows for the running sequences whose tokens
+        it samples (their input ids are its samples, on the device) and the next chunks of running prompts; None
+        (drain) whenever the plain next step could differ: a sequence to admit or a preemption. (Penalties read the
+        pending tokens on the device: `ModelRunner.sampling_batch`.)"""
         if not self.lookahead:
             return None
-        running = list(self.scheduler.running)
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
         # then what the plain step would run. One that stops on a token or string may still be in it: its extra
         # row is skipped at resolve (its KV write goes to its own, freed blocks; later users are queued behind it).
-        batch = [seq for seq in running if not self._ends_by_length(seq)]
+        batch = [seq for seq in self.scheduler.running
+                 if seq.num_uncomputed_tokens == 1 and not self._ends_by_length(seq)]
         rows = current.rows_of(batch)
-        if not batch or rows is None or not self.scheduler.reserve_lookahead(batch):
+        if rows is None:
+            return None
+        plan = self.scheduler.plan_lookahead(batch)
+        if plan is None:
             return None
         self.num_lookahead_steps += 1
-        return self._launch(StepPlan(batch, [1] * len(batch)), current, rows)
+        return self._launch(plan, current, rows)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""

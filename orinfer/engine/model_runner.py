@@ -313,12 +313,13 @@ class ModelRunner:
         """Queues one step; returns the samples of the plan's sampling sequences, on the device (nothing here waits
         for the device).
 
-        Lookahead decode: the input id of seqs[i] is prev_ids[rows[i]], the previous step's sample, read on the
-        device while that step may still be running (stream order makes it wait), never through the host."""
+        Lookahead: the input id of decode row i (the first len(rows) sequences) is prev_ids[rows[i]], the previous
+        step's sample, read on the device while that step may still be running (stream order makes it wait), never
+        through the host."""
         seqs = plan.seqs
         device_ids = None
-        if prev_ids is not None:
-            assert plan.is_decode and rows is not None and len(rows) == len(seqs)
+        if prev_ids is not None and rows:
+            assert all(n == 1 for n in plan.num_new_tokens[:len(rows)]), "lookahead decode rows come first"
             same = rows == list(range(len(prev_ids)))  # the steady state: the same batch again
             device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
         sampled = plan.sampled
@@ -326,8 +327,13 @@ class ModelRunner:
             input_ids, positions, meta, _ = self.prepare(plan)
             self._forward(plan, input_ids, positions, meta)
             return SamplerOutput(token_ids=torch.zeros(0, dtype=torch.int64, device=self.device))
-        # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens.
-        sampling = self.sampling_batch(sampled, pending=device_ids)
+        # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens (the
+        # decode rows come first; a prompt that ends in this step has none: -1, the history's padding).
+        pending = device_ids
+        if device_ids is not None and len(sampled) > len(device_ids):
+            pad = torch.full((len(sampled) - len(device_ids),), -1, dtype=device_ids.dtype, device=self.device)
+            pending = torch.cat([device_ids, pad])
+        sampling = self.sampling_batch(sampled, pending=pending)
         if plan.is_decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, device_ids)
             if sampling.plain_argmax:  # what `sample` would compute, done inside the graph
@@ -336,8 +342,8 @@ class ModelRunner:
                                      host_token_ids=self.graphs.greedy_host_ids(batch))
         else:
             input_ids, positions, meta, last_rows = self.prepare(plan)
-            if device_ids is not None:
-                input_ids = device_ids
+            if device_ids is not None:  # the decode rows (the first ones) read the previous step's samples
+                input_ids[:len(device_ids)] = device_ids
             hidden = self._forward(plan, input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[last_rows])
         return sample(logits, sampling)

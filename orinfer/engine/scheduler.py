@@ -17,8 +17,9 @@ When the free blocks cannot cover a decode row, the most recently admitted seque
 released (their full blocks stay findable in the prefix cache, so the recompute is mostly cache hits) and it goes
 back to the front of the queue.
 
-`reserve_lookahead` serves the engine's lookahead (a decode step launched while the previous one is still on the
-device): it only extends block tables, and declines whenever the plain next step would do anything more.
+`plan_lookahead` serves the engine's lookahead (a step launched while the previous one is still on the device, its
+decode rows reading their input ids there): it plans decode rows and prompt chunks like `schedule` but admits and
+preempts nothing, declining whenever the plain next step would.
 """
 
 from __future__ import annotations
@@ -155,25 +156,35 @@ class Scheduler:
             budget -= chunk
             prompts_in_plan = True
 
-    def reserve_lookahead(self, batch: list[Sequence]) -> bool:
-        """Gives each sequence of `batch` a slot for its next token, unless the plain next step would differ from a
-        decode step over exactly the running sequences: a waiting sequence to admit, a running one still in its
-        prompt, or free blocks that cannot cover them all (a preemption). Then it changes nothing and returns False.
-        `running` is left as is: the batch is the running sequences (in order) minus those the engine knows will
-        finish. (A queue that cannot be admitted now does not stop the lookahead: a sequence that finishes when the
-        in-flight step resolves frees room one step later than without lookahead.)"""
+    def plan_lookahead(self, batch: list[Sequence]) -> StepPlan | None:
+        """The step to launch while the previous one is still on the device: a decode row for each sequence of
+        `batch` (their newest tokens are pending: the running decoders, in order, minus those the engine knows will
+        finish), first, then the next chunks of running prompts, within the budget. None, changing nothing, when the
+        plain next step could differ: a waiting sequence to admit, or free blocks that cannot give every decode row
+        its slot (a preemption). `running` is left as is. (A queue that cannot be admitted now does not stop the
+        lookahead: a sequence that finishes when the in-flight step resolves frees room one step later.)"""
         if self.waiting and len(self.running) < self.config.max_num_seqs \
                 and self.block_manager.can_allocate(self.waiting[0]):
-            return False
-        if any(seq.num_uncomputed_tokens != 1 for seq in self.running):
-            return False
+            return None
         missing = sum(s.blocks_needed(self.block_manager.block_size) - len(s.block_table) for s in batch)
         if missing > self.block_manager.num_free_blocks:
-            return False
+            return None
+        plan = StepPlan()
         for seq in batch:
             self.block_manager.append_slot(seq)
-            self.block_manager.commit(seq, len(seq.token_ids))  # as `_plan` does: known tokens, written by launched steps
-        return True
+            plan.add(seq, 1)
+            self.block_manager.commit(seq, len(seq.token_ids))  # as `_plan` does: the known tokens, launched
+        budget = self.config.max_num_batched_tokens - len(batch)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                chunk = self._chunk(seq.num_uncomputed_tokens, budget, prefill_in_plan=len(plan) > 0)
+                if chunk == 0:
+                    break
+                self._plan(plan, seq, chunk)
+                budget -= chunk
+        return plan if plan else None
 
     def _preempt(self, seq: Sequence) -> None:
         # The engine schedules only with no step in flight, so every token of a running sequence is known here.

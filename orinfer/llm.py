@@ -61,13 +61,8 @@ class LLM:
                               "(its weights are already 16-bit)")
         weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
-        # Where the tokenizer and generation_config are looked for: the model directory; for a .bin file, the
-        # directory of the tokenizer.json given with it, else the file's own directory.
-        home = model_dir
-        if seed_bin:
-            given = Path(args.tokenizer) if args.tokenizer else None
-            home = given.parent if given is not None and given.is_file() else model_dir.parent
-        tok = _load_tokenizer(args.tokenizer, home)
+        home = _home(model_dir, args, seed_bin)
+        tok = _load_tokenizer(args.tokenizer, home, model_config.is_multimodal)
         if seed_bin:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
@@ -79,16 +74,21 @@ class LLM:
         image_processor = _image_processor(home, args.max_pixels) if model_config.is_multimodal else None
         parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype, ops=ops,
                             image_processor=image_processor)
-        if model_config.is_multimodal and tok is not None:
-            from orinfer.tokenizer import builtin_chat_template
-
-            if tok.set_default_chat_template(builtin_chat_template("qwen3_vl")):
-                log.info("%s has no chat template: using orinfer's Qwen3-VL template", home)
         self.engine = LLMEngine(parts, args)
         self.tokenizer = tok
         self.device = dev
         log.info("loaded %s (%s, %s weights, %s activations, %s backend)", model_dir, model_config.architecture,
                  weight_dtype, act_dtype, ops.name)
+
+    @staticmethod
+    def load_tokenizer(model: str | Path, args: EngineArgs | None = None) -> Any:
+        """The tokenizer `LLM(model, args)` would use (None when there is none), without loading the weights: for a
+        process that serves an engine running elsewhere."""
+        args = args or EngineArgs()
+        model_dir = Path(model)
+        seed_bin = is_seed_bin(model_dir)
+        model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
+        return _load_tokenizer(args.tokenizer, _home(model_dir, args, seed_bin), model_config.is_multimodal)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, args: EngineArgs | None = None) -> "LLM":
@@ -192,17 +192,31 @@ def _merge_settings(args: EngineArgs | None, settings: dict[str, Any]) -> Engine
     return base.replace(**settings)
 
 
-def _load_tokenizer(tokenizer: str | Path | None, home: Path) -> Any:
+def _home(model_dir: Path, args: EngineArgs, seed_bin: bool) -> Path:
+    """Where the tokenizer and generation_config are looked for: the model directory; for a .bin file, the directory
+    of the tokenizer.json given with it, else the file's own directory."""
+    if not seed_bin:
+        return model_dir
+    given = Path(args.tokenizer) if args.tokenizer else None
+    return given.parent if given is not None and given.is_file() else model_dir.parent
+
+
+def _load_tokenizer(tokenizer: str | Path | None, home: Path, multimodal: bool) -> Any:
     """The tokenizer: `tokenizer` (a directory or a tokenizer.json file) if given, else the one in `home`; None when
-    there is none (token-id prompts only)."""
-    from orinfer.tokenizer import Tokenizer  # local: keeps `import orinfer` light
+    there is none (token-id prompts only). A vision-language model's tokenizer without a chat template gets
+    orinfer's Qwen3-VL template."""
+    from orinfer.tokenizer import Tokenizer, builtin_chat_template  # local: keeps `import orinfer` light
 
     tok_file = Path(tokenizer) if tokenizer and Path(tokenizer).is_file() else None
     if tok_file is not None:
-        return Tokenizer.from_dir(tok_file.parent, tok_file)
-    if tokenizer or (home / "tokenizer.json").is_file():
-        return Tokenizer.from_dir(tokenizer or home)
-    return None
+        tok = Tokenizer.from_dir(tok_file.parent, tok_file)
+    elif tokenizer or (home / "tokenizer.json").is_file():
+        tok = Tokenizer.from_dir(tokenizer or home)
+    else:
+        return None
+    if multimodal and tok.set_default_chat_template(builtin_chat_template("qwen3_vl")):
+        log.info("%s has no chat template: using orinfer's Qwen3-VL template", home)
+    return tok
 
 
 def _image_processor(model_dir: Path, max_pixels: int | None) -> Any:

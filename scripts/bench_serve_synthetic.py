@@ -18,21 +18,24 @@ to scripts/bench_serve.py.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import bench_serve  # same folder: the load generator and report writer
-from orinfer.args import add_engine_args, engine_args_from_namespace
+from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
 from orinfer.bench.engine_bench import build_synthetic_llm
 from orinfer.config import preset, resolve_dtype
 from orinfer.server.app import ServerLimits, build_app
 from orinfer.server.cli import BackgroundServer
+from orinfer.server.engine_process import EngineProcess
 from orinfer.tokenizer import Tokenizer
 
 
@@ -47,6 +50,14 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(backend, {})
 
 
+def synthetic_llm(name: str, dtype: torch.dtype, device: str, engine_config: EngineArgs) -> Any:
+    """The benchmark's LLM: random weights of preset `name`, the synthetic tokenizer (module level: the engine
+    process builds it from these picklable arguments)."""
+    cfg = preset(name)
+    return build_synthetic_llm(cfg, dtype, torch.device(device), engine_config,
+                               tokenizer=synthetic_tokenizer(cfg.vocab_size))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--synthetic", default="qwen3-8b")
@@ -54,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine in a child process, as `orinfer serve` runs it (--no-engine-process: a thread)")
     add_engine_args(p, only=["enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens"])
     args, rest = p.parse_known_args(argv)
     device = torch.device(args.device)
@@ -62,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     engine_config = engine_args_from_namespace(args).replace(max_num_seqs=args.max_num_seqs,
                                                               max_model_len=args.max_model_len)
     rest = ["--word-vocab", str(cfg.vocab_size), *rest]
-    llm = build_synthetic_llm(cfg, dtype, device, engine_config, tokenizer=synthetic_tokenizer(cfg.vocab_size))
+    factory = functools.partial(synthetic_llm, args.synthetic, dtype, args.device, engine_config)
+    if args.engine_process:
+        llm = EngineProcess(factory, synthetic_tokenizer(cfg.vocab_size))
+    else:
+        llm = factory()
     app = build_app(llm, args.synthetic, limits=ServerLimits(max_pending_sequences=4096), reasoning=False)
     server = BackgroundServer(app).start(timeout=600)
     load_args = bench_serve.parse_args(["--url", server.url, *rest])
@@ -80,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(raw.read_text())
     report["command"] = "python3 scripts/bench_serve_synthetic.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report["server"] = {"model": f"synthetic {args.synthetic} ({dtype})", "max_num_seqs": args.max_num_seqs,
+                        "engine_process": args.engine_process,
                         "prefix_caching": engine_config.enable_prefix_caching,
                         "chunked_prefill": engine_config.enable_chunked_prefill,
                         "max_num_batched_tokens": engine_config.max_num_batched_tokens,

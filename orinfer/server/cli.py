@@ -6,6 +6,7 @@ This module imports neither FastAPI nor uvicorn at import time, so `orinfer --he
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import logging
 import os
@@ -56,6 +57,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                      help="let requests name local image files (file:// URLs or absolute paths) below DIR; without "
                           "it only data: URLs are accepted. Anyone who can reach the server can then read images "
                           "below DIR")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a child process, so that HTTP handling never waits for the engine's Python "
+                        "work (--no-engine-process: a thread of the server process)")
     p.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
     return p
@@ -95,7 +99,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     args.host)
-    llm = LLM(args.model, engine_args_from_namespace(args))
+    engine_args = engine_args_from_namespace(args)
+    if args.engine_process:
+        from orinfer.server.engine_process import EngineProcess
+
+        llm = EngineProcess(functools.partial(LLM, args.model, engine_args), LLM.load_tokenizer(args.model, engine_args))
+    else:
+        llm = LLM(args.model, engine_args)
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
                     reasoning=reasoning)

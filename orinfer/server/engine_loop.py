@@ -107,8 +107,11 @@ class EngineLoop:
         if self._stopping:
             return "the server is shutting down"
         if self.error is not None:
-            return f"the engine stopped after an internal error ({type(self.error).__name__})"
+            return self._error_message()
         return "the engine loop is not running"
+
+    def _error_message(self) -> str:
+        return f"the engine stopped after an internal error ({type(self.error).__name__})"
 
     # --- engine thread ----------------------------------------------------------------------------------------------
 

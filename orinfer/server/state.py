@@ -13,6 +13,7 @@ from orinfer.errors import OrinferError, RequestError
 from orinfer.multimodal.image_io import DEFAULT_MAX_IMAGE_PIXELS
 from orinfer.sampling_params import SamplingParams
 from orinfer.server.engine_loop import EngineDeadError, EngineLoop, RequestGroup
+from orinfer.server.engine_process import EngineProcess, engine_info
 from orinfer.server.errors import APIError, engine_unavailable, request_error
 from orinfer.server.images import ImageLoader
 from orinfer.server.logprobs import LogprobFormatter
@@ -53,18 +54,21 @@ class ServerState:
     """The model, limits, metrics and the engine loop, plus the checks every endpoint makes."""
 
     def __init__(self, llm: Any, name: str, limits: ServerLimits, reasoning: bool | None) -> None:
-        self.llm, self.name, self.limits = llm, name, limits
-        self.engine = llm.engine
+        """`llm`: an `orinfer.LLM` (its engine runs in a thread of this process) or an `EngineProcess` (the engine in
+        a child process)."""
+        self.name, self.limits = name, limits
         self.tokenizer = llm.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.parts.model_config.vocab_size
-        self.multimodal = bool(self.engine.parts.model_config.is_multimodal)
-        self.kv_capacity = self.engine.block_manager.num_blocks * self.engine.config.block_size
+        self.engine = None if isinstance(llm, EngineProcess) else llm.engine  # in this process: tests inspect it
+        if isinstance(llm, EngineProcess):
+            info, self.loop = llm.info, llm
+        else:
+            # Images are decoded by the server (ImageLoader, under its limits); the engine must never read a path.
+            llm.engine.allow_local_files = False
+            info, self.loop = engine_info(llm.engine), EngineLoop(llm.engine)
+        self.max_model_len, self.vocab_size, self.multimodal = info.max_model_len, info.vocab_size, info.multimodal
+        self.kv_capacity = info.kv_capacity
         self.created = int(time.time())
-        # Images are decoded by the server (ImageLoader, under its limits); the engine must never read a path.
-        self.engine.allow_local_files = False
-        self.images = ImageLoader(self.engine.parts.image_processor, limits)
-        self.loop = EngineLoop(self.engine)
+        self.images = ImageLoader(info.image_processor, limits)
         self.metrics = ServerMetrics(self.loop.stats)
         self.loop.metrics = self.metrics
         has_think = self.tokenizer is not None and self.tokenizer.token_to_id("<think>") is not None \

@@ -1,0 +1,107 @@
+"""The server with its engine in a child process (`EngineProcess`, what `orinfer serve` runs): the same answers as the
+engine in a thread, streamed and not, n > 1, a request the engine refuses, a client that leaves mid-stream (its blocks
+freed), metrics, and a dead engine (503, not a hang)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from orinfer import LLM  # noqa: E402
+from orinfer.args import EngineArgs  # noqa: E402
+from orinfer.server.app import ServerLimits, build_app  # noqa: E402
+from orinfer.server.cli import BackgroundServer  # noqa: E402
+from orinfer.server.engine_process import EngineProcess  # noqa: E402
+
+ALICE = "Alice was beginning to get very"
+SETTINGS = EngineArgs(dtype="float32", device="cpu", progress=False, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_dir):
+    """(engine in a child process, engine in a thread) over the same model."""
+    process = EngineProcess(functools.partial(LLM, tiny_dir, SETTINGS), LLM.load_tokenizer(tiny_dir, SETTINGS))
+    thread = LLM(tiny_dir, SETTINGS)
+    with BackgroundServer(build_app(process, "tiny", limits=ServerLimits(max_tokens=64))) as remote, \
+            BackgroundServer(build_app(thread, "tiny", limits=ServerLimits(max_tokens=64))) as local:
+        yield remote, local, process
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
+
+
+def _stream_text(server, body: dict) -> tuple[str, dict]:
+    text, usage = "", {}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "stream": True, "stream_options": {"include_usage": True}, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                usage = chunk.get("usage") or usage
+    return text, usage
+
+
+def test_same_answers_as_the_engine_in_a_thread(servers):
+    remote, local, _ = servers
+    body = {"prompt": ALICE, "max_tokens": 16, "temperature": 0}
+    want = _post(local, "/v1/completions", body).json()
+    got = _post(remote, "/v1/completions", body).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["text"].startswith(" tired of sitting")
+    assert got["usage"] == want["usage"]
+    text, usage = _stream_text(remote, body)
+    assert text == want["choices"][0]["text"] and usage["completion_tokens"] == 16
+    chat = {"messages": [{"role": "user", "content": "Who is Alice?"}], "max_tokens": 12, "temperature": 0.7,
+            "seed": 3, "n": 2}
+    want_chat = _post(local, "/v1/chat/completions", chat).json()
+    got_chat = _post(remote, "/v1/chat/completions", chat).json()
+    assert [c["message"] for c in got_chat["choices"]] == [c["message"] for c in want_chat["choices"]]
+
+
+def test_refusals_and_a_client_that_leaves(servers):
+    remote, _, process = servers
+    too_long = _post(remote, "/v1/completions", {"prompt": [1] * 5000, "max_tokens": 4})
+    assert too_long.status_code == 400
+    with httpx.stream("POST", remote.url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": ALICE, "max_tokens": 60, "stream": True,
+                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break                                   # leave after the first chunk
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = process.stats()
+        if process.load() == 0 and stats.get("running") == 0 and stats.get("free_blocks") == stats.get("num_blocks"):
+            break
+        time.sleep(0.1)
+    assert process.load() == 0 and stats["running"] == 0 and stats["free_blocks"] == stats["num_blocks"]
+    metrics = httpx.get(remote.url + "/metrics", timeout=10).text
+    assert 'orinfer_request_success_total{finish_reason="abort"}' in metrics
+    assert _post(remote, "/v1/completions", {"prompt": ALICE, "max_tokens": 4}).status_code == 200
+
+
+def test_a_dead_engine_answers_503(tiny_dir):
+    process = EngineProcess(functools.partial(LLM, tiny_dir, SETTINGS), LLM.load_tokenizer(tiny_dir, SETTINGS))
+    with BackgroundServer(build_app(process, "tiny")) as server:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        process._process.kill()
+        deadline = time.monotonic() + 30
+        while process.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        assert _post(server, "/v1/completions", {"prompt": ALICE, "max_tokens": 4}).status_code == 503
+
+
+def test_an_engine_that_cannot_start_is_reported(tmp_path):
+    with pytest.raises(RuntimeError, match="did not start"):
+        EngineProcess(functools.partial(LLM, tmp_path / "missing", SETTINGS), None, start_timeout=120)

@@ -158,6 +158,28 @@ def test_without_chunking_a_prompt_runs_whole() -> None:
     assert step(sched) == decodes("short", "long") + [("after", 2)]
 
 
+def test_beside_decode_rows_a_chunk_pays_for_its_attention_to_the_context() -> None:
+    """With keys_per_token = 8: a chunk of n tokens after c computed ones costs n + n (c + n/2) / 8 of the budget
+    when decode rows share the step, and just n when it runs alone."""
+    config = EngineArgs(max_num_seqs=8, max_num_batched_tokens=20, block_size=BLOCK)
+    sched = Scheduler(config, BlockManager(64, BLOCK), keys_per_token=8.0)
+    a, long = seq("a", 3), seq("long", 60)
+    admit(sched, a, long)
+    assert step(sched) == [("a", 3), ("long", 17)]                # no decode rows yet: tokens only
+    # a decodes; 19 left for long at c = 17: n + n (17 + n/2) / 8 <= 19 gives n = 5 (17.2; 6 would cost 21).
+    assert step(sched) == decodes("a") + [("long", 5)]
+    assert sched._cost(5, 17, True) <= 19 < sched._cost(6, 17, True)
+    sched.finish(a)
+    assert step(sched) == [("long", 20)]                          # alone again: the whole budget
+
+
+def test_attention_keys_per_token_of_qwen3_8b() -> None:
+    from orinfer.config import preset
+    from orinfer.engine.scheduler import attention_keys_per_token
+
+    assert 11_000 < attention_keys_per_token(preset("qwen3-8b")) < 12_500
+
+
 def test_max_num_seqs_caps_running_and_admits_as_others_finish() -> None:
     sched = scheduler(64, max_num_seqs=2)
     s0, s1, s2, s3 = (seq(f"s{i}", 3) for i in range(4))

@@ -26,7 +26,7 @@ from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
 from orinfer.engine.model_runner import ModelRunner
 from orinfer.engine.multimodal import prepare_images
-from orinfer.engine.scheduler import Scheduler, StepPlan
+from orinfer.engine.scheduler import Scheduler, StepPlan, attention_keys_per_token
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.errors import RequestError
 from orinfer.layers.ops import Ops
@@ -61,7 +61,7 @@ class LLMEngine:
                                   graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
                                   vision_warmup_patches=self._largest_image_patches())
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
         self.in_flight: InFlightStep | None = None  # a launched step not yet processed (lookahead)

@@ -8,7 +8,9 @@ Each sequence knows how many of its tokens are computed (`Sequence.num_computed_
   3. waiting sequences are admitted, in arrival order, while the budget, `max_num_seqs` and the free blocks allow;
      a prefix-cache hit counts its cached tokens as computed.
 So one step can mix decode rows with prompt chunks, and a long prompt is computed over several steps while the
-others keep decoding. A sequence samples a token only in the step that computes its last uncomputed token. With
+others keep decoding. Beside decode rows, a chunk also pays for its attention to the context before it (in token
+equivalents, `attention_keys_per_token`), so that a step deep into a long prompt does not stall the streams longer
+than one at its start. A sequence samples a token only in the step that computes its last uncomputed token. With
 chunked prefill off, a prompt is never split: it waits for a step whose remaining budget holds all of it (or, if
 it is longer than the whole budget, for a step with no other prompt in it).
 
@@ -24,12 +26,28 @@ preempts nothing, declining whenever the plain next step would.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.sequence import Sequence, SequenceStatus
+
+
+# The extend-attention kernel's share of the GEMMs' FLOP rate, measured on the H200 (Qwen3-8B, 2016-token chunks beside
+# 32 decode rows: steps of 58 ms at 2k context, 102 ms at 15k; NOTES run 255): it turns FLOPs into device time below.
+ATTENTION_FLOP_EFFICIENCY = 0.5
+
+
+def attention_keys_per_token(cfg: ModelConfig) -> float:
+    """The context length at which one token's attention (QK and PV over that many keys, all layers) takes as long
+    as its projections and MLP: their FLOPs' ratio times ATTENTION_FLOP_EFFICIENCY (~12k keys for Qwen3-8B)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    linear = 2 * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    attention_per_key = 4 * q
+    return linear / attention_per_key * ATTENTION_FLOP_EFFICIENCY
 
 
 @dataclass
@@ -70,9 +88,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineArgs, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineArgs, block_manager: BlockManager, keys_per_token: float | None = None) -> None:
+        """`keys_per_token`: the context length at which a token's attention costs the device as much as the rest of
+        its forward (`attention_keys_per_token`); None: chunks count their tokens only."""
         self.config = config
         self.block_manager = block_manager
+        self.keys_per_token = keys_per_token
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()   # admission order
 
@@ -88,18 +109,24 @@ class Scheduler:
         plan = StepPlan()
         # Decode rows always run, even past the budget (a budget under max_num_seqs): a stream never stalls; prompts
         # get what is left.
-        budget = self.config.max_num_batched_tokens - self._schedule_decodes(plan)
+        decodes = self._schedule_decodes(plan)
+        budget = self._continue_prompts(plan, self.config.max_num_batched_tokens - decodes, decodes > 0)
+        self._admit(plan, budget, decodes > 0)
+        return plan
+
+    def _continue_prompts(self, plan: StepPlan, budget: float, beside_decodes: bool) -> float:
+        """Adds the next chunks of running prompts within `budget`; returns what is left of it."""
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.num_uncomputed_tokens > 1:
-                chunk = self._chunk(seq.num_uncomputed_tokens, budget, prefill_in_plan=len(plan) > 0)
+                context = seq.num_computed_tokens
+                chunk = self._chunk(seq.num_uncomputed_tokens, budget, len(plan) > 0, context, beside_decodes)
                 if chunk == 0:
                     break  # not split (chunking off): later prompts wait behind it, in order
                 self._plan(plan, seq, chunk)
-                budget -= chunk
-        self._admit(plan, budget)
-        return plan
+                budget -= self._cost(chunk, context, beside_decodes)
+        return budget
 
     def _plan(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
         plan.add(seq, num_new)
@@ -108,13 +135,27 @@ class Scheduler:
         # run after this one on the device. (A pending token's id is not known yet: its block registers later.)
         self.block_manager.commit(seq, min(seq.num_computed_tokens + num_new, len(seq.token_ids)))
 
-    def _chunk(self, uncomputed: int, budget: int, prefill_in_plan: bool) -> int:
-        """How many of a prompt's `uncomputed` tokens run this step (0: none)."""
+    def _chunk(self, uncomputed: int, budget: float, prefill_in_plan: bool, context: int = 0,
+               beside_decodes: bool = False) -> int:
+        """How many of a prompt's `uncomputed` tokens, after `context` computed ones, run this step (0: none)."""
         if self.config.enable_chunked_prefill:
-            return min(uncomputed, budget)
+            limit = int(budget)
+            if beside_decodes and self.keys_per_token:
+                # The chunk's attention to its context counts too: a step beside decoding streams takes about as
+                # long deep into a long prompt as at its start (each stream waits for the whole step).
+                a, b = self.keys_per_token, 1.0 + context / self.keys_per_token
+                limit = min(limit, int(a * (math.sqrt(b * b + 2.0 * budget / a) - b)))
+            return min(uncomputed, max(1, limit))
         if uncomputed <= budget or not prefill_in_plan:
             return uncomputed  # whole; a prompt over the full budget runs in a step of its own, not never
         return 0
+
+    def _cost(self, chunk: int, context: int, beside_decodes: bool) -> float:
+        """What a chunk spends of the step budget: its tokens, plus (beside decode rows) its attention to `context`
+        and to itself in token equivalents, n * (context + n / 2) / keys_per_token."""
+        if not (beside_decodes and self.keys_per_token and self.config.enable_chunked_prefill):
+            return chunk
+        return chunk + chunk * (context + chunk / 2) / self.keys_per_token
 
     def _schedule_decodes(self, plan: StepPlan) -> int:
         """Adds every running sequence that decodes (one token each), preempting the most recently admitted ones
@@ -137,14 +178,14 @@ class Scheduler:
         self.running = deque(running)
         return len(plan)
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
+    def _admit(self, plan: StepPlan, budget: float, beside_decodes: bool) -> None:
         prompts_in_plan = any(seq.num_uncomputed_tokens > 1 for seq in plan.seqs)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
-            uncomputed = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
-            chunk = self._chunk(uncomputed, budget, prefill_in_plan=prompts_in_plan)
+            cached = self.block_manager.cached_prefix_tokens(seq)
+            chunk = self._chunk(seq.num_tokens - cached, budget, prompts_in_plan, cached, beside_decodes)
             if chunk == 0:
                 break
             self.block_manager.allocate(seq)
@@ -153,7 +194,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             self._plan(plan, seq, chunk)
-            budget -= chunk
+            budget -= self._cost(chunk, cached, beside_decodes)
             prompts_in_plan = True
 
     def plan_lookahead(self, batch: list[Sequence]) -> StepPlan | None:
@@ -174,16 +215,7 @@ class Scheduler:
             self.block_manager.append_slot(seq)
             plan.add(seq, 1)
             self.block_manager.commit(seq, len(seq.token_ids))  # as `_plan` does: the known tokens, launched
-        budget = self.config.max_num_batched_tokens - len(batch)
-        for seq in self.running:
-            if budget <= 0:
-                break
-            if seq.num_uncomputed_tokens > 1:
-                chunk = self._chunk(seq.num_uncomputed_tokens, budget, prefill_in_plan=len(plan) > 0)
-                if chunk == 0:
-                    break
-                self._plan(plan, seq, chunk)
-                budget -= chunk
+        self._continue_prompts(plan, self.config.max_num_batched_tokens - len(batch), bool(batch))
         return plan if plan else None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -99,6 +99,7 @@ class Stream:
     times: list[float] = field(default_factory=list)
     text: str = ""
     tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens the server served from its prefix cache (usage.prompt_tokens_details)
     error: str = ""
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -137,6 +138,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, strea
                     return out
                 if chunk.get("usage"):
                     out.tokens = chunk["usage"]["completion_tokens"]
+                    out.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 text = ""
                 for choice in chunk.get("choices", []):
                     delta = choice.get("delta", {})
@@ -163,6 +165,7 @@ async def multi_turn(args: argparse.Namespace, model: str) -> dict:
     vocab = args.word_vocab
     system = random_words(random.Random(1), args.system_words, vocab) if vocab else make_prompt(1, args.system_words)
     ttfts: list[list[float]] = [[] for _ in range(args.turns)]
+    cached: list[list[int]] = [[] for _ in range(args.turns)]
     failed = 0
 
     async def conversation(client: httpx.AsyncClient, index: int) -> None:
@@ -178,13 +181,16 @@ async def multi_turn(args: argparse.Namespace, model: str) -> dict:
                 print(f"  failed: {reply.error}", file=sys.stderr)
                 return
             ttfts[turn].append(reply.ttft)
+            cached[turn].append(reply.cached_tokens)
             history += reply.text
 
     start = time.perf_counter()
     async with _client(args, args.conversations) as client:
         await asyncio.gather(*[conversation(client, i) for i in range(args.conversations)])
     wall = time.perf_counter() - start
-    turns = [{"turn": t + 1, "requests": len(v), "ttft_ms": summary(v)} for t, v in enumerate(ttfts)]
+    turns = [{"turn": t + 1, "requests": len(v), "ttft_ms": summary(v),
+              "mean_cached_tokens": round(statistics.fmean(cached[t]), 1) if cached[t] else 0.0}
+             for t, v in enumerate(ttfts)]
     later = [x for v in ttfts[1:] for x in v]
     return {"conversations": args.conversations, "turns": args.turns, "system_words": args.system_words,
             "user_words": args.user_words, "failed": failed, "wall_s": round(wall, 3), "per_turn": turns,
@@ -289,9 +295,10 @@ async def main_async(args: argparse.Namespace) -> dict:
 def markdown(report: dict) -> str:
     if "multi_turn" in report:
         mt = report["multi_turn"]
-        rows = ["| turn | requests | TTFT p50 ms | TTFT p99 ms |", "|---:|---:|---:|---:|"]
-        rows += [f"| {t['turn']} | {t['requests']} | {t['ttft_ms']['p50']:.1f} | {t['ttft_ms']['p99']:.1f} |"
-                 for t in mt["per_turn"]]
+        rows = ["| turn | requests | TTFT p50 ms | TTFT p99 ms | cached prompt tokens (mean) |",
+                "|---:|---:|---:|---:|---:|"]
+        rows += [f"| {t['turn']} | {t['requests']} | {t['ttft_ms']['p50']:.1f} | {t['ttft_ms']['p99']:.1f} | "
+                 f"{t.get('mean_cached_tokens', 0):.0f} |" for t in mt["per_turn"]]
         return "\n".join(rows)
     if "long_prompt" in report:
         lp = report["long_prompt"]

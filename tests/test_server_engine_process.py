@@ -102,6 +102,20 @@ def test_a_dead_engine_answers_503(tiny_dir):
         assert _post(server, "/v1/completions", {"prompt": ALICE, "max_tokens": 4}).status_code == 503
 
 
+def test_errors_that_do_not_pickle_still_reach_the_server():
+    from orinfer.errors import RequestError
+    from orinfer.server.engine_process import _picklable
+
+    class Local(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a} {b}")
+
+    kept = RequestError("the prompt is empty")
+    assert _picklable(kept) is kept
+    converted = _picklable(Local(1, 2))
+    assert isinstance(converted, RuntimeError) and "Local: 1 2" in str(converted)
+
+
 def test_an_engine_that_cannot_start_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="did not start"):
         EngineProcess(functools.partial(LLM, tmp_path / "missing", SETTINGS), None, start_timeout=120)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -88,10 +89,20 @@ class _RemoteGroup:
         self.queue = self         # `queue.put_nowait(error)`: a failure of the group
 
     def _resolve(self, result: Any) -> None:
-        self.relay.send(("resolve", self.gid, result))
+        self.relay.send(("resolve", self.gid, _picklable(result) if isinstance(result, BaseException) else result))
 
     def put_nowait(self, error: BaseException) -> None:
-        self.relay.send(("fail", self.gid, error))
+        self.relay.send(("fail", self.gid, _picklable(error)))
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """`error` itself when it crosses the pipe intact (orinfer's errors do), else a RuntimeError saying what it was:
+    a failed send would otherwise count as a failed engine step."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class _MetricsRelay:

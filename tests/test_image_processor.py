@@ -8,6 +8,9 @@ a bug (a wrong patch order, a wrong rounding), not noise.
 
 from __future__ import annotations
 
+import os
+import threading
+
 import base64
 import io
 import json
@@ -313,6 +316,28 @@ def test_truncated_and_corrupt_files(tmp_path):
         load_image(bytes(corrupt))
     with pytest.raises(RequestError, match="directory"):
         load_image(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    """Opening a FIFO for reading waits for a writer; the loader must neither wait nor read it."""
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    errors: list[Exception] = []
+
+    def load() -> None:
+        try:
+            load_image(fifo)
+        except RequestError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock the thread before failing, so the test run goes on
+        os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        pytest.fail("load_image blocked on a named pipe")
+    assert len(errors) == 1 and "not a regular file" in str(errors[0])
 
 
 def test_local_files_can_be_refused(tmp_path):

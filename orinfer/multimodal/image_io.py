@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import re
+import stat
 import urllib.parse
 import urllib.request
 import warnings
@@ -105,12 +106,17 @@ def _load_path(path: Path, allow_local_files: bool, max_bytes: int, max_image_pi
         raise RequestError(f"local image files are not allowed here (got {_shorten(str(path))})")
     name = f"image file {str(path)!r}"
     try:
-        if path.is_dir():
-            raise RequestError(f"{name} is a directory, not an image")
-        size = path.stat().st_size
-        _check_byte_count(size, max_bytes, name)
-        with path.open("rb") as f:
-            # Read one byte past the cap so a file that grew after stat() is still caught.
+        # O_NONBLOCK: opening a FIFO (named pipe) would otherwise wait for a writer forever; whatever was opened is
+        # then checked on its descriptor (no race with a swap after a check by name): only a regular file is read.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISDIR(info.st_mode):
+                raise RequestError(f"{name} is a directory, not an image")
+            if not stat.S_ISREG(info.st_mode):
+                raise RequestError(f"{name} is not a regular file")
+            _check_byte_count(info.st_size, max_bytes, name)
+            # Read one byte past the cap so a file that grew after fstat() is still caught.
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise RequestError(f"{name} not found") from None

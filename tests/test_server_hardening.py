@@ -193,3 +193,43 @@ def test_utf8_charset_is_accepted(http, ctype):
 def test_utf16_body_without_charset_is_400(http):
     r = http.post(COMP, content=json.dumps(comp()).encode("utf-16"), headers={"Content-Type": "application/json"})
     _error(r, 400)
+
+
+# --- 9: Host header (DNS rebinding) -------------------------------------------------------------------------------------
+
+def test_loopback_server_without_a_key_answers_only_to_loopback_host_names(tiny_dir):
+    """A page on evil.example whose DNS name was rebound to 127.0.0.1 reaches a loopback server with Host:
+    evil.example: refused (403) before any route, /health included; loopback names with any port are served."""
+    from orinfer.server.cli import LOOPBACK_HOSTS
+
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, max_model_len=512)
+    app = build_app(llm, "tiny", limits=ServerLimits(max_tokens=8, allowed_hosts=LOOPBACK_HOSTS))
+    with BackgroundServer(app) as bg, httpx.Client(base_url=bg.url, timeout=30) as c:
+        port = bg.url.rsplit(":", 1)[1]
+        for host in (f"evil.example:{port}", "evil.example", "127.0.0.1.evil.example", f"[::2]:{port}"):
+            for path in ("/health", "/v1/models"):
+                err = _error(c.get(path, headers={"Host": host}), 403)
+                assert err["code"] == "host_not_allowed"
+            _error(c.post(COMP, json=comp(), headers={"Host": host}), 403)
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}", "127.0.0.1"):
+            assert c.get("/health", headers={"Host": host}).status_code == 200, host
+        assert c.post(COMP, json=comp(), headers={"Host": f"localhost:{port}"}).status_code == 200
+
+
+@pytest.mark.parametrize("host, key, expected", [
+    ("127.0.0.1", None, {"localhost", "127.0.0.1", "::1"}),
+    ("127.0.0.5", None, {"localhost", "127.0.0.1", "::1", "127.0.0.5"}),
+    ("localhost", None, {"localhost", "127.0.0.1", "::1"}),
+    ("127.0.0.1", "secret", None),          # a key protects it: any Host (reverse proxies, tunnels)
+    ("0.0.0.0", None, None),                # reachable by name from elsewhere: the operator names it
+])
+def test_orinfer_serve_checks_the_host_when_loopback_has_no_key(host, key, expected):
+    import argparse
+
+    from orinfer.server.cli import add_serve_parser, serve_limits
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "-m", "x", "--host", host] + (["--api-key", key] if key else []))
+    limits = serve_limits(args)
+    assert (None if limits.allowed_hosts is None else set(limits.allowed_hosts)) == expected

@@ -63,7 +63,8 @@ def build_app(llm: Any, served_model_name: str, api_key: str | None = None, limi
     app = FastAPI(title="orinfer", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   redirect_slashes=False)
     app.state.server = srv
-    app.add_middleware(Guard, api_key=api_key, metrics=srv.metrics, max_header_bytes=srv.limits.max_header_bytes)
+    app.add_middleware(Guard, api_key=api_key, metrics=srv.metrics, max_header_bytes=srv.limits.max_header_bytes,
+                       allowed_hosts=srv.limits.allowed_hosts)
     add_error_handlers(app)
     _add_routes(app, srv)
     _document_bodies(app, srv)

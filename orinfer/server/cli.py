@@ -65,6 +65,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+# The Host names a loopback server without an API key answers to (anything else is a DNS-rebinding attempt).
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -74,11 +78,25 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def serve_limits(args: argparse.Namespace) -> Any:
+    """The ServerLimits of `orinfer serve`'s options. A loopback server without an API key answers only to loopback
+    Host names (and the one it binds)."""
+    from orinfer.server.app import ServerLimits
+
+    allowed_hosts = LOOPBACK_HOSTS | {args.host.lower()} if _is_loopback(args.host) and not args.api_key else None
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+                        max_n=args.max_n, max_tokens=args.max_tokens_limit,
+                        max_pending_sequences=args.max_pending,
+                        max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
+                        max_image_pixels=args.max_image_pixels,
+                        allowed_local_media_path=args.allowed_local_media_path, allowed_hosts=allowed_hosts)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from orinfer.server.app import ServerLimits, build_app
+        from orinfer.server.app import build_app
     except ImportError as exc:
         print(f"error: `orinfer serve` needs FastAPI and uvicorn ({exc}); install them with "
               "pip install 'orinfer[serve]'", file=sys.stderr)
@@ -86,12 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from orinfer.args import engine_args_from_namespace
     from orinfer.llm import LLM
 
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
-                          max_n=args.max_n, max_tokens=args.max_tokens_limit,
-                          max_pending_sequences=args.max_pending,
-                          max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
-                          max_image_pixels=args.max_image_pixels,
-                          allowed_local_media_path=args.allowed_local_media_path)
+    limits = serve_limits(args)
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
         print(f"error: --allowed-local-media-path {args.allowed_local_media_path!r} is not a directory",
               file=sys.stderr)

@@ -1,5 +1,6 @@
 """The outermost layer of every HTTP request: `Guard`, a pure ASGI middleware that refuses oversized request heads
-(431), checks the API key (401) and counts requests by route and status for /metrics."""
+(431), Host headers the server does not answer to (403, DNS rebinding), checks the API key (401) and counts requests
+by route and status for /metrics."""
 
 from __future__ import annotations
 
@@ -19,10 +20,25 @@ class Guard:
     arrives in pieces), checks `Authorization: Bearer <key>` on every route but /health (in constant time), and counts
     HTTP requests by route and status."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics, max_header_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics, max_header_bytes: int,
+                 allowed_hosts: frozenset[str] | None = None) -> None:
         self.app, self.metrics = app, metrics
         self.key = api_key.encode() if api_key else None
         self.max_header_bytes = max_header_bytes
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+
+    def _host_allowed(self, scope: dict[str, Any]) -> bool:
+        if self.allowed_hosts is None:
+            return True
+        host = next((v for k, v in scope.get("headers", []) if k == b"host"), None)
+        if host is None:
+            return False
+        name = host.decode("latin-1").strip().lower()
+        if name.startswith("["):          # [v6 address]:port
+            name = name[1:name.find("]")] if "]" in name else name
+        else:
+            name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+        return name in self.allowed_hosts
 
     def _head_size(self, scope: dict[str, Any]) -> int:
         size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
@@ -52,6 +68,11 @@ class Guard:
                 err = APIError(431, f"the request headers are larger than {self.max_header_bytes} bytes",
                                code="request_header_fields_too_large")
                 await JSONResponse(err.body(), status_code=431)(scope, receive, send_status)
+                return
+            if not self._host_allowed(scope):
+                err = APIError(403, "this server answers only to the host names it serves (Host header refused)",
+                               code="host_not_allowed")
+                await JSONResponse(err.body(), status_code=403)(scope, receive, send_status)
                 return
             if self.key is not None and path != "/health" and not self._authorized(scope):
                 err = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",

@@ -27,6 +27,10 @@ class ServerLimits:
 
     max_body_bytes: int = 4 * 1024 * 1024    # request body (413 beyond)
     max_header_bytes: int = 64 * 1024        # request line + headers (uvicorn's h11_max_incomplete_event_size)
+    # Host names (without port) requests may name in their Host header; None: any. `orinfer serve` sets the loopback
+    # names when it binds a loopback address without an API key: a web page a user visits can then not reach the
+    # server through a DNS name rebound to 127.0.0.1 (the browser sends that name as Host).
+    allowed_hosts: frozenset[str] | None = None
     max_n: int = 16                          # choices per prompt
     max_tokens: int | None = None            # cap on max_tokens (None: the context length)
     max_prompts: int = 64                    # prompts in one /v1/completions request

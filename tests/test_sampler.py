@@ -75,6 +75,27 @@ def test_repetition_penalty_matches_hf():
     torch.testing.assert_close(ours, expected)
 
 
+@pytest.mark.parametrize("penalty", [1e-38, 1e38])
+def test_extreme_repetition_penalties_keep_probabilities_finite(penalty):
+    """A penalty of 1e-38 (a valid float32) made the seen positive logits +inf and the softmax NaN; sampled, the
+    tokens must still be real tokens: the seen positive logit takes all the probability (1e-38), or the seen negative
+    one none (1e38; the seen positive one drops to logit 0)."""
+    logits = torch.tensor([[20.0, 15.0, -1.0, 0.5]]).repeat(64, 1)  # 20 / 1e-38 is beyond float32
+    history = torch.tensor([[0, 2]]).repeat(64, 1)           # tokens 0 (positive logit) and 2 (negative) were seen
+    gens = [torch.Generator().manual_seed(i) for i in range(64)]
+    batch = batch_of(64, temperature=torch.full((64,), 0.8), repetition_penalty=torch.full((64,), penalty),
+                     history=history, generators=gens, use_repetition_penalty=True, all_greedy=False,
+                     want_logprobs=True)
+    out = sample(logits, batch)
+    assert torch.isfinite(apply_penalties(logits, batch)).all()
+    ids = out.token_ids
+    assert ((ids >= 0) & (ids < 4)).all()
+    if penalty < 1:
+        assert (ids == 0).all()                               # the boosted seen token takes all the probability
+    else:
+        assert not (ids == 2).any()
+
+
 def test_presence_and_frequency_penalties():
     logits = torch.zeros(1, 6)
     out_ids = torch.tensor([[2, 2, 2, 5, -1]])

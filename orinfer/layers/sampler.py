@@ -62,12 +62,19 @@ class SamplerOutput:
     host_token_ids: torch.Tensor | None = None
 
 
+# Bound on penalised logits: far beyond any real logit, and still finite after the smallest temperature (1e-5).
+PENALISED_LOGIT_BOUND = 1e30
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
     if batch.history is not None and batch.use_repetition_penalty:
         seen = _token_mask(batch.history, vocab)
         penalty = batch.repetition_penalty[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # A penalty far from 1 (1e-38 is a valid float32) overflows to +-inf, and an inf logit makes the softmax NaN:
+        # clamped, such tokens keep all (or none) of the probability, which is what the penalty asks for.
+        penalised = penalised.clamp(-PENALISED_LOGIT_BOUND, PENALISED_LOGIT_BOUND)
         logits = torch.where(seen, penalised, logits)
     if batch.output_ids is not None and batch.use_presence_frequency:
         counts = _token_counts(batch.output_ids, vocab)

@@ -233,3 +233,32 @@ def test_orinfer_serve_checks_the_host_when_loopback_has_no_key(host, key, expec
     args = parser.parse_args(["serve", "-m", "x", "--host", host] + (["--api-key", key] if key else []))
     limits = serve_limits(args)
     assert (None if limits.allowed_hosts is None else set(limits.allowed_hosts)) == expected
+
+
+# --- 6: a client that leaves in the middle of its body ------------------------------------------------------------------
+
+def _metric(server, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_leaving_mid_body_is_a_499_not_a_500(server, caplog):
+    import socket
+    import time
+
+    host, port = server.url.split("//")[1].rsplit(":", 1)
+    route = '{code="%s",route="/v1/chat/completions"}'
+    before_500 = _metric(server, "orinfer_http_requests_total" + route % "500")
+    before_499 = _metric(server, "orinfer_http_requests_total" + route % "499")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\":".encode())
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while _metric(server, "orinfer_http_requests_total" + route % "499") == before_499 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "orinfer_http_requests_total" + route % "499") == before_499 + 1
+    assert _metric(server, "orinfer_http_requests_total" + route % "500") == before_500
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

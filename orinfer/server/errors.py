@@ -13,8 +13,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from orinfer.server.request_group import EngineDeadError
 
@@ -66,6 +67,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(APIError(400, f"invalid request: {exc.errors()[:1]}").body(), status_code=400)
 
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client closed the connection before it finished sending its body: nobody reads an answer, and nothing
+        # failed on our side (nginx's 499, as for a client that leaves before its completion is done).
+        return Response(status_code=499)
+
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         err = APIError(500, "internal server error", type="server_error", code="internal_error")
@@ -74,4 +80,5 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, internal_error)

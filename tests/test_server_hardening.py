@@ -262,3 +262,22 @@ def test_a_client_leaving_mid_body_is_a_499_not_a_500(server, caplog):
     assert _metric(server, "orinfer_http_requests_total" + route % "499") == before_499 + 1
     assert _metric(server, "orinfer_http_requests_total" + route % "500") == before_500
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+# --- 2: a huge prompt is refused by its characters, before tokenizing -----------------------------------------------------
+
+def test_a_prompt_is_refused_by_its_characters_before_it_is_tokenized(app, http, monkeypatch):
+    """The context is 512 tokens: more than 16 x 512 characters cannot fit, and are refused without tokenizing or
+    rendering (the tokenizer is not called); just under that, the prompt is tokenized and refused by its tokens."""
+    srv = app.state.server
+    calls = []
+    monkeypatch.setattr(srv.tokenizer, "encode", lambda text, *a, **k: calls.append(len(text)) or [1] * len(text))
+    too_long = "ab " * 2731                                     # 8193 characters
+    err = _error(http.post(COMP, json=comp(prompt=too_long)), 400, "prompt")
+    assert "8193 characters" in err["message"] and err["code"] == "context_length_exceeded"
+    messages = [{"role": "user", "content": [{"type": "text", "text": too_long}]}]
+    err = _error(http.post(CHAT, json=chat(messages=messages)), 400, "messages")
+    assert "characters" in err["message"]
+    assert calls == []
+    err = _error(http.post(COMP, json=comp(prompt="ab " * 2730)), 400)   # 8190 characters: tokenized, then too long
+    assert calls == [8190] and "characters" not in err["message"]

@@ -58,10 +58,20 @@ async def _render(srv: ServerState, req: ChatCompletionRequest, messages: list[d
                        param="messages") from None
 
 
+def _text_length(content: Any) -> int:
+    """Characters of a template message's content: a string, or parts whose text counts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
+
+
 async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -> Response:
     n = _check_fields(srv, req)
     chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
     max_pixels = srv.images.check(len(chat_in.images), req.mm_processor_kwargs) if chat_in.images else None
+    srv.check_prompt_chars(sum(_text_length(m.get("content")) for m in chat_in.messages), "messages")
     prompt = await _render(srv, req, chat_in.messages)
     ids = await srv.tokenize(prompt, "messages")
     srv.check_prompt(ids, "messages")

@@ -31,6 +31,9 @@ class ServerLimits:
     # names when it binds a loopback address without an API key: a web page a user visits can then not reach the
     # server through a DNS name rebound to 127.0.0.1 (the browser sends that name as Host).
     allowed_hosts: frozenset[str] | None = None
+    # Characters a prompt may have before it is tokenized; None: CHARS_PER_TOKEN_LIMIT x the context length. A prompt
+    # that long cannot fit the context, and tokenizing it would occupy a worker for seconds.
+    max_prompt_chars: int | None = None
     max_n: int = 16                          # choices per prompt
     max_tokens: int | None = None            # cap on max_tokens (None: the context length)
     max_prompts: int = 64                    # prompts in one /v1/completions request
@@ -54,6 +57,10 @@ class ServerLimits:
                 raise ValueError(f"ServerLimits.{name} must be positive, got {getattr(self, name)}")
 
 
+# Natural text averages 1.5-5 characters per token (Chinese to English, code in between): 16 leaves a wide margin.
+CHARS_PER_TOKEN_LIMIT = 16
+
+
 class ServerState:
     """The model, limits, metrics and the engine loop, plus the checks every endpoint makes."""
 
@@ -71,6 +78,7 @@ class ServerState:
             info, self.loop = engine_info(llm.engine), EngineLoop(llm.engine)
         self.max_model_len, self.vocab_size, self.multimodal = info.max_model_len, info.vocab_size, info.multimodal
         self.kv_capacity = info.kv_capacity
+        self.max_prompt_chars = limits.max_prompt_chars or CHARS_PER_TOKEN_LIMIT * self.max_model_len
         self.created = int(time.time())
         self.images = ImageLoader(info.image_processor, limits)
         self.metrics = ServerMetrics(self.loop.stats)
@@ -181,7 +189,15 @@ class ServerState:
             raise request_error(exc) from None
         return group
 
+    def check_prompt_chars(self, length: int, param: str) -> None:
+        """Refuses a prompt by its size in characters, before any rendering or tokenizing."""
+        if length > self.max_prompt_chars:
+            raise APIError(400, f"{param}: the prompt has {length} characters; this server takes at most "
+                                f"{self.max_prompt_chars} (its context is {self.max_model_len} tokens)", param=param,
+                           code="context_length_exceeded")
+
     async def tokenize(self, text: str, param: str) -> list[int]:
+        self.check_prompt_chars(len(text), param)
         try:
             return await asyncio.to_thread(self.tokenizer.encode, text)
         except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses

@@ -173,7 +173,8 @@ async def multi_turn(args: argparse.Namespace, model: str) -> dict:
         rng = random.Random(1000 + index)
         history = system
         for turn in range(args.turns):
-            user = random_words(rng, args.user_words, vocab) if vocab else make_prompt(index * 10 + turn, args.user_words)
+            user = (random_words(rng, args.user_words, vocab) if vocab
+                    else make_prompt(index * 10 + turn, args.user_words))
             history += " " + user
             reply = await stream_completion(client, model, history, args.max_tokens, args.temperature)
             if reply.error:

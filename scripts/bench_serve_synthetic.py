@@ -8,8 +8,9 @@
 Random weights emit random token ids, so the tokenizer is a synthetic word-level one covering the whole vocabulary
 (token i <-> the word "w<i>"; unknown words -> w0): every id detokenizes to text, so streamed deltas, TTFT and
 TPOT are measured on the real HTTP + SSE path. Prompts are random words of that vocabulary (`--word-vocab`, passed
-on), so requests share no prefix unless the workload means them to. The server binds to loopback on a free port; the load generator is
-scripts/bench_serve.py in a child process (as vLLM's and SGLang's serving benchmarks run: a client in the server's
+on), so requests share no prefix unless the workload means them to. The server binds to loopback on a free port;
+the engine runs in a child process, as `orinfer serve` runs it; the load generator is scripts/bench_serve.py in a
+child process (as vLLM's and SGLang's serving benchmarks run: a client in the server's
 process would share its interpreter lock and slow the server it measures); requests use `ignore_eos` so each produces
 exactly --max-tokens tokens. Options not listed by --help (--concurrency, --max-tokens, --requests, --out, ...) go
 to scripts/bench_serve.py.

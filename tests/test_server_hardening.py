@@ -195,7 +195,7 @@ def test_utf16_body_without_charset_is_400(http):
     _error(r, 400)
 
 
-# --- 9: Host header (DNS rebinding) -------------------------------------------------------------------------------------
+# --- 9: Host header (DNS rebinding) -----------------------------------------------------------------------------------
 
 def test_loopback_server_without_a_key_answers_only_to_loopback_host_names(tiny_dir):
     """A page on evil.example whose DNS name was rebound to 127.0.0.1 reaches a loopback server with Host:
@@ -235,7 +235,7 @@ def test_orinfer_serve_checks_the_host_when_loopback_has_no_key(host, key, expec
     assert (None if limits.allowed_hosts is None else set(limits.allowed_hosts)) == expected
 
 
-# --- 6: a client that leaves in the middle of its body ------------------------------------------------------------------
+# --- 6: a client that leaves in the middle of its body ----------------------------------------------------------------
 
 def _metric(server, name: str) -> float:
     for line in httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
@@ -264,7 +264,7 @@ def test_a_client_leaving_mid_body_is_a_499_not_a_500(server, caplog):
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-# --- 2: a huge prompt is refused by its characters, before tokenizing -----------------------------------------------------
+# --- 2: a huge prompt is refused by its characters, before tokenizing -------------------------------------------------
 
 def test_a_prompt_is_refused_by_its_characters_before_it_is_tokenized(app, http, monkeypatch):
     """The context is 512 tokens: more than 16 x 512 characters cannot fit, and are refused without tokenizing or
@@ -281,3 +281,25 @@ def test_a_prompt_is_refused_by_its_characters_before_it_is_tokenized(app, http,
     assert calls == []
     err = _error(http.post(COMP, json=comp(prompt="ab " * 2730)), 400)   # 8190 characters: tokenized, then too long
     assert calls == [8190] and "characters" not in err["message"]
+
+
+# --- 3: a large response is built off the event loop ------------------------------------------------------------------
+
+def test_non_streaming_bodies_are_built_in_a_worker_thread(app, http, monkeypatch):
+    """n x max_tokens x top logprobs can make a body of tens of MB: its building (logprob formatting) and encoding
+    run in a worker thread, so the event loop keeps answering (/health) meanwhile. Same bytes as before."""
+    import threading
+
+    srv = app.state.server
+    threads = []
+    real_completion, real_chat = srv.completion_logprobs, srv.chat_logprobs
+    monkeypatch.setattr(srv, "completion_logprobs",
+                        lambda *a: threads.append(threading.current_thread().name) or real_completion(*a))
+    monkeypatch.setattr(srv, "chat_logprobs",
+                        lambda *a: threads.append(threading.current_thread().name) or real_chat(*a))
+    r = http.post(COMP, json=comp(n=2, logprobs=3, max_tokens=6, temperature=0))
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert len(body["choices"]) == 2 and len(body["choices"][0]["logprobs"]["tokens"]) == 6
+    assert http.post(CHAT, json=chat(logprobs=True, top_logprobs=2, max_tokens=5)).status_code == 200
+    assert len(threads) == 3 and all(name.startswith("asyncio") for name in threads), threads

@@ -5,7 +5,8 @@ ceil(tokens / block_size) blocks, listed in its block table; blocks need not be 
 fragments and a sequence grows one block at a time.
 
 Prefix caching: a full block whose tokens' K/V have been computed is identified by a hash chained from its parent
-block's hash and its own token ids (and the content of images that start in it), so two sequences whose prompts start with the same tokens compute the same chain.
+block's hash and its own token ids (and the content of images that start in it), so two sequences whose prompts
+start with the same tokens compute the same chain.
 `allocate` gives a new sequence the cached blocks of its prompt's longest cached prefix (at least one token is always
 left to compute: the step that computes it samples the first token) and fresh blocks for the rest. Blocks are
 reference-counted; a block nobody holds goes back to the free queue but stays findable by its hash until the pool
@@ -135,8 +136,8 @@ class BlockManager:
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
         """Registers the sequence's blocks that its first `num_computed` tokens fill (K/V written by launched steps:
-        a later reader is queued behind them), so later prompts can find them. A block already cached under the same hash (the same tokens computed by
-        another sequence at the same time) stays this sequence's own."""
+        a later reader is queued behind them), so later prompts can find them. A block already cached under the same
+        hash (the same tokens computed by another sequence at the same time) stays this sequence's own."""
         if not self.enable_prefix_caching:
             return
         full = num_computed // self.block_size

@@ -1,11 +1,11 @@
 """The engine loop: requests in, one scheduled step at a time, tokens and text out.
 
 `add_request` validates a request and queues it; `step` runs one scheduler decision (decode rows and prompt chunks,
-`scheduler.py`) and returns the sequences that advanced; `abort` drops a request and frees its blocks at once. Callers (LLM, the
-server) drive `step` in a loop.
+`scheduler.py`) and returns the sequences that advanced; `abort` drops a request and frees its blocks at once.
+Callers (LLM, the server) drive `step` in a loop.
 
-Lookahead (EngineArgs.async_scheduling, see in_flight.py): in the steady state of decoding, `step` launches the
-next decode step before it waits for the current one, so a decode step is usually in flight between two calls.
+Lookahead (EngineArgs.async_scheduling, see in_flight.py): `step` launches the next step (decode rows and the next
+chunks of running prompts) before it waits for the current one, so a step is usually in flight between two calls.
 Anything that needs the host to know every token first (a prompt to admit or continue, a preemption) drains it.
 """
 

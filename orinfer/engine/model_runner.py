@@ -254,7 +254,8 @@ class ModelRunner:
         embeds, deepstack = self.model.encode_images(pixels, [grid for seq in todo for grid in seq.mm.grid_thw])
         counts = [seq.mm.placeholder_index.numel() for seq in todo]
         if embeds.shape[0] != sum(counts):
-            raise ValueError(f"the vision tower made {embeds.shape[0]} visual tokens for {sum(counts)} placeholder rows")
+            raise ValueError(f"the vision tower made {embeds.shape[0]} visual tokens for {sum(counts)} placeholder "
+                             "rows")
         per_seq_deepstack = list(zip(*(feature.split(counts) for feature in deepstack))) or [()] * len(todo)
         for seq, seq_embeds, seq_deepstack in zip(todo, embeds.split(counts), per_seq_deepstack):
             seq.mm.encoded = EncodedImages(seq_embeds, list(seq_deepstack))

@@ -5,9 +5,9 @@ Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`)
 `guard.Guard` (request-head size, API key on every route but /health, HTTP metrics). Handlers read the body
 themselves (`request_body`: JSON content type in UTF-8, size limit, strict JSON without NaN), validate it with the
 pydantic models of `protocol`, render and tokenize the prompt (and decode images) in worker threads, then hand the
-token ids to the engine thread (`engine_loop`), which `orinfer serve` runs in a child process (`engine_process`: the
-event loop then never waits for the engine's interpreter). Every client mistake is a 4xx with an OpenAI-style error object
-(`errors`); a 5xx means a bug or a dead engine.
+token ids to the engine thread (`engine_loop`), which `orinfer serve` runs in a child process (`engine_process`:
+the event loop then never waits for the engine's interpreter). Every client mistake is a 4xx with an OpenAI-style
+error object (`errors`); a 5xx means a bug or a dead engine.
 
     app.py            this file: the app factory, routes, /openapi.json
     state.py          ServerLimits, ServerState (checks shared by the endpoints, submit, tokenize)
@@ -46,7 +46,8 @@ __all__ = ["ServerLimits", "build_app"]
 def build_app(llm: Any, served_model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
               reasoning: bool | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an `orinfer.LLM`, or an `EngineProcess` running one in a child process). The
-    engine thread starts with the app's lifespan and stops with it (an engine process, with its end). `reasoning`: split Qwen3 <think> output into reasoning_content (None: when the tokenizer has the tags).
+    engine thread starts with the app's lifespan and stops with it (an engine process, with its end). `reasoning`:
+    split Qwen3 <think> output into reasoning_content (None: when the tokenizer has the tags).
     The server decodes request images itself, under `limits`; it turns the engine's own local-file loading off."""
     srv = ServerState(llm, served_model_name, limits or ServerLimits(), reasoning)
 

@@ -22,7 +22,8 @@ from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatComp
                                      Usage)
 from orinfer.server.reasoning import ReasoningParser, Split, ThinkState, initial_state, split_reasoning
 from orinfer.server.request_body import template_kwargs
-from orinfer.server.responses import AbortingStream, ClientGone, collect, finish_stream, stream_chunk, usage
+from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
+                                      stream_chunk, usage)
 from orinfer.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -102,17 +103,20 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
         return Response(status_code=499)
     except (EngineDeadError, EngineStepError) as exc:
         raise engine_error(exc) from None
-    out = []
-    for i, c in enumerate(choices):
-        text = "".join(c.text)
-        reasoning, content = split_reasoning(text, think) if think is not ThinkState.CONTENT else (None, text)
-        out.append(ChatChoice(index=i, message=ChatResponseMessage(content=content, reasoning_content=reasoning),
-                              logprobs=srv.chat_logprobs(c.logprobs) if req.logprobs else None,
-                              finish_reason=c.finish_reason))
-    body = ChatCompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
-                                  usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
-                                                      [c.cached for c in choices], n)))
-    return JSONResponse(body.model_dump())
+
+    def build() -> ChatCompletionResponse:
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            reasoning, content = split_reasoning(text, think) if think is not ThinkState.CONTENT else (None, text)
+            out.append(ChatChoice(index=i, message=ChatResponseMessage(content=content, reasoning_content=reasoning),
+                                  logprobs=srv.chat_logprobs(c.logprobs) if req.logprobs else None,
+                                  finish_reason=c.finish_reason))
+        return ChatCompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
+                                      usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                          [c.cached for c in choices], n)))
+
+    return await json_in_worker(build)
 
 
 def chat_stream(srv: ServerState, group: RequestGroup, request_id: str, created: int, n: int, prompt_tokens: int,

@@ -116,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.engine_process:
         from orinfer.server.engine_process import EngineProcess
 
-        llm = EngineProcess(functools.partial(LLM, args.model, engine_args), LLM.load_tokenizer(args.model, engine_args))
+        tokenizer = LLM.load_tokenizer(args.model, engine_args)
+        llm = EngineProcess(functools.partial(LLM, args.model, engine_args), tokenizer)
     else:
         llm = LLM(args.model, engine_args)
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]

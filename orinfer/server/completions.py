@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup
 from orinfer.server.errors import APIError, engine_error
 from orinfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from orinfer.server.responses import AbortingStream, ClientGone, collect, finish_stream, stream_chunk, usage
+from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
+                                      stream_chunk, usage)
 from orinfer.server.state import ServerState
 
 
@@ -80,14 +81,17 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
         return Response(status_code=499)
     except (EngineDeadError, EngineStepError) as exc:
         raise engine_error(exc) from None
-    out = [CompletionChoice(index=k, text=echoes[k] + "".join(c.text), finish_reason=c.finish_reason,
-                            logprobs=srv.completion_logprobs(c.logprobs, len(echoes[k]))
-                            if req.logprobs is not None else None)
-           for k, c in enumerate(choices)]
-    body = CompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
-                              usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
-                                                  [c.cached for c in choices], n)))
-    return JSONResponse(body.model_dump())
+
+    def build() -> CompletionResponse:
+        out = [CompletionChoice(index=k, text=echoes[k] + "".join(c.text), finish_reason=c.finish_reason,
+                                logprobs=srv.completion_logprobs(c.logprobs, len(echoes[k]))
+                                if req.logprobs is not None else None)
+               for k, c in enumerate(choices)]
+        return CompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
+                                  usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                      [c.cached for c in choices], n)))
+
+    return await json_in_worker(build)
 
 
 def completion_stream(srv: ServerState, group: RequestGroup, request_id: str, created: int, echoes: list[str],

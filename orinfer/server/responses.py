@@ -9,7 +9,8 @@ import json
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from orinfer.engine.sequence import TokenLogprob
 from orinfer.server.errors import engine_error
@@ -80,6 +81,16 @@ class AbortingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+async def json_in_worker(build: Callable[[], BaseModel]) -> Response:
+    """The JSON response of `build()`, built and encoded in a worker thread: a large body (16 choices x 2,000 tokens
+    x 20 top logprobs is ~48 MB) would otherwise hold the event loop, and every other client, for seconds. Bytes as
+    JSONResponse writes them."""
+    def render() -> bytes:
+        return json.dumps(build().model_dump(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
 def sse(obj: Any) -> str:

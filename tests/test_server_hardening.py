@@ -303,3 +303,38 @@ def test_non_streaming_bodies_are_built_in_a_worker_thread(app, http, monkeypatc
     assert len(body["choices"]) == 2 and len(body["choices"][0]["logprobs"]["tokens"]) == 6
     assert http.post(CHAT, json=chat(logprobs=True, top_logprobs=2, max_tokens=5)).status_code == 200
     assert len(threads) == 3 and all(name.startswith("asyncio") for name in threads), threads
+
+
+# --- 4: slow clients and the connection cap ---------------------------------------------------------------------------
+
+def test_slow_clients_are_cut_off_and_connections_capped(tiny_dir):
+    """A connection that sends nothing, half a head or half a body is closed once the read deadline passes; a request
+    that arrives whole in time is served; connections beyond the cap get 503 at once instead of a reset later."""
+    import socket
+    import time
+
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, max_model_len=512)
+    limits = ServerLimits(max_tokens=8, request_read_timeout_s=1.0, max_connections=5)
+    with BackgroundServer(build_app(llm, "tiny", limits=limits)) as bg:
+        host, port = bg.url.split("//")[1].rsplit(":", 1)
+        head = f"POST {COMP} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sockets = []
+        for payload in (b"", head.encode(), (head + "Content-Length: 500\r\n\r\n{\"prompt\":").encode()):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(payload)
+            sockets.append(sock)
+        time.sleep(0.2)
+        # Three held + this one stay under the cap of five (uvicorn refuses the connection that reaches it).
+        with socket.create_connection((host, int(port)), timeout=10) as probe:
+            probe.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert probe.recv(100).startswith(b"HTTP/1.1 200")
+            with socket.create_connection((host, int(port)), timeout=10) as extra:
+                extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                assert extra.recv(100).startswith(b"HTTP/1.1 503")
+        start = time.monotonic()
+        for sock in sockets:                  # each is closed by the server: recv returns b"" (or an error reply)
+            data = sock.recv(1000)
+            assert data == b"" or data.startswith(b"HTTP/1.1 4"), data[:80]
+            sock.close()
+        assert time.monotonic() - start < 8
+        assert httpx.get(bg.url + "/health", timeout=10).status_code == 200

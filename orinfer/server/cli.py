@@ -45,6 +45,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-pending", type=int, default=4096,
                    help="sequences running or queued before new requests get 429 (retry later); a request of "
                         "more sequences than this alone (prompts x n) gets 400")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's head and body must arrive within this; slower connections are closed")
+    p.add_argument("--max-connections", type=_positive_int, default=1024,
+                   help="open connections at most; the one that reaches it gets 503 (default 1024)")
     img = p.add_argument_group("images (Qwen3-VL models)")
     img.add_argument("--max-images-per-request", type=_positive_int, default=8,
                      help="images in one chat request (default 8)")
@@ -89,7 +93,8 @@ def serve_limits(args: argparse.Namespace) -> Any:
                         max_pending_sequences=args.max_pending,
                         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
                         max_image_pixels=args.max_image_pixels,
-                        allowed_local_media_path=args.allowed_local_media_path, allowed_hosts=allowed_hosts)
+                        allowed_local_media_path=args.allowed_local_media_path, allowed_hosts=allowed_hosts,
+                        request_read_timeout_s=args.request_read_timeout, max_connections=args.max_connections)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -128,11 +133,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def uvicorn_config(app: Any, host: str, port: int, limits: Any, log_level: str = "info") -> Any:
-    """uvicorn settings of the server: h11 (so that the header-size limit applies), no Server header."""
+    """uvicorn settings of the server: h11 (so that the header-size limit applies) with a deadline for reading each
+    request (`http_protocol`), a cap on open connections, no Server header."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, http="h11", log_level=log_level, timeout_keep_alive=30,
-                          timeout_graceful_shutdown=10, server_header=False,
+    from orinfer.server.http_protocol import TimedH11Protocol
+
+    protocol = type("ServerH11Protocol", (TimedH11Protocol,), {"read_timeout_s": limits.request_read_timeout_s})
+    return uvicorn.Config(app, host=host, port=port, http=protocol, log_level=log_level, timeout_keep_alive=30,
+                          timeout_graceful_shutdown=10, server_header=False, limit_concurrency=limits.max_connections,
                           h11_max_incomplete_event_size=limits.max_header_bytes)
 
 
@@ -146,7 +155,9 @@ class BackgroundServer:
 
         from orinfer.server.app import ServerLimits
 
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, limits or ServerLimits(), log_level))
+        state = getattr(getattr(app, "state", None), "server", None)  # an app of build_app: its own limits
+        limits = limits or getattr(state, "limits", None) or ServerLimits()
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, limits, log_level))
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="orinfer-http", daemon=True)

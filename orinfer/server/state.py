@@ -34,6 +34,8 @@ class ServerLimits:
     # Characters a prompt may have before it is tokenized; None: CHARS_PER_TOKEN_LIMIT x the context length. A prompt
     # that long cannot fit the context, and tokenizing it would occupy a worker for seconds.
     max_prompt_chars: int | None = None
+    request_read_timeout_s: float = 30.0     # a request's head and body must arrive within this (slow clients)
+    max_connections: int = 1024              # open connections; the one that reaches this gets 503 at once
     max_n: int = 16                          # choices per prompt
     max_tokens: int | None = None            # cap on max_tokens (None: the context length)
     max_prompts: int = 64                    # prompts in one /v1/completions request

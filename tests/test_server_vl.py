@@ -308,3 +308,18 @@ def test_serve_image_flags():
         ("/srv/img", 99, 2, 4096)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "-m", "d", "--max-image-bytes", "0"])
+
+
+def test_decoded_pixels_of_a_request_are_bounded(vl_dir):
+    """Each image fits the per-image limit, but together they do not fit the request's: the image that would cross it
+    is refused before it is decoded, naming the request budget; the same images in separate requests are served."""
+    limits = ServerLimits(max_request_image_pixels=60 * 60)
+    with BackgroundServer(build_app(_llm(vl_dir), "vl", limits=limits)) as bg:
+        two = user(image_part(data_url(png(50, 50, seed=1))), image_part(data_url(png(50, 50, seed=2))))
+        r = httpx.post(bg.url + "/v1/chat/completions", json=_body(two), timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "3600 decoded pixels in all (2500 taken by the ones before it)" in err["message"]
+        assert err["param"] == "messages.0.content.1"
+        one = user(image_part(data_url(png(50, 50, seed=1))))
+        assert httpx.post(bg.url + "/v1/chat/completions", json=_body(one), timeout=60).status_code == 200

@@ -199,12 +199,16 @@ def _finish(image: Image.Image, name: str, max_image_pixels: int) -> Image.Image
         raise RequestError(f"{name} is truncated or corrupt: {exc}") from None
 
 
+class TooManyPixelsError(RequestError):
+    """An image has more pixels than the limit it was loaded under (found from its header, before decoding)."""
+
+
 def _check_dimensions(image: Image.Image, name: str, max_image_pixels: int) -> None:
     width, height = image.size
     if width <= 0 or height <= 0:
         raise RequestError(f"{name} has zero size ({width}x{height})")
     if width * height > max_image_pixels:
-        raise RequestError(
+        raise TooManyPixelsError(
             f"{name} has {width}x{height} = {width * height} pixels, more than the limit of {max_image_pixels}"
         )
 

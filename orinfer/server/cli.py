@@ -57,6 +57,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                           "--max-body-bytes, must leave room for the base64 text)")
     img.add_argument("--max-image-pixels", type=_positive_int, default=64 * 1024 * 1024,
                      help="decoded size of one image before resizing, width x height (default 64 Mpx)")
+    img.add_argument("--max-request-image-pixels", type=_positive_int, default=64 * 1024 * 1024,
+                     help="decoded size of all images of one request together, before resizing (default 64 Mpx)")
     img.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                      help="let requests name local image files (file:// URLs or absolute paths) below DIR; without "
                           "it only data: URLs are accepted. Anyone who can reach the server can then read images "
@@ -92,7 +94,7 @@ def serve_limits(args: argparse.Namespace) -> Any:
                         max_n=args.max_n, max_tokens=args.max_tokens_limit,
                         max_pending_sequences=args.max_pending,
                         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
-                        max_image_pixels=args.max_image_pixels,
+                        max_image_pixels=args.max_image_pixels, max_request_image_pixels=args.max_request_image_pixels,
                         allowed_local_media_path=args.allowed_local_media_path, allowed_hosts=allowed_hosts,
                         request_read_timeout_s=args.request_read_timeout, max_connections=args.max_connections)
 

@@ -47,6 +47,7 @@ class ImageLoader:
         self.max_images = limits.max_images_per_request
         self.max_bytes = limits.max_image_bytes
         self.max_decoded_pixels = limits.max_image_pixels
+        self.max_request_pixels = limits.max_request_image_pixels
         root = limits.allowed_local_media_path
         self.local_root = Path(os.path.realpath(root)) if root else None
         self._slots = asyncio.Semaphore(max(1, limits.max_concurrent_image_decodes))
@@ -76,29 +77,43 @@ class ImageLoader:
 
     def _load_all(self, parts: list[ImagePart], max_pixels: int | None) -> LoadedImages:
         out = LoadedImages([], [])
+        decoded = 0  # pixels of the request's images decoded so far
         for part in parts:
-            image, tokens = self._load_one(part, max_pixels)
+            left = self.max_request_pixels - decoded
+            image, tokens, pixels = self._load_one(part, max_pixels, left)
+            decoded += pixels
             out.images.append(image)
             out.token_counts.append(tokens)
         return out
 
-    def _load_one(self, part: ImagePart, max_pixels: int | None) -> tuple[Any, int]:
+    def _load_one(self, part: ImagePart, max_pixels: int | None, request_pixels_left: int) -> tuple[Any, int, int]:
+        """(the image, resized if needed; its visual tokens; its decoded pixels). The pixel limit checked before
+        decoding is the smaller of the per-image one and what the request has left."""
         from orinfer.multimodal import load_image, num_image_tokens  # PIL and numpy: only when images are used
+        from orinfer.multimodal.image_io import TooManyPixelsError
 
         source = self._source(part)
         proc = self.processor
+        limit = min(self.max_decoded_pixels, request_pixels_left)
         try:
+            if limit <= 0:
+                raise TooManyPixelsError("no decoded pixels are left for it")
             image = load_image(source, allow_local_files=isinstance(source, Path), max_bytes=self.max_bytes,
-                               max_image_pixels=self.max_decoded_pixels)
+                               max_image_pixels=limit)
             height, width = proc.target_size(image.height, image.width, max_pixels)
         except RequestError as exc:
+            if limit < self.max_decoded_pixels and isinstance(exc, TooManyPixelsError):
+                exc = RequestError(f"the images of one request may have {self.max_request_pixels} decoded pixels in "
+                                   f"all ({self.max_request_pixels - request_pixels_left} taken by the ones before "
+                                   f"it): {exc}")
             raise APIError(400, f"{part.param}: {exc}", param=part.param, code="invalid_image") from None
+        decoded_pixels = image.width * image.height
         # Resize here exactly as the preprocessor would, unless its size rule would move the result again (then the
         # engine resizes the original, as LLM.chat does).
         if (width, height) != image.size and proc.target_size(height, width, max_pixels) == (height, width):
             image = image.resize((width, height), resample=proc.config.resample)
         patch = proc.config.patch_size
-        return image, num_image_tokens((1, height // patch, width // patch), proc.config.merge_size)
+        return image, num_image_tokens((1, height // patch, width // patch), proc.config.merge_size), decoded_pixels
 
     def _source(self, part: ImagePart) -> str | Path:
         """The data: URL itself, or the resolved path of an allowed local file; APIError for anything else."""

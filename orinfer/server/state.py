@@ -50,11 +50,15 @@ class ServerLimits:
     max_images_per_request: int = 8
     max_image_bytes: int = 20 * 1024 * 1024  # encoded bytes of one image (its base64 is 4/3 of that)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # decoded pixels of one image, before resizing
+    # Decoded pixels of all of one request's images together (before resizing): with max_concurrent_image_decodes it
+    # bounds the memory image decoding can take (3 bytes a pixel: 64 Mpx is 192 MiB per request being decoded).
+    max_request_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_concurrent_image_decodes: int = 4    # requests decoding images at the same time (bounds their memory)
     allowed_local_media_path: str | None = None  # local image files only below this directory (None: none)
 
     def __post_init__(self) -> None:
-        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels", "max_concurrent_image_decodes"):
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels", "max_concurrent_image_decodes",
+                     "max_request_image_pixels"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServerLimits.{name} must be positive, got {getattr(self, name)}")
 

@@ -52,14 +52,20 @@ def attention_keys_per_token(cfg: ModelConfig) -> float:
 
 @dataclass
 class StepPlan:
-    """One step: seqs[i] runs its tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i])."""
+    """One step: seqs[i] runs its tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i]).
+
+    `sampled` and `is_decode` are read by the engine and the runner for the same step: each is worked out once, at
+    its first read after the last `add` (before the launch advances the sequences' counts), and kept."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    _sampled: list[Sequence] | None = field(default=None, repr=False, compare=False)
+    _is_decode: bool | None = field(default=None, repr=False, compare=False)
 
     def add(self, seq: Sequence, num_new: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
+        self._sampled = self._is_decode = None
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -79,12 +85,16 @@ class StepPlan:
     @property
     def sampled(self) -> list[Sequence]:
         """The sequences that sample a token this step, in batch order (row i of the step's samples)."""
-        return [seq for i, seq in enumerate(self.seqs) if self.samples(i)]
+        if self._sampled is None:
+            self._sampled = [seq for i, seq in enumerate(self.seqs) if self.samples(i)]
+        return self._sampled
 
     @property
     def is_decode(self) -> bool:
         """Every row is a plain decode row (the CUDA-graph path)."""
-        return all(seq.is_decoding for seq in self.seqs)
+        if self._is_decode is None:
+            self._is_decode = all(seq.is_decoding for seq in self.seqs)
+        return self._is_decode
 
 
 class Scheduler:

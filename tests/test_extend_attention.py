@@ -96,3 +96,22 @@ def test_bad_shapes_are_named():
         extend_attention(torch.randn(2, 3, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts, 0.25)  # 3 % 2
     with pytest.raises(ValueError, match="extend_attention"):
         extend_attention(torch.randn(2, 2, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts[:1], 0.25)
+
+
+@pytest.mark.parametrize("queries, contexts, pad_rows, pad_seqs", [
+    ([1, 1, 1], [1, 17, 40], 13, 5),             # decode rows, as a graph bucket of 16 rows pads them
+    ([1, 12, 40, 3], [50, 12, 57, 19], 8, 60),   # a mixed step, many empty sequences after it
+    ([37], [70], 0, 0),                          # no padding: the bound is tight
+    ([2, 33, 1], [9, 33, 80], 20, 1),
+])
+def test_fixed_launch_covers_padded_batches(queries, contexts, pad_rows, pad_seqs):
+    """The CUDA-graph form: the grid comes from T and B alone; padding rows and empty sequences change nothing."""
+    k_cache, v_cache, tables, lens, starts = make_batch(queries, contexts, 16, 2, 32, torch.float32, seed=5)
+    total = sum(queries)
+    q = torch.randn(total + pad_rows, 4, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    padded_starts = torch.cat([starts, starts[-1:].expand(pad_seqs)])
+    padded_lens = torch.cat([lens, torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)])
+    padded_tables = torch.cat([tables, torch.zeros(pad_seqs, tables.shape[1], dtype=torch.int32, device=DEVICE)])
+    got = extend_attention(q, k_cache, v_cache, padded_tables, padded_lens, padded_starts, 0.2, fixed_launch=True)
+    want = paged_attention_ref(q[:total].double(), k_cache.double(), v_cache.double(), tables, lens, starts, 0.2)
+    torch.testing.assert_close(got[:total].double(), want, **tol(torch.float32))

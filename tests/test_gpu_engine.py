@@ -55,6 +55,36 @@ def test_graphs_are_used(tiny_path):
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.buckets == [1, 2, 4, 8]
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_mixed_steps_replay_graphs_with_the_eager_tokens(tiny_path, monkeypatch, sampling):
+    """Short whole prompts, prompt chunks beside decode rows (also in lookahead steps) and prefix-cache hits replay the
+    mixed-step graphs, and give the tokens of the eager steps (fp32)."""
+    from orinfer.engine import step_graphs
+
+    replayed: list[int] = []
+    real_run = step_graphs.MixedStepGraphs.run
+
+    def run(self, inputs, device_ids=None):
+        replayed.append(inputs.num_tokens)
+        return real_run(self, inputs, device_ids)
+
+    monkeypatch.setattr(step_graphs.MixedStepGraphs, "run", run)
+    prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) + [i] for i in range(12)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True,
+                            **({"temperature": 0.0} if sampling == "greedy" else {"temperature": 0.8, "seed": 7}))
+
+    def rounds(graphs: bool) -> list[list[list[int]]]:
+        llm = LLM(tiny_path, dtype="float32", device="cuda", progress=False, block_size=16, kv_cache_bytes=64 << 20,
+                  max_num_seqs=8, max_num_batched_tokens=40, cuda_graph=graphs)
+        # The second round finds the first one's prompts in the prefix cache.
+        return [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
+
+    eager = rounds(False)
+    assert not replayed
+    assert rounds(True) == eager
+    assert len(replayed) >= 6 and max(replayed) > 16  # chunks beside decode rows took several buckets
+
+
 @pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"repetition_penalty": 1.3}, {"in_place_rows": 0}])
 def test_greedy_decode_takes_the_graphs_argmax(tiny_path, monkeypatch, extra):
     """Plain greedy decode steps replayed from graphs take the graph's own argmax and launch no sampler; with

@@ -47,11 +47,12 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, hooks: GraphHooks, max_batch: int, max_blocks_per_seq: int,
-                 device: torch.device, block_size: int) -> None:
+                 device: torch.device, block_size: int, pool: tuple | None = None) -> None:
         """Graphs for up to `max_batch` rows of up to `max_blocks_per_seq` KV-cache blocks of `block_size` tokens,
         captured with the backend's `hooks` (greedy argmax, input advance, capture scope). Buckets of up to
         SHORT_CONTEXT_MAX_BATCH rows also get a graph for contexts of up to SHORT_CONTEXT_TOKENS tokens (see there),
-        when the full table is wider than that."""
+        when the full table is wider than that. `pool`: a graph memory pool to share (the mixed-step graphs': steps
+        never overlap, and each step's outputs are read before the next replay)."""
         self.model, self.hooks, self.device, self.block_size = model, hooks, device, block_size
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -92,7 +93,7 @@ class DecodeGraphs:
         self.short_buckets = [b for b in self.buckets if b <= SHORT_CONTEXT_MAX_BATCH] if self.short_blocks else []
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool = pool
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The decode step over the first `blocks` columns of the block table (contexts of up to that many blocks)."""

@@ -19,6 +19,8 @@ from orinfer.config import ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
+from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
+from orinfer.engine.step_inputs import StepInputs, step_inputs
 from orinfer.errors import ConfigError
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
@@ -48,12 +50,17 @@ class ModelRunner:
             self._warmup_cached_prefix()
             self._warmup_logits(model_config.hidden_size)
         self.graphs: DecodeGraphs | None = None
-        # Graphs need a backend whose decode path never syncs with the host (the torch reference does): one that has
+        self.step_graphs: MixedStepGraphs | None = None
+        # Graphs need a backend whose forward never syncs with the host (the torch reference does): one that has
         # graph hooks.
         if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
-            self.graphs = DecodeGraphs(model, graph_hooks, engine_config.max_num_seqs, max_blocks, device,
-                                       self.block_size)
+            max_seqs = engine_config.max_num_seqs
+            self.step_graphs = MixedStepGraphs(model, min(MAX_GRAPH_TOKENS, engine_config.max_num_batched_tokens),
+                                               max_seqs, max_blocks, self.block_size, device)
+            self.step_graphs.capture()
+            self.graphs = DecodeGraphs(model, graph_hooks, max_seqs, max_blocks, device, self.block_size,
+                                       pool=self.step_graphs.pool)
             self.graphs.capture()
             if hasattr(model, "enable_vision_graphs"):
                 model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph
@@ -153,48 +160,25 @@ class ModelRunner:
 
     # --- batches ----------------------------------------------------------------------------------------------------
 
-    def _slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return self._upload(rows, torch.int32)
-
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids [T], positions [T], metadata, rows whose logits are needed [sampling sequences])."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        last_rows: list[int] = []
-        for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
-            first = seq.num_computed_tokens
-            end = first + num_new
-            chunk = seq.token_ids[first:end]
-            # A lookahead decode's newest token is still on the device (pending): its id here is a stand-in that
-            # execute() replaces with the device ids.
-            ids.extend(chunk + [0] * (num_new - len(chunk)))
-            # Decode rows of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted
-            # position. (Its prompt rows take their positions from the MultimodalBatch instead.)
-            shift = seq.rope_delta if seq.is_decoding else 0
-            positions.extend(range(first + shift, end + shift))
-            slots.extend(self._slot(seq, p) for p in range(first, end))
-            starts.append(len(ids))
-            if plan.samples(index):
-                last_rows.append(len(ids) - 1)
-        lens = [seq.num_computed_tokens + n for seq, n in zip(plan.seqs, plan.num_new_tokens)]
+        """(input_ids [T], positions [T], metadata, rows whose logits are needed [sampling sequences]) of an eager
+        step, on the device."""
+        return self._upload_inputs(step_inputs(plan, self.block_size))
+
+    def _upload_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        width = max(len(table) for table in inputs.block_tables)
+        tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]
         meta = AttentionMetadata(
-            from_start=all(seq.num_computed_tokens == 0 for seq in plan.seqs),
-            query_start_loc=self._upload(starts, torch.int32),
-            context_lens=self._upload(lens, torch.int32),
-            max_query_len=max(plan.num_new_tokens),
-            max_context_len=max(lens),
-            slot_mapping=self._upload(slots, torch.int64),
-            block_tables=self._block_tables(plan.seqs),
+            from_start=inputs.from_start,
+            query_start_loc=self._upload(inputs.starts, torch.int32),
+            context_lens=self._upload(inputs.context_lens, torch.int32),
+            max_query_len=inputs.max_query_len,
+            max_context_len=max(inputs.context_lens),
+            slot_mapping=self._upload(inputs.slots, torch.int64),
+            block_tables=self._upload(tables, torch.int32),
         )
-        return (self._upload(ids, torch.int64), self._upload(positions, torch.int64), meta,
-                self._upload(last_rows, torch.int64))
+        return (self._upload(inputs.ids, torch.int64), self._upload(inputs.positions, torch.int64), meta,
+                self._upload(inputs.sample_rows, torch.int64))
 
     def prepare_multimodal(self, plan: StepPlan) -> MultimodalBatch | None:
         """The M-RoPE positions and visual embeddings of a step that runs prompt rows of a sequence with images; None
@@ -202,8 +186,7 @@ class ModelRunner:
 
         A sequence's images are encoded once, by the first step whose rows reach one of them, and kept on its
         MultimodalInputs until its last visual row has run: each chunk takes the rows it covers."""
-        if not getattr(self.model, "supports_multimodal", False) \
-                or all(seq.mm is None or seq.is_decoding for seq in plan.seqs):
+        if not self._needs_images(plan):
             return None
         self._encode_images(plan)
         positions, rows, picked_rows = [], [], []
@@ -327,8 +310,7 @@ class ModelRunner:
             device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
         sampled = plan.sampled
         if not sampled:  # prompt chunks only: K/V to write, nothing to sample
-            input_ids, positions, meta, _ = self.prepare(plan)
-            self._forward(plan, input_ids, positions, meta)
+            self._run_forward(plan, device_ids)
             return SamplerOutput(token_ids=torch.zeros(0, dtype=torch.int64, device=self.device))
         # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens (the
         # decode rows come first; a prompt that ends in this step has none: -1, the history's padding).
@@ -344,12 +326,30 @@ class ModelRunner:
                 return SamplerOutput(token_ids=self.graphs.greedy_ids(batch),
                                      host_token_ids=self.graphs.greedy_host_ids(batch))
         else:
-            input_ids, positions, meta, last_rows = self.prepare(plan)
-            if device_ids is not None:  # the decode rows (the first ones) read the previous step's samples
-                input_ids[:len(device_ids)] = device_ids
-            hidden = self._forward(plan, input_ids, positions, meta)
-            logits = self._logits(hidden, last_rows)
+            hidden, sample_rows = self._run_forward(plan, device_ids)
+            logits = self._logits(hidden, sample_rows)
         return sample(logits, sampling)
+
+    def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a step that is not decode-only: (hidden states [T, H], the sampling rows on the device).
+        Replayed from a mixed-step graph when one fits and no row needs images; else eager. `device_ids`: the input
+        ids of the first rows (lookahead decode rows), on the device."""
+        inputs = step_inputs(plan, self.block_size)
+        if self.step_graphs is not None and self.step_graphs.fits(inputs) and not self._needs_images(plan):
+            hidden = self.step_graphs.run(inputs, device_ids)
+            return hidden, self._upload(inputs.sample_rows, torch.int64)
+        input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)
+        if device_ids is not None:
+            input_ids[:len(device_ids)] = device_ids
+        mm = self.prepare_multimodal(plan)
+        if mm is None:
+            return self.model(input_ids, positions, meta), sample_rows
+        return self.model(input_ids, positions, meta, mm), sample_rows
+
+    def _needs_images(self, plan: StepPlan) -> bool:
+        """Whether the step runs prompt rows of a sequence with images (`prepare_multimodal` then has work)."""
+        return getattr(self.model, "supports_multimodal", False) and any(
+            seq.mm is not None and not seq.is_decoding for seq in plan.seqs)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits of `rows` of `hidden`. On the GPU the row count is padded to a bucket of LOGITS_ROW_BUCKET (rows
@@ -367,10 +367,3 @@ class ModelRunner:
         """Runs the logits GEMM once at each padded row count a step can have (see `_logits`)."""
         for rows in range(LOGITS_ROW_BUCKET, self.config.max_num_seqs + LOGITS_ROW_BUCKET, LOGITS_ROW_BUCKET):
             self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.kv_dtype, device=self.device))
-
-    def _forward(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                 ) -> torch.Tensor:
-        mm = self.prepare_multimodal(plan)
-        if mm is None:
-            return self.model(input_ids, positions, meta)
-        return self.model(input_ids, positions, meta, mm)

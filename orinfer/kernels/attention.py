@@ -55,9 +55,10 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                        max_query_len: int | None = None) -> torch.Tensor:
-    """q [T, Hq, D] (all sequences' new tokens, concatenated); returns [T, Hq, D]. max_query_len: for signature parity
-    with the kernels (they take it to avoid a sync), not needed here."""
+                        max_query_len: int | None = None, fixed_launch: bool = False) -> torch.Tensor:
+    """q [T, Hq, D] (all sequences' new tokens, concatenated); returns [T, Hq, D]. max_query_len and fixed_launch:
+    for signature parity with the kernels (launch details), not needed here; rows past query_start_loc[-1] (padding)
+    are left unwritten."""
     out = torch.empty_like(q)
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     starts = query_start_loc.tolist()

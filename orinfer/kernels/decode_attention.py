@@ -196,12 +196,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                    max_query_len: int | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None, fixed_launch: bool = False) -> torch.Tensor:
     """`paged_attention_ref`'s signature. When there are as many query rows as sequences (decode: one new token
     each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel;
-    otherwise (new tokens over a cached prefix: prompt chunks, prefix-cache hits) the extend kernel
-    (`kernels/extend_attention.py`)."""
-    if q.shape[0] == context_lens.shape[0]:
+    otherwise (new tokens over a cached prefix: prompt chunks, prefix-cache hits), and for the padded batches of
+    mixed-step graphs (`fixed_launch`), the extend kernel (`kernels/extend_attention.py`)."""
+    if q.shape[0] == context_lens.shape[0] and not fixed_launch:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                            max_query_len=max_query_len)
+                            max_query_len=max_query_len, fixed_launch=fixed_launch)

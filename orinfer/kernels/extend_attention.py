@@ -44,13 +44,11 @@ def _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, pos, context, k
 
 
 @triton.jit
-def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, GROUP, block_size, scale_log2,
-                   stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
-                   HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # the query blocks with most keys are scheduled first
-    seq = tl.program_id(1)
-    h = tl.program_id(2)
+def _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h, GROUP, block_size,
+                 scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                 HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+    """Query rows m_block*BLOCK_M.. of sequence `seq` (those it has), head h: attention over its paged context."""
     start = tl.load(qsl_ptr + seq)
     n_new = tl.load(qsl_ptr + seq + 1) - start
     m0 = m_block * BLOCK_M
@@ -86,15 +84,53 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, GRO
                  mask=m_mask[:, None] & (d < D)[None, :])
 
 
+# num_seqs is not specialised on (Triton compiles a kernel per class of integer argument: 1, multiple of 16, other): a
+# batch of a new size must not compile a variant mid-serving.
+@triton.jit(do_not_specialize=["num_seqs"])
+def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, GROUP, block_size, scale_log2,
+                   stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                   HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FIXED: tl.constexpr, BLOCK_S: tl.constexpr):
+    if FIXED:
+        # Grid (tile bound, Hq): the batch's query blocks numbered in sequence order; this program finds its own
+        # sequence from the per-sequence block counts (a cumsum over at most BLOCK_S sequences), so the launch
+        # depends on no host-side lengths. Programs past the last block do nothing.
+        h = tl.program_id(1)
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later sequences (prompt chunks: most keys) first
+        s = tl.arange(0, BLOCK_S)
+        in_batch = s < num_seqs
+        lo = tl.load(qsl_ptr + s, mask=in_batch, other=0)
+        hi = tl.load(qsl_ptr + s + 1, mask=in_batch, other=0)
+        blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        seq = tl.sum((ends <= tile).to(tl.int32), 0)
+        if seq < num_seqs:
+            m_block = tile - tl.sum(tl.where(s == seq, ends - blocks, 0), 0)
+            _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h, GROUP,
+                         block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                         HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32)
+    else:
+        # Grid (cdiv(max_query_len, BLOCK_M), B, Hq); the query blocks with most keys are scheduled first.
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, tl.program_id(1), m_block,
+                     tl.program_id(2), GROUP, block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot,
+                     stride_oh, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32)
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                     max_query_len: int | None = None) -> torch.Tensor:
+                     max_query_len: int | None = None, fixed_launch: bool = False) -> torch.Tensor:
     """`paged_attention_ref`'s contract in one launch: q [T, Hq, D] (unit last stride), caches [blocks, block_size,
     Hk, D] (contiguous), block_tables [B, W] int32, context_lens [B] and query_start_loc [B+1] int32 -> [T, Hq, D].
 
-    Kernel: grid (cdiv(max_query_len, BLOCK_M), B, Hq); a program holds BLOCK_M query rows of one sequence and head
-    and streams that sequence's paged K/V tiles up to its last row's position. `max_query_len` (a host int) spares
-    the device-to-host sync of reading it from query_start_loc.
+    Kernel: a program holds BLOCK_M query rows of one sequence and head and streams that sequence's paged K/V tiles up
+    to its last row's position. Grid (cdiv(max_query_len, BLOCK_M), B, Hq); `max_query_len` (a host int) spares the
+    device-to-host sync of reading it from query_start_loc.
+
+    fixed_launch (CUDA-graph capture of mixed steps): the grid depends on the shapes alone, (min(T, cdiv(T, BLOCK_M)
+    + B), Hq), enough for any split of T rows over B sequences, and each program finds its query block from
+    query_start_loc on the device. Rows past query_start_loc[B] (padding) are left unwritten, and sequences may be
+    empty (padding).
     """
     check_device(q)
     tokens, heads, head_dim = q.shape
@@ -112,8 +148,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0:
         return out
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync
     block_d = max(16, triton.next_power_of_2(head_dim))
     dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
     # The varlen prefill kernel's tiles (the same dots and softmax): wgmma-sized for 16-bit inputs, 16x16 for exact
@@ -124,9 +158,16 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_m, block_n, warps, stages = 128, 64, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 8, 2
-    _extend_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, heads)](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, heads // kv_heads, k_cache.shape[1],
-        scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        HK=kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
+    if fixed_launch:
+        grid = (min(tokens, triton.cdiv(tokens, block_m) + num_seqs), heads)
+    else:
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync
+        grid = (triton.cdiv(max_query_len, block_m), num_seqs, heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, num_seqs, heads // kv_heads,
+        k_cache.shape[1], scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), HK=kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
+        FIXED=fixed_launch, BLOCK_S=triton.next_power_of_2(num_seqs) if fixed_launch else 1,
         num_warps=warps, num_stages=stages)
     return out

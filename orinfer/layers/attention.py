@@ -36,6 +36,10 @@ class AttentionMetadata:
     max_context_len: int
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    # CUDA-graph capture of a mixed step (engine/step_graphs.py): rows and sequences are padded to fixed counts
+    # (padding rows past query_start_loc[-1], empty padding sequences), and attention must launch from the shapes
+    # alone, never from max_query_len.
+    fixed_launch: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -76,5 +80,6 @@ class Attention(nn.Module):
             out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale, max_seqlen=meta.max_query_len)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                           meta.query_start_loc, self.scale, max_query_len=meta.max_query_len)
+                                           meta.query_start_loc, self.scale, max_query_len=meta.max_query_len,
+                                           fixed_launch=meta.fixed_launch)
         return out.reshape(tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,117 @@
+"""CUDA-graph replay of mixed steps: prompt chunks beside decode rows, short whole prompts, prefix-cache hits.
+
+An eager step of Qwen3-8B launches ~180 Triton kernels and ~144 GEMMs, whose Python launch path costs 16-24 ms of
+host time (benchmarks/NOTES.md, runs 258-259): more than the device needs for a step of a few hundred tokens. While
+prompts keep arriving, those steps made the serving engine host-bound. Here each bucket of token counts gets one graph
+of the forward (embedding -> final norm); a step of T tokens replays the smallest bucket >= T in well under a
+millisecond of host time.
+
+Shapes are fixed per bucket, so the batch is padded:
+- rows past the real T: id 0, position 0, KV slot -1 (they store nothing); their hidden states are never read;
+- sequences past the real B, up to max_seqs: empty (query_start_loc repeats T), so attention gives them no work;
+- block tables at their full width; only the real sequences' rows are uploaded.
+Attention launches from these shapes alone (`AttentionMetadata.fixed_launch`). The logits stay outside the graph: the
+sampling rows are gathered eagerly from the graph's hidden states (their count varies per step).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from orinfer.engine.step_inputs import StepInputs
+from orinfer.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+# Steps of more tokens run eagerly: from ~1k tokens the device time of a Qwen3-8B step (>= 20 ms) covers the host's
+# launches, and padding to a bucket would only add work.
+MAX_GRAPH_TOKENS = 1024
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, then steps of 64 to 512 and of 128 beyond, up to max_tokens: past 128 tokens padding is under
+    a third of the bucket."""
+    buckets = [b for b in (16, 32, 64, 128) if b <= max_tokens]
+    buckets += [b for b in range(192, 513, 64) if b <= max_tokens]
+    buckets += [b for b in range(640, max_tokens + 1, 128)]
+    if not buckets or buckets[-1] < max_tokens:
+        buckets.append(max_tokens)
+    return buckets
+
+
+class MixedStepGraphs:
+    def __init__(self, model: nn.Module, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        """Graphs for steps of up to `max_tokens` rows over up to `max_seqs` sequences of up to `max_blocks_per_seq`
+        KV-cache blocks (of `block_size` tokens) each."""
+        self.model, self.device, self.block_size = model, device, block_size
+        self.buckets = token_buckets(max_tokens)
+        self.max_tokens, self.max_seqs, self.max_blocks = self.buckets[-1], max_seqs, max_blocks_per_seq
+        t, s = self.max_tokens, max_seqs
+        # Inputs live in two device buffers (one per dtype), so a step costs two uploads. int64: ids, positions and
+        # slots, [3, max_tokens]; int32: query_start_loc [S+1], context lengths [S], block tables [S, W].
+        self.dev_i64 = torch.zeros(3, t, dtype=torch.int64, device=device)
+        self.dev_i32 = torch.zeros(2 * s + 1 + s * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev_i64
+        self.query_start_loc = self.dev_i32[:s + 1]
+        self.context_lens = self.dev_i32[s + 1:2 * s + 1]
+        self.block_tables = self.dev_i32[2 * s + 1:].view(s, max_blocks_per_seq)
+        self.slot_mapping.fill_(-1)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _forward(self, tokens: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            from_start=False, query_start_loc=self.query_start_loc, context_lens=self.context_lens,
+            max_query_len=tokens, max_context_len=self.max_blocks * self.block_size, slot_mapping=self.slot_mapping[:tokens],
+            block_tables=self.block_tables, fixed_launch=True)
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first, so that the smaller ones reuse its memory pool. The capture's batch
+        is all padding (every sequence empty): what the graph records is the launches, not these values."""
+        for tokens in reversed(self.buckets):
+            self._forward(tokens)  # warm-up outside the capture: compiles kernels, loads cuBLAS's
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.hidden[tokens] = self._forward(tokens)
+            self.graphs[tokens] = graph
+            if self.pool is None:
+                self.pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        log.info("captured mixed-step CUDA graphs for %s tokens", self.buckets)
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return inputs.num_tokens <= self.max_tokens and len(inputs.context_lens) <= self.max_seqs
+
+    def run(self, inputs: StepInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays the bucket for this step; returns the hidden states [T, H] (a view of the graph's output, valid
+        until the next replay of any graph in the pool: read it in stream order before then). `device_ids` [D]: the
+        ids of the first D rows, on the device (lookahead decode rows)."""
+        tokens, seqs = inputs.num_tokens, len(inputs.context_lens)
+        bucket = next(b for b in self.buckets if b >= tokens)
+        i64 = np.zeros((3, bucket), dtype=np.int64)
+        i64[0, :tokens], i64[1, :tokens], i64[2, :tokens] = inputs.ids, inputs.positions, inputs.slots
+        i64[2, tokens:] = -1
+        s, width = self.max_seqs, self.max_blocks
+        i32 = np.zeros(2 * s + 1 + seqs * width, dtype=np.int32)
+        i32[:seqs + 1] = inputs.starts
+        i32[seqs + 1:s + 1] = tokens  # padding sequences: empty
+        i32[s + 1:s + 1 + seqs] = inputs.context_lens
+        tables = i32[2 * s + 1:].reshape(seqs, width)
+        for row, table in zip(tables, inputs.block_tables):
+            row[:len(table)] = table
+        # Pinned by the caching host allocator, which keeps each block until its copy has run.
+        self.dev_i64[:, :bucket].copy_(torch.from_numpy(i64).pin_memory(), non_blocking=True)
+        self.dev_i32[:i32.size].copy_(torch.from_numpy(i32).pin_memory(), non_blocking=True)
+        if device_ids is not None:
+            self.input_ids[:device_ids.shape[0]].copy_(device_ids)  # queued after the upload, so it wins
+        self.graphs[bucket].replay()
+        return self.hidden[bucket][:tokens]

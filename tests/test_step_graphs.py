@@ -1,0 +1,40 @@
+"""The host side of the mixed-step graphs: their token buckets and the flat batch they are fed (the replay itself is
+checked on the GPU in test_gpu_engine.py)."""
+
+from __future__ import annotations
+
+from orinfer.engine.scheduler import StepPlan
+from orinfer.engine.sequence import Sequence
+from orinfer.engine.step_graphs import token_buckets
+from orinfer.engine.step_inputs import step_inputs
+from orinfer.sampling_params import SamplingParams
+
+
+def test_token_buckets_cover_every_count_with_little_padding():
+    buckets = token_buckets(1024)
+    assert buckets[:4] == [16, 32, 64, 128] and buckets[-1] == 1024 and buckets == sorted(set(buckets))
+    for tokens in range(1, 1025):
+        bucket = next(b for b in buckets if b >= tokens)
+        assert (bucket - tokens) * 3 < bucket or tokens <= 128
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
+
+
+def test_step_inputs_lay_out_decode_rows_then_chunks():
+    decoding = Sequence("a", [1, 2, 3, 4], SamplingParams(max_tokens=4))
+    decoding.append_token(5)
+    decoding.block_table = [7, 2]
+    decoding.num_computed_tokens = 4  # its newest token (5, at position 4) runs now
+    chunked = Sequence("b", list(range(10, 20)), SamplingParams(max_tokens=4))
+    chunked.block_table = [3, 9, 5]
+    chunked.num_computed_tokens = 4  # the chunk of tokens 4..6 runs now, the prompt does not end: no sample
+    plan = StepPlan()
+    plan.add(decoding, 1)
+    plan.add(chunked, 3)
+    inputs = step_inputs(plan, block_size=4)
+    assert inputs.ids == [5, 14, 15, 16]
+    assert inputs.positions == [4, 4, 5, 6]
+    assert inputs.slots == [2 * 4 + 0, 9 * 4 + 0, 9 * 4 + 1, 9 * 4 + 2]
+    assert inputs.starts == [0, 1, 4] and inputs.context_lens == [5, 7] and inputs.max_query_len == 3
+    assert inputs.block_tables == [[7, 2], [3, 9, 5]] and not inputs.from_start
+    assert inputs.sample_rows == [0]

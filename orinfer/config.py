@@ -16,15 +16,24 @@ from typing import Any
 import torch
 
 from orinfer.errors import ConfigError
+from orinfer.hybrid_config import hybrid_fields
 from orinfer.quant_config import QuantConfig
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "QuantConfig", "ModelConfig", "PRESETS",
+__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "HYBRID_ARCHITECTURES", "QuantConfig", "ModelConfig",
+           "PRESETS",
            "preset", "resolve_dtype"]
 
 # Architectures the registry can build. Kept here (not in models/) so the config can reject a model before any
 # weight is touched, with a message that lists what is supported.
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration",
+                           "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
+# Qwen3.5 / 3.6 / 3.8 dense (hybrid Gated DeltaNet + gated attention). A ConditionalGeneration checkpoint runs its
+# decoder on text (its vision tower is not loaded yet).
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+
+_DEFAULT_ROPE_THETA = {VL_ARCHITECTURE: 500_000.0, "Qwen3_5ForCausalLM": 10_000_000.0,
+                       "Qwen3_5ForConditionalGeneration": 10_000_000.0}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -63,6 +72,55 @@ class ModelConfig:
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
     mrope_section: tuple[int, int, int] | None = None
+    # Qwen3.5 family only (hybrid_config.py): each layer's kind, "full_attention" or "linear_attention" (None: every
+    # layer is full attention), the Gated DeltaNet shapes, the share of each head that RoPE turns, the sigmoid
+    # output gate of full attention, and the depth of the MTP head (loaded, not run).
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    mtp_num_hidden_layers: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (Gated DeltaNet): sequences then carry per-layer state."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache (full attention)."""
+        if self.layer_types is None:
+            return self.num_hidden_layers
+        return sum(kind == "full_attention" for kind in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: q, k and v of the linear-attention layers."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def state_bytes_per_sequence(self, conv_elem: int) -> int:
+        """Bytes of one sequence's linear-attention state over all layers: conv state (`conv_elem` bytes each) and
+        the fp32 delta-rule state."""
+        layers = self.num_hidden_layers - self.num_kv_layers
+        conv = self.linear_conv_dim * (self.linear_conv_kernel_dim - 1) * conv_elem
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return layers * (conv + recurrent)
 
     @property
     def is_multimodal(self) -> bool:
@@ -85,9 +143,17 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * h * i + 2 * h
+        if self.attn_output_gate:
+            attn += h * self.q_size
+        mlp_norms = 3 * h * i + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return layers * per_layer + embed + h
+        kv_layers = self.num_kv_layers
+        linear = 0
+        if kv_layers < layers:
+            nv = self.linear_num_value_heads
+            linear = (h * (self.linear_conv_dim + self.linear_value_dim + 2 * nv) + self.linear_value_dim * h
+                      + self.linear_conv_dim * self.linear_conv_kernel_dim + 2 * nv + self.linear_value_head_dim)
+        return kv_layers * attn + (layers - kv_layers) * linear + layers * mlp_norms + embed + h
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
@@ -96,11 +162,15 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
+            if any("Moe" in a for a in archs):
+                raise ConfigError(f"{source}: {named} is a mixture-of-experts model, not supported yet; orinfer "
+                                  f"supports {', '.join(SUPPORTED_ARCHITECTURES)}")
             raise ConfigError(
                 f"{source}: unsupported architecture {named}; orinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
         # Qwen3-VL nests the decoder's fields in text_config; Qwen2/3 causal LMs keep them flat.
         text = raw.get("text_config", raw)
-        if arch == VL_ARCHITECTURE and not isinstance(raw.get("text_config"), dict):
+        if arch in (VL_ARCHITECTURE, "Qwen3_5ForConditionalGeneration") and not isinstance(raw.get("text_config"),
+                                                                                           dict):
             raise ConfigError(f"{source}: {arch} needs a 'text_config' object")
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: text_config must be a JSON object")
@@ -133,18 +203,19 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            rope_theta=float(_rope_theta(text, 500_000.0 if arch == VL_ARCHITECTURE else 10_000.0)),
+            rope_theta=float(_rope_theta(text, _DEFAULT_ROPE_THETA.get(arch, 10_000.0))),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             # Qwen2 always has q/k/v bias (its config has no flag); Qwen3 has `attention_bias` (false in practice).
             attention_bias=arch == "Qwen2ForCausalLM" or bool(text.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", VL_ARCHITECTURE),
+            qk_norm=arch in ("Qwen3ForCausalLM", VL_ARCHITECTURE, *HYBRID_ARCHITECTURES),
             torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
                             or "bfloat16"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             quantization=quant,
             **(_vl_fields(raw, text, head_dim, source) if arch == VL_ARCHITECTURE else {}),
+            **(hybrid_fields(text, source) if arch in HYBRID_ARCHITECTURES else {}),
         )
         if quant is not None:
             quant.check_model(cfg, source)

@@ -122,3 +122,55 @@ def hf_vl_greedy(model, ids: list[int], steps: int, pixel_values: torch.Tensor |
     for _ in range(steps):
         out.append(int(hf_vl_logits(model, out, pixel_values, grids)[-1].argmax()))
     return out[len(ids):]
+
+
+# --- Qwen3.5 (hybrid Gated DeltaNet + gated attention) ---------------------------------------------------------------
+
+# Layer patterns, key heads fewer than value heads, partial rotary, tied and untied heads. head_dim 16 with a rotary
+# factor of 0.25 turns 4 dims (2 frequencies); the M-RoPE split then covers them.
+QWEN3_5_CONFIGS = {
+    "qwen3.5-interval4-untied": dict(num_hidden_layers=4, full_attention_interval=4, tie_word_embeddings=False,
+                                     linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.25),
+    "qwen3.5-mixed-tied": dict(layer_types=["full_attention", "linear_attention", "full_attention",
+                                            "linear_attention", "linear_attention"],
+                               tie_word_embeddings=True, linear_num_key_heads=2, linear_num_value_heads=2,
+                               partial_rotary_factor=0.5),
+}
+
+
+def qwen3_5_text_config(kind: str, vocab_size: int = 211):
+    from transformers import Qwen3_5TextConfig
+
+    spec = dict(QWEN3_5_CONFIGS[kind])
+    factor = spec.pop("partial_rotary_factor")
+    if "layer_types" not in spec:
+        interval = spec.pop("full_attention_interval")
+        spec["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(spec["num_hidden_layers"])]
+    spec["num_hidden_layers"] = len(spec["layer_types"])
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=vocab_size - 1,
+        pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor,
+                         "mrope_section": [1, 1, 0] if factor == 0.25 else [2, 1, 1], "mrope_interleaved": True},
+        **spec)
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_hf_qwen3_5(kind: str, seed: int = 0, vision: bool = False):
+    """An HF Qwen3_5ForCausalLM (or, with `vision`, a Qwen3_5ForConditionalGeneration with a tiny vision tower)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    text = qwen3_5_text_config(kind, vocab_size=300 if vision else 211)
+    torch.manual_seed(seed)
+    if not vision:
+        return randomize_parameters(Qwen3_5ForCausalLM(text).eval(), seed)
+    vision_config = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=8,
+                         spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+    config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision_config,
+                           tie_word_embeddings=text.tie_word_embeddings, **VL_IDS)
+    config._attn_implementation = "eager"
+    return randomize_parameters(Qwen3_5ForConditionalGeneration(config).eval(), seed)

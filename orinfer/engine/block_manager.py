@@ -34,10 +34,18 @@ def block_hash(parent: bytes | None, token_ids: list[int], extra: list[bytes] = 
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
+        """num_state_slots (hybrid models): slots of the linear-attention state pools; a sequence holds one while it
+        holds blocks (the scheduler runs at most max_num_seqs sequences, the pools' size). Prefix caching must be off
+        for them: a cached prefix would skip tokens whose state no slot holds."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching needs state snapshots for models with linear-attention state")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.hashes: list[bytes | None] = [None] * num_blocks   # the hash of a full, computed block
@@ -99,12 +107,17 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         if not self._fits(seq, hits):
             raise RuntimeError("allocate() called without can_allocate()")
+        if self.num_state_slots and not self.free_state_slots:
+            raise RuntimeError(f"all {self.num_state_slots} state slots are held (more running sequences than "
+                               "max_num_seqs)")
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         fresh = [self._take_free() for _ in range(seq.blocks_needed(self.block_size) - len(hits))]
         seq.block_table = hits + fresh
+        if self.num_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
         seq.num_committed_blocks = len(hits)  # registered already: they came from the cache
         seq.num_cached_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
@@ -163,3 +176,6 @@ class BlockManager:
                     self.free_blocks.move_to_end(block, last=False)  # handed out next: nothing to keep, warm in L2
         seq.block_table = []
         seq.num_committed_blocks = 0
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1

@@ -60,7 +60,15 @@ class LLMEngine:
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
                                   graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
                                   vision_warmup_patches=self._largest_image_patches())
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and mcfg.is_hybrid:
+            # A cached prefix would skip tokens whose linear-attention state no slot holds (state snapshots at block
+            # boundaries would lift this).
+            log.info("prefix caching is off: this model's linear-attention layers keep state that cached blocks "
+                     "cannot restore yet")
+            prefix_caching = False
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, prefix_caching,
+                                          num_state_slots=self.runner.state.num_slots)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling

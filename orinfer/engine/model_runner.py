@@ -19,6 +19,7 @@ from orinfer.config import ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
+from orinfer.engine.state_pools import StatePools
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
 from orinfer.errors import ConfigError
@@ -44,8 +45,11 @@ class ModelRunner:
         self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
+        # Hybrid models: one slot of linear-attention state per sequence that may run.
+        self.state = StatePools(model, model_config, engine_config.max_num_seqs, kv_dtype, device)
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
+        self.state.allocate()
         if device.type == "cuda":
             self._warmup_cached_prefix()
             self._warmup_logits(model_config.hidden_size)
@@ -53,7 +57,9 @@ class ModelRunner:
         self.step_graphs: MixedStepGraphs | None = None
         # Graphs need a backend whose forward never syncs with the host (the torch reference does): one that has
         # graph hooks.
-        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None:
+        # (Hybrid models run eagerly until their kernels are graph-safe: the reference ops sync with the host.)
+        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None \
+                and not model_config.is_hybrid:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             max_seqs = engine_config.max_num_seqs
             self.step_graphs = MixedStepGraphs(model, min(MAX_GRAPH_TOKENS, engine_config.max_num_batched_tokens),
@@ -70,7 +76,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_kv_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
 
     def _plan_num_blocks(self) -> int:
         """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could ever use."""
@@ -83,6 +90,7 @@ class ModelRunner:
             budget = self._gpu_kv_budget()
         else:
             budget = CPU_DEFAULT_KV_BYTES
+        budget -= self.state.bytes  # the state pools come out of the same budget
         blocks = min(useful, budget // self.bytes_per_block())
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "
@@ -118,7 +126,8 @@ class ModelRunner:
             max_query_len=max(lengths), max_context_len=max(lengths))
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        hidden = self.model(ids, positions, meta)
+        with self.state.scratch(meta):
+            hidden = self.model(ids, positions, meta)
         self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
         del hidden
         if self.vision_warmup_patches and hasattr(self.model, "warmup_images"):
@@ -138,7 +147,9 @@ class ModelRunner:
                 max_query_len=2, max_context_len=2,
                 slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=self.device),
                 block_tables=torch.zeros(1, width, **i32))
-            self.model(torch.zeros(2, dtype=torch.int64, device=self.device), torch.arange(2, device=self.device), meta)
+            with self.state.scratch(meta):
+                self.model(torch.zeros(2, dtype=torch.int64, device=self.device), torch.arange(2, device=self.device),
+                           meta)
 
     def _allocate_kv_cache(self) -> None:
         cfg = self.model_config
@@ -177,6 +188,9 @@ class ModelRunner:
             slot_mapping=self._upload(inputs.slots, torch.int64),
             block_tables=self._upload(tables, torch.int32),
         )
+        if self.state.num_slots:
+            meta.state_slots = self._upload(inputs.state_slots, torch.int64)
+            meta.has_initial_state = self._upload(inputs.has_initial_state, torch.bool)
         return (self._upload(inputs.ids, torch.int64), self._upload(inputs.positions, torch.int64), meta,
                 self._upload(inputs.sample_rows, torch.int64))
 

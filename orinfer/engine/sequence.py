@@ -48,6 +48,9 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # Hybrid models: the slot of the linear-attention state pools this sequence owns while it holds blocks (-1:
+        # none; engine/block_manager.py hands them out).
+        self.state_slot = -1
         # Prefix-cache hashes of the token ids' first full blocks, computed once (tokens only ever get appended), and
         # how many of the block table's blocks are registered under them.
         self.block_chain: list[bytes] = []

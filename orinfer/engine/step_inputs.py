@@ -21,6 +21,8 @@ class StepInputs:
     block_tables: list[list[int]]  # [B][blocks]
     sample_rows: list[int]  # rows whose logits are needed: each sampling sequence's last row
     from_start: bool  # every sequence starts at position 0 (nothing cached)
+    state_slots: list[int]  # [B] linear-attention state slot of each sequence (hybrid models; else -1)
+    has_initial_state: list[bool]  # [B] whether the sequence continues its slot's state (it has computed tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -56,4 +58,6 @@ def step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
         ids=ids, positions=positions, slots=slots, starts=starts,
         context_lens=[seq.num_computed_tokens + n for seq, n in zip(plan.seqs, plan.num_new_tokens)],
         block_tables=[seq.block_table for seq in plan.seqs], sample_rows=sample_rows,
-        from_start=all(seq.num_computed_tokens == 0 for seq in plan.seqs))
+        from_start=all(seq.num_computed_tokens == 0 for seq in plan.seqs),
+        state_slots=[seq.state_slot for seq in plan.seqs],
+        has_initial_state=[seq.num_computed_tokens > 0 for seq in plan.seqs])

@@ -3,7 +3,8 @@
 
 Math: for head vector x of size D split into halves (x1, x2) and angle theta_i = pos * base^(-2i/D):
   out = (x1*cos - x2*sin, x2*cos + x1*sin). Shapes: q [T, Hq*D], k [T, Hk*D], positions [T] int,
-  cos_sin [max_pos, D] fp32 (cos in the first D/2 columns, sin in the last D/2).
+  cos_sin [max_pos, D] fp32 (cos in the first D/2 columns, sin in the last D/2). Partial rotary (Qwen3.5, the
+  reference only so far): a table of R < D columns turns the first R dims of each head and passes the rest.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def _qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         qh = rms_norm_ref(qh, q_norm_weight, eps)
         kh = rms_norm_ref(kh, k_norm_weight, eps)
     table = cos_sin[positions.long()]
-    half = head_dim // 2
+    rotary_dim = cos_sin.shape[-1]  # partial rotary (Qwen3.5): only the first rotary_dim dims of each head turn
+    half = rotary_dim // 2
     cos = table[:, None, :half].to(q.dtype)
     sin = table[:, None, half:].to(q.dtype)
-    # HF concatenates (freqs, freqs) so cos/sin cover the full head; the two halves share angles, hence the repeat.
+    # HF concatenates (freqs, freqs) so cos/sin cover the rotated dims; the two halves share angles, hence the repeat.
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-    qh = _rotate_full(qh, cos, sin)
-    kh = _rotate_full(kh, cos, sin)
+    qh = torch.cat([_rotate_full(qh[..., :rotary_dim], cos, sin), qh[..., rotary_dim:]], dim=-1)
+    kh = torch.cat([_rotate_full(kh[..., :rotary_dim], cos, sin), kh[..., rotary_dim:]], dim=-1)
     return qh.reshape(tokens, -1), kh.reshape(tokens, -1)
 
 

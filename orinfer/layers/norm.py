@@ -10,11 +10,16 @@ from orinfer.layers.ops import Ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: Ops, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops, dtype: torch.dtype, zero_centered: bool = False) -> None:
+        """zero_centered (Qwen3.5): the checkpoint stores w - 1 and the norm scales by (1 + w) in fp32; the weight is
+        kept as 1 + w in fp32, so the ops see a plain RMSNorm whose fp32 weight multiplies before the cast."""
         super().__init__()
         self.ops, self.eps = ops, eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32 if zero_centered else dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = _zero_centered_loader if zero_centered else default_weight_loader
+        if zero_centered:
+            self.weight.to_checkpoint = lambda value: (value - 1.0).to(dtype)
         # The linear that reads this norm's output, when the backend wired it (layers/decode_hooks.py); in a list so
         # that it is not registered as a submodule.
         self.consumer: list[nn.Module] = []
@@ -26,3 +31,7 @@ class RMSNorm(nn.Module):
         if self.consumer and self.ops.rms_norm_words is not None and self.consumer[0].takes_words(x):
             return self.ops.rms_norm_words(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def _zero_centered_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
+    default_weight_loader(param, loaded.float() + 1.0, shard, name)

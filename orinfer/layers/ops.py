@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from orinfer.errors import ConfigError
 from orinfer.kernels.activation import fused_gate_up_silu_ref, silu_and_mul_ref
 from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
+from orinfer.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
 from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
@@ -102,6 +103,11 @@ class Ops:
     vision_attention: Callable = vision_attention_ref
     # fc1 of the vision MLP: gelu(x W^T + b) (linear_bias_gelu_ref's contract).
     linear_bias_gelu: Callable = linear_bias_gelu_ref
+    # Gated DeltaNet (Qwen3.5's linear attention; kernels/gated_delta.py documents each signature and the state
+    # slots they update in place).
+    causal_conv1d: Callable = causal_conv1d_ref
+    gated_delta_rule: Callable = gated_delta_rule_ref
+    gated_rms_norm: Callable = gated_rms_norm_ref
 
 
 TORCH_OPS = Ops(

@@ -12,11 +12,15 @@ from orinfer.layers.ops import Ops
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, ops: Ops) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, ops: Ops, rotary_dim: int | None = None
+                 ) -> None:
+        """rotary_dim < head_dim (partial rotary, Qwen3.5): RoPE turns the first rotary_dim dims of each head, with
+        frequencies of a rotary_dim-wide head; the table is that narrow."""
         super().__init__()
         self.ops, self.head_dim = ops, head_dim
         # Not a checkpoint tensor: persistent=False keeps it out of state_dict; built on the module's device at init.
-        self.register_buffer("cos_sin", rope_cos_sin_cache(head_dim, max_position, base), persistent=False)
+        self.register_buffer("cos_sin", rope_cos_sin_cache(rotary_dim or head_dim, max_position, base),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,

@@ -101,6 +101,8 @@ class QwenForCausalLM(nn.Module):
 
     # Prefix of the decoder's tensors in checkpoints (Qwen3-VL nests the decoder under "model.language_model.").
     hf_prefix = "model."
+    # Checkpoint matrices packed into one of our linears: checkpoint sub-name -> (our sub-name, shard id).
+    packed = _PACKED
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -155,13 +157,14 @@ class QwenForCausalLM(nn.Module):
             return None  # tied: the head is the embedding matrix
         if "rotary_emb" in name:
             return None
-        for ckpt, (packed, shard) in _PACKED.items():
+        for ckpt, (packed, shard) in self.packed.items():
             if f".{ckpt}." in name:
                 return name.replace(f".{ckpt}.", f".{packed}."), shard
         return name, None
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors into the model, checking every shape, and fails if any parameter was not filled."""
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        """Copies checkpoint tensors into the model, checking every shape, and fails if any parameter was not filled
+        (`_expected_keys`). Returns what was loaded: (parameter name, shard id) pairs."""
         params = dict(self.named_parameters())
         expected = self._expected_keys()
         loaded: set[tuple[str, object]] = set()
@@ -180,9 +183,10 @@ class QwenForCausalLM(nn.Module):
             loaded.add((name, shard))
         missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in expected - loaded)
         if missing:
-            shown = ", ".join(_hf_name(m, self.hf_prefix) for m in missing[:6])
+            shown = ", ".join(_hf_name(m, self.hf_prefix, self.packed) for m in missing[:6])
             more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
             raise WeightsError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
+        return loaded
 
     def _expected_keys(self) -> set[tuple[str, object]]:
         keys: set[tuple[str, object]] = set()
@@ -194,12 +198,16 @@ class QwenForCausalLM(nn.Module):
                 keys.add((name, None))
         return keys
 
+    def _checkpoint_prefix(self, module_name: str) -> str:
+        """What goes before our name of a module's tensors in the checkpoint (the head sits at the top level)."""
+        return "" if module_name.startswith("lm_head") else self.hf_prefix
+
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights under HF names in the checkpoint's layout (inverse of load_weights): packed matrices split
         back, each linear's tensors as its format writes them; for saving models."""
         seen: set[int] = set()  # a tied lm_head shares the embedding's Parameter: written once
         for module_name, module in self.named_modules():
-            prefix = "" if module_name.startswith("lm_head") else self.hf_prefix
+            prefix = self._checkpoint_prefix(module_name)
             if isinstance(module, LinearBase):
                 shards = getattr(module, "shard_offsets", None)
                 for kind, tensor in module.checkpoint_tensors().items():
@@ -208,25 +216,30 @@ class QwenForCausalLM(nn.Module):
                         yield prefix + name, tensor
                         continue
                     for shard in shards:  # packed: each checkpoint matrix's slice under its own name
-                        yield prefix + _checkpoint_name(name, shard), module.shard_view(tensor, shard, kind)
+                        yield (prefix + _checkpoint_name(name, shard, self.packed),
+                               module.shard_view(tensor, shard, kind))
                 continue
             for param_name, param in module.named_parameters(recurse=False):
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield prefix + (f"{module_name}.{param_name}" if module_name else param_name), param.data
+                    # A parameter kept in another form than the checkpoint's (a zero-centred norm's 1 + w) says how
+                    # to write it back.
+                    to_checkpoint = getattr(param, "to_checkpoint", None)
+                    value = param.data if to_checkpoint is None else to_checkpoint(param.data)
+                    yield prefix + (f"{module_name}.{param_name}" if module_name else param_name), value
 
 
-def _checkpoint_name(packed_name: str, shard: object) -> str:
+def _checkpoint_name(packed_name: str, shard: object, table: dict[str, tuple[str, object]] = _PACKED) -> str:
     """A packed parameter's name with the checkpoint's matrix of `shard` in place of the packed one."""
-    for ckpt, (packed, sid) in _PACKED.items():
+    for ckpt, (packed, sid) in table.items():
         if str(sid) == str(shard) and f".{packed}." in packed_name:
             return packed_name.replace(packed, ckpt)
     raise KeyError(f"no checkpoint name for shard {shard!r} of {packed_name}")
 
 
-def _hf_name(ours: str, prefix: str = "model.") -> str:
+def _hf_name(ours: str, prefix: str = "model.", table: dict[str, tuple[str, object]] = _PACKED) -> str:
     """Our parameter name (with optional [shard]) back to the HF checkpoint name, for error messages."""
     base, _, shard = ours.partition("[")
     if shard:
-        base = _checkpoint_name(base, shard.rstrip("]"))
+        base = _checkpoint_name(base, shard.rstrip("]"), table)
     return base if base.startswith("lm_head.") else prefix + base

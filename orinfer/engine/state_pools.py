@@ -1,0 +1,67 @@
+"""The per-sequence state of a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet).
+
+Each such layer (`model.state_layers()`) gets two pools with one slot per sequence that may run (max_num_seqs): conv
+states [slots, C, K-1] in the activation dtype (the last K-1 conv inputs) and delta-rule states [slots, Hv, Dk, Dv]
+in fp32. A running sequence owns one slot index across all layers (`Sequence.state_slot`, handed out by the block
+manager); its first step ignores the slot's old contents (`AttentionMetadata.has_initial_state`), so slots are never
+cleared. The pools come out of the KV cache's memory budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from orinfer.config import ModelConfig
+from orinfer.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+class StatePools:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """`num_slots` 0 (models without linear attention): nothing is allocated."""
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self.num_slots = num_slots if cfg.is_hybrid else 0
+
+    @property
+    def bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_slots * self.cfg.state_bytes_per_sequence(elem)
+
+    def _bind(self, slots: int) -> None:
+        cfg = self.cfg
+        for layer in self.model.state_layers():
+            layer.conv_states = torch.zeros(slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1,
+                                            dtype=self.dtype, device=self.device)
+            layer.ssm_states = torch.zeros(slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                           cfg.linear_value_head_dim, dtype=torch.float32, device=self.device)
+
+    def allocate(self) -> None:
+        """Binds the pools to the model's linear-attention layers."""
+        if self.num_slots:
+            self._bind(self.num_slots)
+            log.info("linear-attention state: %d slots (%.1f MiB)", self.num_slots, self.bytes / 2**20)
+
+    @contextlib.contextmanager
+    def scratch(self, meta: AttentionMetadata) -> Iterator[None]:
+        """For a warm-up forward: scratch pools with one fresh slot per sequence of `meta` (set on it); the pools
+        bound before (if any) are put back after."""
+        if not self.num_slots:
+            yield
+            return
+        layers = self.model.state_layers()
+        kept = [(layer.conv_states, layer.ssm_states) for layer in layers]
+        self._bind(meta.num_seqs)
+        meta.state_slots = torch.arange(meta.num_seqs, device=self.device)
+        meta.has_initial_state = torch.zeros(meta.num_seqs, dtype=torch.bool, device=self.device)
+        try:
+            yield
+        finally:
+            for layer, (conv, ssm) in zip(layers, kept):
+                layer.conv_states, layer.ssm_states = conv, ssm

@@ -1,0 +1,88 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3.5/3.6/3.8): the causal depthwise conv over q/k/v, the gated
+delta rule over a per-sequence fp32 state, and the gated RMSNorm of its output.
+
+Batch layout: the flat varlen batch of the engine. Sequence b owns the rows query_start_loc[b]:query_start_loc[b+1]
+of x (its newest tokens, any count >= 0) and the state slot state_slots[b] of the layer's state pools:
+  conv_states [slots, C, K-1]            the last K-1 conv inputs before the sequence's first new row (model dtype)
+  ssm_states  [slots, Hv, Dk, Dv] fp32    the delta-rule state S (keys along Dk, values along Dv)
+has_initial_state[b] False means the sequence starts here (its first token is among the rows): its states are read as
+zeros, whatever the slot holds. Both pools are rewritten in place with each sequence's state after its last row.
+
+Math per value head h (key head h // (Hv / Hk)), token t, with q, k L2-normalised and q scaled by Dk^-0.5:
+  g_t = -exp(A_log[h]) * softplus(a_t + dt_bias[h]),  beta_t = sigmoid(b_t)
+  S <- exp(g_t) * S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+The references below loop over tokens in fp32; they are the contract for the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _spans(query_start_loc: torch.Tensor) -> list[tuple[int, int]]:
+    starts = query_start_loc.tolist()
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, query_start_loc: torch.Tensor,
+                      conv_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor
+                      ) -> torch.Tensor:
+    """silu(depthwise causal conv) of x [T, C] with weight [C, K] (no bias), each sequence continuing from its conv
+    state; returns [T, C] in x's dtype and leaves in each slot the sequence's last K-1 inputs (state included, so a
+    sequence shorter than K-1 rows keeps part of its old state). Computed in fp32 from x's values."""
+    out = torch.empty_like(x)
+    width = weight.shape[1]
+    w = weight.float()
+    for b, (begin, end) in enumerate(_spans(query_start_loc)):
+        slot = int(state_slots[b])
+        if bool(has_initial_state[b]):
+            history = conv_states[slot].float()                            # [C, K-1]
+        else:
+            history = torch.zeros(x.shape[1], width - 1, dtype=torch.float32, device=x.device)
+        window = torch.cat([history, x[begin:end].float().t()], dim=1)     # [C, K-1+n]
+        if end > begin:
+            conv = F.conv1d(window[None], w[:, None, :], groups=x.shape[1])[0]  # [C, n]
+            out[begin:end] = F.silu(conv).t().to(x.dtype)
+        conv_states[slot] = window[:, window.shape[1] - (width - 1):].to(conv_states.dtype)
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, query_start_loc: torch.Tensor,
+                         ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor
+                         ) -> torch.Tensor:
+    """q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] (the gate projections), A_log, dt_bias [Hv] -> o [T, Hv, Dv] in
+    v's dtype; each sequence's final state goes to its slot of ssm_states [slots, Hv, Dk, Dv] (fp32)."""
+    out = torch.empty_like(v)
+    group = v.shape[1] // k.shape[1]
+    qf = _l2norm(q.float()).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5
+    kf = _l2norm(k.float()).repeat_interleave(group, dim=1)
+    vf = v.float()
+    decay = torch.exp(-A_log.float().exp() * F.softplus(a.float() + dt_bias.float()))  # [T, Hv]
+    beta = torch.sigmoid(b.float())
+    for seq, (begin, end) in enumerate(_spans(query_start_loc)):
+        slot = int(state_slots[seq])
+        state = ssm_states[slot].float().clone() if bool(has_initial_state[seq]) else torch.zeros_like(
+            ssm_states[slot], dtype=torch.float32)
+        for t in range(begin, end):
+            state = state * decay[t][:, None, None]
+            predicted = torch.einsum("hkv,hk->hv", state, kf[t])
+            delta = (vf[t] - predicted) * beta[t][:, None]
+            state = state + kf[t][:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hkv,hk->hv", state, qf[t]).to(v.dtype)
+        ssm_states[slot] = state
+    return out
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate) over the last dim of x, gate [..., D] (HF's Qwen3NextRMSNormGated rounding:
+    the normed row in x's dtype times the weight, then the gate in fp32)."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * y.to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)

@@ -1,0 +1,221 @@
+"""Qwen3.5 / 3.6 / 3.8 dense decoders: hybrid Gated DeltaNet + gated attention.
+
+Each layer mixes tokens one of two ways (`config.layer_types`, e.g. three "linear_attention" then one
+"full_attention", repeated):
+- linear attention (Gated DeltaNet): one projection gives q|k|v, the output gate z and the gate inputs b, a; a causal
+  depthwise conv runs over q|k|v; the gated delta rule carries a per-sequence fp32 state [Hv, Dk, Dv] across tokens
+  (and steps: the runner binds each layer's state pools, a sequence owns one slot); a gated RMSNorm and out_proj
+  follow (kernels/gated_delta.py has the math);
+- full attention over the paged KV cache, with q/k norms, RoPE on the first `rotary_dim` dims of each head, and the
+  output multiplied by sigmoid of a gate that q_proj emits beside each query head.
+The norms are zero-centred (scale 1 + w). MLP, residual structure, embedding and head are Qwen3's. The MTP head
+(`mtp.*`, one extra layer for speculative decoding) is loaded and kept when the checkpoint has it, not run yet.
+A Qwen3_5ForConditionalGeneration checkpoint runs its decoder on text; its vision tower is not loaded yet.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from orinfer.config import ModelConfig
+from orinfer.errors import WeightsError
+from orinfer.layers.attention import Attention, AttentionMetadata
+from orinfer.layers.embedding import Embedding, LMHead
+from orinfer.layers.linear import default_weight_loader
+from orinfer.layers.linear_types import make_linear
+from orinfer.layers.norm import RMSNorm
+from orinfer.layers.ops import Ops
+from orinfer.layers.rotary import RotaryEmbedding
+from orinfer.models.qwen import QwenForCausalLM, QwenMLP
+
+# checkpoint sub-name -> (packed parameter's sub-name, shard id)
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
+    "in_proj_a": ("in_proj", "a"),
+}
+
+
+def _parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = default_weight_loader
+    return param
+
+
+class GatedAttentionBlock(nn.Module):
+    """Full attention whose output is gated: q_proj emits, per head, the query then a gate of the same width."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_width = 2 * cfg.q_size if cfg.attn_output_gate else cfg.q_size
+        self.qkv_proj = make_linear(cfg.quantization, cfg.hidden_size,
+                                    {"q": self.q_width, "k": cfg.kv_size, "v": cfg.kv_size}, cfg.attention_bias,
+                                    ops, dtype)
+        self.o_proj = make_linear(cfg.quantization, cfg.q_size, cfg.hidden_size, False, ops, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+        self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
+        self.attn = Attention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ops)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        cfg, tokens = self.cfg, hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_width, cfg.kv_size, cfg.kv_size], dim=-1)
+        gate = None
+        if cfg.attn_output_gate:
+            per_head = q.view(tokens, cfg.num_attention_heads, 2 * cfg.head_dim)
+            q = per_head[..., :cfg.head_dim].reshape(tokens, cfg.q_size)
+            gate = per_head[..., cfg.head_dim:].reshape(tokens, cfg.q_size)
+        kv_store = self.attn.kv_store(v, meta)
+        q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin, kv_store)
+        out = self.attn(q, k, v, meta, kv_stored=kv_store is not None)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class GatedDeltaNetBlock(nn.Module):
+    """Linear attention: projection, conv, gated delta rule over the sequence's state slot, gated norm, out_proj.
+    `conv_states` [slots, C, K-1] and `ssm_states` [slots, Hv, Dk, Dv] fp32 are bound by the runner."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        heads = cfg.linear_num_value_heads
+        self.in_proj = make_linear(cfg.quantization, cfg.hidden_size,
+                                   {"qkv": cfg.linear_conv_dim, "z": cfg.linear_value_dim, "b": heads, "a": heads},
+                                   False, ops, dtype)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _parameter((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim), dtype)
+        # The decay parameters stay fp32 (HF widens them before use; checkpoints store them so).
+        self.A_log = _parameter((heads,), torch.float32)
+        self.dt_bias = _parameter((heads,), torch.float32)
+        self.norm = RMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, ops, dtype)  # the gated norm's weight
+        self.out_proj = make_linear(cfg.quantization, cfg.linear_value_dim, cfg.hidden_size, False, ops, dtype)
+        self.conv_states: torch.Tensor | None = None
+        self.ssm_states: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cfg, ops, tokens = self.cfg, self.ops, hidden.shape[0]
+        if self.conv_states is None or meta.state_slots is None:
+            raise RuntimeError("a Gated DeltaNet layer runs only inside an engine step (it needs state slots)")
+        heads, key_dim, value_dim = cfg.linear_num_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+        mixed, z, b, a = self.in_proj(hidden).split([cfg.linear_conv_dim, value_dim, heads, heads], dim=-1)
+        mixed = ops.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), meta.query_start_loc, self.conv_states,
+                                  meta.state_slots, meta.has_initial_state)
+        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        out = ops.gated_delta_rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk), v.reshape(tokens, heads, dv),
+                                   a, b, self.A_log, self.dt_bias, meta.query_start_loc, self.ssm_states,
+                                   meta.state_slots, meta.has_initial_state)
+        out = ops.gated_rms_norm(out.reshape(tokens * heads, dv), z.reshape(tokens * heads, dv), self.norm.weight,
+                                 self.norm.eps)
+        return self.out_proj(out.reshape(tokens, value_dim))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNetBlock(cfg, ops, dtype)
+        else:
+            self.self_attn = GatedAttentionBlock(cfg, rotary, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+        self.mlp = QwenMLP(cfg, ops, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As QwenDecoderLayer.forward: (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if hasattr(self, "linear_attn"):
+            hidden = self.linear_attn(hidden, meta)
+        else:
+            hidden = self.self_attn(positions, hidden, meta, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class MTPHead(nn.Module):
+    """The multi-token-prediction head's weights (HF names under `mtp.`): fc over [norm(embedding) | norm(hidden)],
+    full-attention decoder layer(s), a final norm. Kept for speculative decoding; not run yet."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc = make_linear(None, 2 * cfg.hidden_size, cfg.hidden_size, False, ops, dtype)
+        self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+        self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, "full_attention", rotary, ops, dtype)
+                                    for _ in range(cfg.mtp_num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
+
+
+class Qwen3_5ForCausalLM(QwenForCausalLM):
+    """The text decoder (HF's Qwen3_5ForCausalLM layout: `model.*`, `lm_head`, optionally `mtp.*`)."""
+
+    packed = _PACKED
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.act_dtype = act_dtype
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, ops,
+                                      rotary_dim=cfg.rotary_dim)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(cfg, kind, self.rotary, ops, weight_dtype) for kind in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype, zero_centered=True)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
+                              tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.mtp = MTPHead(cfg, self.rotary, ops, weight_dtype) if cfg.mtp_num_hidden_layers else None
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]
+
+    def state_layers(self) -> list[GatedDeltaNetBlock]:
+        """The layers that own per-sequence state; the runner binds conv/ssm state pools to each."""
+        return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
+
+    def _param_for(self, hf_name: str) -> tuple[str, object] | None:
+        if hf_name.startswith("mtp."):
+            if self.mtp is None:
+                return None
+            name, shard = super()._param_for(self.hf_prefix + hf_name)  # packing as in the decoder
+            return name, shard
+        if hf_name.startswith("model.visual."):
+            return None  # the vision tower is not loaded yet: text-only use
+        return super()._param_for(hf_name)
+
+    def _checkpoint_prefix(self, module_name: str) -> str:
+        return "" if module_name.startswith("mtp") else super()._checkpoint_prefix(module_name)
+
+    def _expected_keys(self) -> set[tuple[str, object]]:
+        # The MTP head is optional: HF's Qwen3_5ForCausalLM drops it when it saves.
+        return {key for key in super()._expected_keys() if not key[0].startswith("mtp.")}
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        loaded = super().load_weights(tensors)
+        if self.mtp is not None:
+            wanted = {key for key in QwenForCausalLM._expected_keys(self) if key[0].startswith("mtp.")}
+            got = {key for key in loaded if key[0].startswith("mtp.")}
+            if not got:
+                self.mtp = None  # the checkpoint has no MTP head: nothing to keep
+            elif got != wanted:
+                raise WeightsError(f"checkpoint has {len(got)} of the MTP head's {len(wanted)} tensors (mtp.*); "
+                                   f"missing e.g. {sorted(wanted - got)[0][0]}")
+        return loaded
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A vision-language checkpoint (`model.language_model.*`, `model.visual.*`, `lm_head`, `mtp.*`), run on text."""
+
+    hf_prefix = "model.language_model."

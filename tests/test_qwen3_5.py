@@ -1,0 +1,187 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) against HF transformers' own classes, tiny random models, fp32
+CPU: logits and greedy tokens through the engine (batched prompts of mixed lengths, prompts split into chunks,
+preemption with a tiny KV pool, lookahead on and off), a ConditionalGeneration checkpoint run on text, the MTP head's
+weights, the state slots' life cycle, and the published configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_models import QWEN3_5_CONFIGS, build_hf_qwen3_5, hf_greedy, save_hf_model
+from orinfer import LLM, SamplingParams
+from orinfer.config import ModelConfig
+from orinfer.errors import ConfigError, WeightsError
+from test_hf_parity import paged_logits
+
+REAL = Path(__file__).parent / "data" / "real-qwen"  # published config.json files (see its README)
+PROMPTS = [[5, 17, 42, 99, 3, 150, 7, 8, 61, 23, 9, 14, 33, 2], [11, 200, 14], [7] * 19 + [1, 2, 3], [88]]
+STEPS = 10
+GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN3_5_CONFIGS))
+def pair(request, tmp_path_factory):
+    hf = build_hf_qwen3_5(request.param)
+    path = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    want = [hf_greedy(hf, prompt, STEPS) for prompt in PROMPTS]
+    return hf, path, want
+
+
+def engine(path, **settings) -> LLM:
+    return LLM(path, dtype="float32", device="cpu", block_size=4, progress=False, **settings)
+
+
+def test_logits_match_hf_through_prefill_and_decode(pair):
+    hf, path, _ = pair
+    ids = PROMPTS[0] + [4, 5, 6, 70]
+    got = paged_logits(engine(path), ids, len(PROMPTS[0]))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert (got - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("settings", [
+    {},                                                                # prompts of mixed lengths batched
+    {"max_num_batched_tokens": 5},                                     # prompts split into chunks beside decodes
+    {"max_num_batched_tokens": 1, "async_scheduling": False},          # one token per step, no lookahead
+    {"enable_chunked_prefill": False, "async_scheduling": False},
+])
+def test_greedy_tokens_match_hf(pair, settings):
+    _, path, want = pair
+    assert [o.token_ids for o in engine(path, **settings).generate(PROMPTS, GREEDY)] == want
+
+
+def test_preemption_recomputes_the_state(pair):
+    """A pool too small for all prompts: sequences are preempted (their state slot freed) and recomputed from the
+    first token; tokens as HF's."""
+    _, path, want = pair
+    llm = engine(path, num_kv_blocks=9, max_num_batched_tokens=6)
+    got = llm.generate(PROMPTS, GREEDY)
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert [o.token_ids for o in got] == want
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == 9 and len(manager.free_state_slots) == manager.num_state_slots
+
+
+def test_state_slots_are_held_while_running_and_freed_on_abort(pair):
+    _, path, want = pair
+    llm = engine(path, max_num_seqs=3)
+    manager = llm.engine.block_manager
+    assert manager.num_state_slots == 3 and not manager.enable_prefix_caching  # no state snapshots yet
+    first = llm.engine.add_request(PROMPTS[0], GREEDY)
+    second = llm.engine.add_request(PROMPTS[1], GREEDY)
+    llm.engine.step()
+    slots = {first.state_slot, second.state_slot}
+    assert len(slots) == 2 and -1 not in slots  # one slot each, never shared
+    llm.engine.abort(first.request_id)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert len(manager.free_state_slots) == 3
+    # A slot another sequence used before starts fresh: the same tokens as a new engine's.
+    assert [o.token_ids for o in llm.generate(PROMPTS[2:], GREEDY)] == want[2:]
+
+
+def test_state_pools_come_out_of_the_memory_budget(pair):
+    _, path, _ = pair
+    llm = engine(path, kv_cache_bytes=1 << 19, max_num_seqs=4)
+    runner = llm.engine.runner
+    cfg = runner.model_config
+    assert runner.state.bytes == 4 * cfg.state_bytes_per_sequence(4) > 0
+    assert runner.num_blocks == ((1 << 19) - runner.state.bytes) // runner.bytes_per_block()
+    layer = runner.model.state_layers()[0]
+    assert layer.ssm_states.dtype == torch.float32
+    assert tuple(layer.ssm_states.shape) == (4, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                             cfg.linear_value_head_dim)
+    assert len(runner.model.state_layers()) + len(runner.model.attention_layers()) == cfg.num_hidden_layers
+
+
+@pytest.fixture(scope="module")
+def conditional(tmp_path_factory):
+    hf = build_hf_qwen3_5("qwen3.5-interval4-untied", vision=True)
+    return hf, save_hf_model(hf, tmp_path_factory.mktemp("qwen3_5_vl"))
+
+
+def test_a_conditional_generation_checkpoint_runs_on_text(conditional):
+    hf, path = conditional
+    ids = PROMPTS[0]
+    got = paged_logits(engine(path), ids, 9)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0]
+    assert (got - want).abs().max() < 1e-4
+
+
+def _with_mtp(path: Path, tmp_path: Path, drop: int = 0) -> Path:
+    """A copy of the checkpoint plus an `mtp.*` head (our model's own names for it), minus `drop` of its tensors."""
+    out = tmp_path / "with_mtp"
+    out.mkdir()
+    for item in path.iterdir():
+        (out / item.name).write_bytes(item.read_bytes())
+    raw = json.loads((out / "config.json").read_text())
+    (raw.get("text_config") or raw)["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(raw))
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.loader import random_model
+
+    model = random_model(ModelConfig.from_hf(out), TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"))
+    tensors = {name: t.contiguous() for name, t in model.hf_state_dict() if name.startswith("mtp.")}
+    for name in sorted(tensors)[:drop]:
+        del tensors[name]
+    save_file(tensors, str(out / "mtp.safetensors"))
+    return out
+
+
+def test_the_mtp_head_is_loaded_and_kept(conditional, tmp_path):
+    _, path = conditional
+    llm = engine(_with_mtp(path, tmp_path))
+    mtp = llm.engine.runner.model.mtp
+    assert mtp is not None and len(mtp.layers) == 1
+    assert mtp.fc.weight.shape == (64, 128)
+    assert engine(path).engine.runner.model.mtp is None  # none in the checkpoint: nothing kept
+
+
+def test_a_partial_mtp_head_is_an_error(conditional, tmp_path):
+    _, path = conditional
+    with pytest.raises(WeightsError, match="MTP head"):
+        engine(_with_mtp(path, tmp_path, drop=2))
+
+
+@pytest.mark.parametrize("name, kv_layers, value_heads, tied", [
+    ("Qwen3.5-27B", 16, 48, False), ("Qwen3.5-0.8B", 6, 16, True), ("Qwen3.8-27B", 16, 48, False)])
+def test_published_configs_parse(name, kv_layers, value_heads, tied):
+    cfg = ModelConfig.from_hf(REAL / name)
+    assert cfg.architecture == "Qwen3_5ForConditionalGeneration" and cfg.is_hybrid
+    assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    assert cfg.num_kv_layers == kv_layers and cfg.linear_num_value_heads == value_heads
+    assert cfg.head_dim == 256 and cfg.rotary_dim == 64 and cfg.attn_output_gate and cfg.qk_norm
+    assert cfg.linear_num_key_heads == 16 and cfg.linear_key_head_dim == cfg.linear_value_head_dim == 128
+    assert cfg.rope_theta == 10_000_000 and cfg.tie_word_embeddings == tied and cfg.mtp_num_hidden_layers == 1
+    assert cfg.vocab_size == 248320
+
+
+def test_the_27b_sizes():
+    cfg = ModelConfig.from_hf(REAL / "Qwen3.5-27B")
+    assert 26.5e9 < cfg.num_parameters() < 27.5e9  # the decoder (the vision tower adds ~0.4B)
+    assert cfg.state_bytes_per_sequence(2) == 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update(layer_types=["linear_attention", "sliding_attention"]), "layer"),
+    (lambda t: t.update(mlp_only_layers=[1]), "mlp_only_layers"),
+    (lambda t: t.update(output_gate_type="sigmoid"), "output_gate_type"),
+    (lambda t: t.update(linear_num_value_heads=5), "linear_num_value_heads"),
+])
+def test_unsupported_fields_are_named(edit, message):
+    raw = json.loads((REAL / "Qwen3.5-0.8B" / "config.json").read_text())
+    edit(raw["text_config"])
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_moe_variants_are_named_as_such():
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B")

@@ -355,6 +355,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _qwen3_5(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, value_heads: int, tied: bool
+             ) -> dict[str, Any]:
+    """A Qwen3.5 dense decoder's preset (text only, no MTP head): the family's fixed parts (head_dim 256, a quarter
+    of it rotary, three linear-attention layers per full-attention one, 16 key heads of 128) around the sizes."""
+    text = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, head_dim=256,
+                linear_num_key_heads=16, linear_num_value_heads=value_heads, rope_parameters={
+                    "partial_rotary_factor": 0.25})
+    return dict(architecture="Qwen3_5ForCausalLM", vocab_size=248320, hidden_size=hidden,
+                intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=256, max_position_embeddings=262144, rope_theta=10_000_000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=tied, eos_token_id=[248046, 248044], qk_norm=True,
+                **hybrid_fields(text, "preset"))
+
+
+# Qwen/Qwen3.5-27B and Qwen/Qwen3.5-0.8B (config.json in tests/data/real-qwen): their decoders.
+PRESETS["qwen3.5-27b"] = _qwen3_5(5120, 17408, 64, 24, 4, 48, tied=False)
+PRESETS["qwen3.5-0.8b"] = _qwen3_5(1024, 3584, 24, 8, 2, 16, tied=True)
+
+
 def preset(name: str) -> ModelConfig:
     """The ModelConfig of a published checkpoint's shapes, e.g. `preset("qwen3-8b")`."""
     if name not in PRESETS:

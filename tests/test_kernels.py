@@ -89,13 +89,17 @@ def test_rms_norm_mixed_mode():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("tokens,hq,hk,head_dim", [(1, 4, 4, 16), (3, 4, 2, 24), (17, 8, 2, 32)])
-def test_qk_norm_rope(dtype, with_norm, tokens, hq, hk, head_dim):
-    cos_sin = rotary.rope_cos_sin_cache(head_dim, 300, 10000.0, device=DEVICE)
+@pytest.mark.parametrize("partial", [False, True])
+def test_qk_norm_rope(dtype, with_norm, tokens, hq, hk, head_dim, partial):
+    """Partial rotary (Qwen3.5: a quarter of each head turns, fp32 norm weights 1 + w) and full rotary."""
+    rotary_dim = head_dim // 4 if partial else head_dim
+    cos_sin = rotary.rope_cos_sin_cache(rotary_dim, 300, 10000.0, device=DEVICE)
     qkv = randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
     q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)  # strided views, as in the model
     positions = torch.randint(0, 300, (tokens,), device=DEVICE)
-    qw = randn(head_dim, dtype=dtype, scale=0.2) + 1 if with_norm else None
-    kw = randn(head_dim, dtype=dtype, scale=0.2) + 1 if with_norm else None
+    weight_dtype = torch.float32 if partial else dtype
+    qw = randn(head_dim, dtype=weight_dtype, scale=0.2) + 1 if with_norm else None
+    kw = randn(head_dim, dtype=weight_dtype, scale=0.2) + 1 if with_norm else None
     got_q, got_k = rotary.qk_norm_rope(q, k, positions, cos_sin, head_dim, qw, kw, 1e-6)
     ref_q, ref_k = rotary.qk_norm_rope_ref(q.double(), k.double(), positions, cos_sin.double(), head_dim,
                                            None if qw is None else qw.double(), None if kw is None else kw.double())
@@ -105,11 +109,11 @@ def test_qk_norm_rope(dtype, with_norm, tokens, hq, hk, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,hq,hk,head_dim", [(1, 4, 2, 16), (5, 4, 2, 24)])
-def test_qk_norm_rope_stores_kv(dtype, tokens, hq, hk, head_dim):
+@pytest.mark.parametrize("tokens,hq,hk,head_dim,rotary_dim", [(1, 4, 2, 16, 16), (5, 4, 2, 24, 24), (5, 4, 2, 32, 8)])
+def test_qk_norm_rope_stores_kv(dtype, tokens, hq, hk, head_dim, rotary_dim):
     """With kv_store, the kernel also writes the new k (after norm + RoPE) and v into the paged caches: the same
     caches as the reference op followed by store_kv_ref, padding slots (-1) untouched, and the same q, k outputs."""
-    cos_sin = rotary.rope_cos_sin_cache(head_dim, 300, 10000.0, device=DEVICE)
+    cos_sin = rotary.rope_cos_sin_cache(rotary_dim, 300, 10000.0, device=DEVICE)
     qkv = randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
     q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
     positions = torch.randint(0, 300, (tokens,), device=DEVICE)

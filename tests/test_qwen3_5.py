@@ -91,11 +91,11 @@ def test_state_pools_come_out_of_the_memory_budget(pair):
     llm = engine(path, kv_cache_bytes=1 << 19, max_num_seqs=4)
     runner = llm.engine.runner
     cfg = runner.model_config
-    assert runner.state.bytes == 4 * cfg.state_bytes_per_sequence(4) > 0
+    assert runner.state.bytes == 5 * cfg.state_bytes_per_sequence(4) > 0  # a spare slot for graph padding
     assert runner.num_blocks == ((1 << 19) - runner.state.bytes) // runner.bytes_per_block()
     layer = runner.model.state_layers()[0]
     assert layer.ssm_states.dtype == torch.float32
-    assert tuple(layer.ssm_states.shape) == (4, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+    assert tuple(layer.ssm_states.shape) == (5, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                              cfg.linear_value_head_dim)
     assert len(runner.model.state_layers()) + len(runner.model.attention_layers()) == cfg.num_hidden_layers
 
@@ -185,3 +185,34 @@ def test_unsupported_fields_are_named(edit, message):
 def test_moe_variants_are_named_as_such():
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B")
+
+
+def test_the_triton_ops_give_hf_tokens(pair):
+    """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts, recurrent decode rows),
+    gated norm and partial-rotary QK-norm kernels inside the whole model."""
+    from orinfer.args import EngineArgs
+    from orinfer.engine.llm_engine import EngineParts
+    from orinfer.layers.triton_ops import triton_ops
+    from orinfer.loader import load_hf_model
+
+    _, path, want = pair
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig.from_hf(path)
+    ops = triton_ops()
+    net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
+    llm = LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
+                         EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_on_the_gpu_give_hf_tokens(pair):
+    """The triton backend on the GPU, fp32: decode graphs (padding rows on the scratch state slot) and mixed-step
+    graphs (chunks beside decode rows, padding sequences) give HF's tokens, as eager steps do."""
+    _, path, want = pair
+    for graphs in (False, True):
+        llm = LLM(path, dtype="float32", device="cuda", backend="triton", block_size=16, kv_cache_bytes=64 << 20,
+                  max_num_seqs=8, max_num_batched_tokens=12, cuda_graph=graphs, progress=False)
+        assert (llm.engine.runner.graphs is not None) == graphs
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want, f"cuda_graph={graphs}"

@@ -68,7 +68,9 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
         kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
-        kv_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
+        kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
+        # Hybrid models: the linear-attention state pools (one slot per sequence) come out of the same budget.
+        kv_bytes += max(batch_sizes) * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
         kv_budget = {"kv_cache_bytes": max(kv_bytes, 2 * max_len * 2**20)}
     plan["engine_config"] = engine_args_from_namespace(
         args, max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,

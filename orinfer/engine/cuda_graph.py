@@ -47,12 +47,14 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, hooks: GraphHooks, max_batch: int, max_blocks_per_seq: int,
-                 device: torch.device, block_size: int, pool: tuple | None = None) -> None:
+                 device: torch.device, block_size: int, pool: tuple | None = None,
+                 state_scratch_slot: int | None = None) -> None:
         """Graphs for up to `max_batch` rows of up to `max_blocks_per_seq` KV-cache blocks of `block_size` tokens,
         captured with the backend's `hooks` (greedy argmax, input advance, capture scope). Buckets of up to
         SHORT_CONTEXT_MAX_BATCH rows also get a graph for contexts of up to SHORT_CONTEXT_TOKENS tokens (see there),
         when the full table is wider than that. `pool`: a graph memory pool to share (the mixed-step graphs': steps
-        never overlap, and each step's outputs are read before the next replay)."""
+        never overlap, and each step's outputs are read before the next replay). `state_scratch_slot` (hybrid
+        models): rows also carry their sequence's linear-attention state slot; padding rows use this one."""
         self.model, self.hooks, self.device, self.block_size = model, hooks, device, block_size
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -65,7 +67,12 @@ class DecodeGraphs:
         # replay guards the reuse.
         self.staging = [_Staging(n, max_blocks_per_seq, index) for index in range(2)]
         self.turn = 0
-        self.dev_i64 = torch.zeros(4, n, dtype=torch.int64, device=device)
+        # Row 4: each row's linear-attention state slot (hybrid models; a decode row always continues its state).
+        self.state_scratch_slot = state_scratch_slot
+        self.dev_i64 = torch.zeros(5, n, dtype=torch.int64, device=device)
+        self.state_slots = self.dev_i64[4]
+        self.state_slots.fill_(state_scratch_slot or 0)
+        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         self.dev_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.dev_i64[0], self.dev_i64[1], self.dev_i64[2]
         # Each replay's argmax also writes its ids straight into pinned host memory, row host_row[0] of host_ids: the
@@ -101,6 +108,8 @@ class DecodeGraphs:
             from_start=False, query_start_loc=self.query_start_loc[:batch + 1],
             context_lens=self.context_lens[:batch], max_query_len=1, max_context_len=blocks * self.block_size,
             slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch, :blocks])
+        if self.state_scratch_slot is not None:
+            meta.state_slots, meta.has_initial_state = self.state_slots[:batch], self.has_initial_state[:batch]
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], meta)
         return self.model.compute_logits(hidden)
 
@@ -193,6 +202,7 @@ class DecodeGraphs:
         returns the block tables uploaded."""
         block_size, batch, n = self.block_size, len(seqs), self.max_batch
         ids, positions, slots = stage.np_i64[:3]
+        state_slots = stage.np_i64[4]
         lens = stage.np_i32[:n]
         tables = stage.np_i32[n:].reshape(n, self.max_blocks)
         uploaded = []
@@ -201,10 +211,12 @@ class DecodeGraphs:
             ids[i], positions[i] = seq.token_ids[-1], pos + seq.rope_delta  # M-RoPE: shifted, same on all axes
             slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
             lens[i] = seq.num_tokens
+            state_slots[i] = seq.state_slot
             tables[i, :len(seq.block_table)] = seq.block_table
             uploaded.append(list(seq.block_table))
         # Padding rows of the bucket write no KV (slot -1) and attend over one slot of block 0.
         ids[batch:bucket], positions[batch:bucket], slots[batch:bucket] = 0, 0, -1
+        state_slots[batch:bucket] = self.state_scratch_slot or 0
         lens[batch:bucket] = 1
         tables[batch:bucket, 0] = 0
         self.dev_i64[first_row:].copy_(stage.i64[first_row:], non_blocking=True)
@@ -227,7 +239,7 @@ class _Staging:
     """One set of pinned host buffers for the graph inputs (see DecodeGraphs.__init__)."""
 
     def __init__(self, n: int, max_blocks: int, index: int) -> None:
-        self.i64 = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self.i64 = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)
         self.i64[3] = index  # the row of DecodeGraphs.host_ids that replays fed by this set write
         self.i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, pin_memory=True)
         self.np_i64, self.np_i32 = self.i64.numpy(), self.i32.numpy()

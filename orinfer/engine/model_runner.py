@@ -57,16 +57,15 @@ class ModelRunner:
         self.step_graphs: MixedStepGraphs | None = None
         # Graphs need a backend whose forward never syncs with the host (the torch reference does): one that has
         # graph hooks.
-        # (Hybrid models run eagerly until their kernels are graph-safe: the reference ops sync with the host.)
-        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None \
-                and not model_config.is_hybrid:
+        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             max_seqs = engine_config.max_num_seqs
+            scratch = self.state.scratch_slot if self.state.num_slots else None
             self.step_graphs = MixedStepGraphs(model, min(MAX_GRAPH_TOKENS, engine_config.max_num_batched_tokens),
-                                               max_seqs, max_blocks, self.block_size, device)
+                                               max_seqs, max_blocks, self.block_size, device, scratch)
             self.step_graphs.capture()
             self.graphs = DecodeGraphs(model, graph_hooks, max_seqs, max_blocks, device, self.block_size,
-                                       pool=self.step_graphs.pool)
+                                       pool=self.step_graphs.pool, state_scratch_slot=scratch)
             self.graphs.capture()
             if hasattr(model, "enable_vision_graphs"):
                 model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph

@@ -4,7 +4,8 @@ Each such layer (`model.state_layers()`) gets two pools with one slot per sequen
 states [slots, C, K-1] in the activation dtype (the last K-1 conv inputs) and delta-rule states [slots, Hv, Dk, Dv]
 in fp32. A running sequence owns one slot index across all layers (`Sequence.state_slot`, handed out by the block
 manager); its first step ignores the slot's old contents (`AttentionMetadata.has_initial_state`), so slots are never
-cleared. The pools come out of the KV cache's memory budget.
+cleared. One more slot, `scratch_slot`, belongs to nobody: CUDA-graph padding rows and sequences update it. The pools
+come out of the KV cache's memory budget.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ class StatePools:
         """`num_slots` 0 (models without linear attention): nothing is allocated."""
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
         self.num_slots = num_slots if cfg.is_hybrid else 0
+        self.scratch_slot = self.num_slots
 
     @property
     def bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_slots * self.cfg.state_bytes_per_sequence(elem)
+        return (self.num_slots + 1) * self.cfg.state_bytes_per_sequence(elem) if self.num_slots else 0
 
     def _bind(self, slots: int) -> None:
         cfg = self.cfg
@@ -45,7 +47,7 @@ class StatePools:
     def allocate(self) -> None:
         """Binds the pools to the model's linear-attention layers."""
         if self.num_slots:
-            self._bind(self.num_slots)
+            self._bind(self.num_slots + 1)
             log.info("linear-attention state: %d slots (%.1f MiB)", self.num_slots, self.bytes / 2**20)
 
     @contextlib.contextmanager

@@ -45,21 +45,28 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 class MixedStepGraphs:
     def __init__(self, model: nn.Module, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, state_scratch_slot: int | None = None) -> None:
         """Graphs for steps of up to `max_tokens` rows over up to `max_seqs` sequences of up to `max_blocks_per_seq`
-        KV-cache blocks (of `block_size` tokens) each."""
+        KV-cache blocks (of `block_size` tokens) each. `state_scratch_slot` (hybrid models): sequences also carry
+        their linear-attention state slot and whether they continue it; padding sequences use this slot."""
         self.model, self.device, self.block_size = model, device, block_size
+        self.state_scratch_slot = state_scratch_slot
         self.buckets = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs, self.max_blocks = self.buckets[-1], max_seqs, max_blocks_per_seq
+        self.tables_at = 4 * max_seqs + 1  # where the block tables start in the int32 buffer
         t, s = self.max_tokens, max_seqs
         # Inputs live in two device buffers (one per dtype), so a step costs two uploads. int64: ids, positions and
-        # slots, [3, max_tokens]; int32: query_start_loc [S+1], context lengths [S], block tables [S, W].
+        # slots, [3, max_tokens]; int32: query_start_loc [S+1], context lengths [S], state slots [S], whether each
+        # continues its state [S] (the last two for hybrid models), block tables [S, W].
         self.dev_i64 = torch.zeros(3, t, dtype=torch.int64, device=device)
-        self.dev_i32 = torch.zeros(2 * s + 1 + s * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.dev_i32 = torch.zeros(self.tables_at + s * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.dev_i64
         self.query_start_loc = self.dev_i32[:s + 1]
         self.context_lens = self.dev_i32[s + 1:2 * s + 1]
-        self.block_tables = self.dev_i32[2 * s + 1:].view(s, max_blocks_per_seq)
+        self.state_slots = self.dev_i32[2 * s + 1:3 * s + 1]
+        self.has_initial_state = self.dev_i32[3 * s + 1:4 * s + 1]
+        self.block_tables = self.dev_i32[self.tables_at:].view(s, max_blocks_per_seq)
+        self.state_slots.fill_(state_scratch_slot or 0)
         self.slot_mapping.fill_(-1)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -68,8 +75,10 @@ class MixedStepGraphs:
     def _forward(self, tokens: int) -> torch.Tensor:
         meta = AttentionMetadata(
             from_start=False, query_start_loc=self.query_start_loc, context_lens=self.context_lens,
-            max_query_len=tokens, max_context_len=self.max_blocks * self.block_size, slot_mapping=self.slot_mapping[:tokens],
-            block_tables=self.block_tables, fixed_launch=True)
+            max_query_len=tokens, max_context_len=self.max_blocks * self.block_size,
+            slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables, fixed_launch=True)
+        if self.state_scratch_slot is not None:
+            meta.state_slots, meta.has_initial_state = self.state_slots, self.has_initial_state
         return self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
 
     @torch.inference_mode()
@@ -101,11 +110,15 @@ class MixedStepGraphs:
         i64[0, :tokens], i64[1, :tokens], i64[2, :tokens] = inputs.ids, inputs.positions, inputs.slots
         i64[2, tokens:] = -1
         s, width = self.max_seqs, self.max_blocks
-        i32 = np.zeros(2 * s + 1 + seqs * width, dtype=np.int32)
+        i32 = np.zeros(self.tables_at + seqs * width, dtype=np.int32)
         i32[:seqs + 1] = inputs.starts
         i32[seqs + 1:s + 1] = tokens  # padding sequences: empty
         i32[s + 1:s + 1 + seqs] = inputs.context_lens
-        tables = i32[2 * s + 1:].reshape(seqs, width)
+        if self.state_scratch_slot is not None:  # padding sequences: the scratch slot, starting fresh
+            i32[2 * s + 1:3 * s + 1] = self.state_scratch_slot
+            i32[2 * s + 1:2 * s + 1 + seqs] = inputs.state_slots
+            i32[3 * s + 1:3 * s + 1 + seqs] = inputs.has_initial_state
+        tables = i32[self.tables_at:].reshape(seqs, width)
         for row, table in zip(tables, inputs.block_tables):
             row[:len(table)] = table
         # Pinned by the caching host allocator, which keeps each block until its copy has run.

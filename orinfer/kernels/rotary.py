@@ -3,8 +3,8 @@
 
 Math: for head vector x of size D split into halves (x1, x2) and angle theta_i = pos * base^(-2i/D):
   out = (x1*cos - x2*sin, x2*cos + x1*sin). Shapes: q [T, Hq*D], k [T, Hk*D], positions [T] int,
-  cos_sin [max_pos, D] fp32 (cos in the first D/2 columns, sin in the last D/2). Partial rotary (Qwen3.5, the
-  reference only so far): a table of R < D columns turns the first R dims of each head and passes the rest.
+  cos_sin [max_pos, D] fp32 (cos in the first D/2 columns, sin in the last D/2). Partial rotary (Qwen3.5): a table
+  of R < D columns turns the first R dims of each head, in pairs (d, d + R/2), and passes the rest.
 """
 
 from __future__ import annotations
@@ -142,6 +142,63 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
         tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _qk_norm_partial_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
+                                 v_ptr, kc_ptr, vc_ptr, slot_ptr, HQ, HK, stride_q, stride_k, stride_v, stride_cs, eps,
+                                 D: tl.constexpr, ROT_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                                 STORE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Partial rotary (Qwen3.5): dims d < 2*ROT_HALF of each head turn in pairs (d, d + ROT_HALF), the rest pass
+    through (normed). Each program loads its heads' rows twice, at d and at d's partner, rather than splitting them
+    in halves as the full-rotary kernel does."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)   # q heads 0..HQ-1, then k heads HQ..HQ+HK-1
+    is_q = heads < HQ
+    is_k = (heads >= HQ) & (heads < HQ + HK)
+    kh = heads - HQ
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    rotated = d < 2 * ROT_HALF
+    first = d < ROT_HALF
+    partner = tl.where(rotated, tl.where(first, d + ROT_HALF, d - ROT_HALF), d)
+    freq = tl.where(first, d, d - ROT_HALF)
+    q_mask = is_q[:, None] & d_mask[None, :]
+    k_mask = is_k[:, None] & d_mask[None, :]
+    q_row = q_ptr + t * stride_q + heads[:, None] * D
+    k_row = k_ptr + t * stride_k + kh[:, None] * D
+    act_ty = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    x = tl.where(is_q[:, None], tl.load(q_row + d[None, :], mask=q_mask, other=0.0).to(tl.float32),
+                 tl.load(k_row + d[None, :], mask=k_mask, other=0.0).to(tl.float32))
+    xp = tl.where(is_q[:, None], tl.load(q_row + partner[None, :], mask=q_mask, other=0.0).to(tl.float32),
+                  tl.load(k_row + partner[None, :], mask=k_mask, other=0.0).to(tl.float32))
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        v = tl.load(v_ptr + t * stride_v + kh[:, None] * D + d[None, :], mask=k_mask)
+    cs_mask = rotated & d_mask
+    cos = tl.load(cs_ptr + pos * stride_cs + freq, mask=cs_mask, other=1.0).to(act_ty).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + ROT_HALF + freq, mask=cs_mask, other=0.0)
+    sin = tl.where(first, -sin, sin).to(act_ty).to(tl.float32)[None, :]  # rotate_half: (-x2, x1)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.where(is_q[:, None], tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                     tl.load(kw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        wp = tl.where(is_q[:, None], tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        # rms_norm_ref rounding: normalised value to the dtype, times the weight, to the dtype again.
+        x = (w * (x * rstd[:, None]).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
+        xp = (wp * (xp * rstd[:, None]).to(act_ty).to(tl.float32)).to(act_ty).to(tl.float32)
+    # As the reference: x*cos + rotate_half(x)*sin in the activation dtype (each product and the sum round); the
+    # dims past the rotary ones keep x (cos 1, sin 0 there).
+    o = ((x * cos).to(act_ty).to(tl.float32) + (xp * sin).to(act_ty).to(tl.float32)).to(act_ty)
+    tl.store(q_out_ptr + t * HQ * D + heads[:, None] * D + d[None, :], o, mask=q_mask)
+    tl.store(k_out_ptr + t * HK * D + kh[:, None] * D + d[None, :], o, mask=k_mask)
+    if STORE:
+        c_mask = k_mask & (slot >= 0)
+        c_off = slot * HK * D + kh[:, None] * D + d[None, :]
+        tl.store(kc_ptr + c_off, o.to(kc_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(vc_ptr + c_off, v.to(vc_ptr.dtype.element_ty), mask=c_mask)
+
+
 # Heads per program. Decode's one token is a few short dependent steps (loads, the head's norm, the rotation,
 # stores), so more programs with less work each finish sooner: the batch-1 AWQ step replays in 1.714-1.720 ms with 4
 # heads (10 programs for Qwen3-8B's 40 q and k heads) against 1.726-1.730 with 32 (2 programs); 8 heads at 8 warps
@@ -169,8 +226,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, head_dim {head_dim} do not match")
     if q.dtype != k.dtype or (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("qk_norm_rope: q and k must share a dtype, and both norm weights be given or neither")
-    if cos_sin.shape[-1] != head_dim:
-        raise ValueError(f"cos_sin has {cos_sin.shape[-1]} columns, head_dim is {head_dim}")
+    rotary_dim = cos_sin.shape[-1]
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(f"cos_sin has {rotary_dim} columns: an even count up to head_dim {head_dim} (partial rotary "
+                         "below it)")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
@@ -194,6 +253,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
                         hk, head_dim)
         v = v if v.stride(-1) == 1 else v.contiguous()
     caches = (kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping) if store else (q_out, q_out, positions)
+    if rotary_dim < head_dim:
+        block_d = triton.next_power_of_2(head_dim)
+        block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_d, MAX_HEADS_PER_PROGRAM))
+        _qk_norm_partial_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
+            q, k, positions, cos_sin, qw, kw, q_out, k_out, v, *caches, hq, hk, q.stride(0), k.stride(0), v.stride(0),
+            cos_sin.stride(0), eps, D=head_dim, ROT_HALF=rotary_dim // 2, HAS_NORM=has_norm, STORE=store,
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+        return q_out, k_out
     _qk_norm_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
         q, k, positions, cos_sin, qw, kw, q_out, k_out, v, *caches, hq, hk, q.stride(0), k.stride(0), v.stride(0),
         cos_sin.stride(0), eps, HALF=half, HAS_NORM=has_norm, STORE=store, BLOCK_H=block_h, BLOCK_HALF=block_half,

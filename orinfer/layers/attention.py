@@ -40,8 +40,8 @@ class AttentionMetadata:
     # (padding rows past query_start_loc[-1], empty padding sequences), and attention must launch from the shapes
     # alone, never from max_query_len.
     fixed_launch: bool = False
-    # Hybrid models (linear-attention layers): each sequence's state slot [B] int64, and whether it continues a state
-    # ([B] bool; False: its first token is in this step, the slot's old contents are ignored).
+    # Hybrid models (linear-attention layers): each sequence's state slot [B] int64 or int32, and whether it continues
+    # a state ([B] bool or int, nonzero: yes; zero: its first token is in this step, the slot's contents are ignored).
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
 

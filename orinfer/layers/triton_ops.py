@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from orinfer.kernels.activation import fused_gate_up_silu, silu_and_mul
 from orinfer.kernels.argmax import argmax_rows
 from orinfer.kernels.attention import store_kv, varlen_attention
+from orinfer.kernels.causal_conv import causal_conv1d
 from orinfer.kernels.decode_attention import paged_attention
 from orinfer.kernels.decode_inputs import advance_decode_inputs
+from orinfer.kernels.gated_delta_chunk import gated_delta_rule
+from orinfer.kernels.gated_norm import gated_rms_norm
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.l2_prefetch import prefetch_scope, prefetch_weights
 from orinfer.kernels.norm import rms_norm
@@ -114,5 +117,6 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         rms_norm_words=rms_norm_words, layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual,
         qkv_split_rope=qkv_split_rope, vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
         lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,
-        graph_hooks=GRAPH_HOOKS, materializes_attention=False,
+        graph_hooks=GRAPH_HOOKS, materializes_attention=False, causal_conv1d=causal_conv1d,
+        gated_delta_rule=gated_delta_rule, gated_rms_norm=gated_rms_norm,
     )

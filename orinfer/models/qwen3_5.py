@@ -112,7 +112,7 @@ class GatedDeltaNetBlock(nn.Module):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         out = ops.gated_delta_rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk), v.reshape(tokens, heads, dv),
                                    a, b, self.A_log, self.dt_bias, meta.query_start_loc, self.ssm_states,
-                                   meta.state_slots, meta.has_initial_state)
+                                   meta.state_slots, meta.has_initial_state, decode=meta.max_query_len == 1)
         out = ops.gated_rms_norm(out.reshape(tokens * heads, dv), z.reshape(tokens * heads, dv), self.norm.weight,
                                  self.norm.eps)
         return self.out_proj(out.reshape(tokens, value_dim))

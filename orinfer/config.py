@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from orinfer.errors import ConfigError
-from orinfer.hybrid_config import hybrid_fields
+from orinfer.hybrid_config import hybrid_fields, hybrid_hf_dict
 from orinfer.quant_config import QuantConfig
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "HYBRID_ARCHITECTURES", "QuantConfig", "ModelConfig",
@@ -252,6 +252,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
         }
+        if self.architecture in HYBRID_ARCHITECTURES:
+            return hybrid_hf_dict(self, out)
         if model_type == "qwen3":
             out["attention_bias"] = self.attention_bias
         if self.quantization is not None:

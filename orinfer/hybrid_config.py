@@ -63,3 +63,19 @@ def hybrid_fields(text: dict[str, Any], source: str) -> dict[str, Any]:
     if text.get("mtp_use_dedicated_embeddings"):
         raise ConfigError(f"{source}: MTP heads with dedicated embeddings are not supported")
     return fields
+
+
+def hybrid_hf_dict(cfg: "ModelConfig", flat: dict[str, Any]) -> dict[str, Any]:  # noqa: F821 (no import cycle)
+    """The qwen3_5_text config.json of a hybrid ModelConfig (HF's Qwen3_5ForCausalLM reads it): `flat`, the fields
+    every Qwen config shares, plus the layer pattern, linear-attention shapes and rope parameters."""
+    out = {k: v for k, v in flat.items() if k not in ("rope_theta", "use_sliding_window")}
+    out.update(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", layer_types=list(cfg.layer_types),
+        linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+        linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
+        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, attn_output_gate=cfg.attn_output_gate,
+        attention_bias=cfg.attention_bias, mtp_num_hidden_layers=cfg.mtp_num_hidden_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.partial_rotary_factor,
+                         "mrope_section": list(cfg.mrope_section or (11, 11, 10)), "mrope_interleaved": True})
+    return out

@@ -216,3 +216,24 @@ def test_graphs_on_the_gpu_give_hf_tokens(pair):
                   max_num_seqs=8, max_num_batched_tokens=12, cuda_graph=graphs, progress=False)
         assert (llm.engine.runner.graphs is not None) == graphs
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want, f"cuda_graph={graphs}"
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-27b", "qwen3.5-0.8b"])
+def test_presets_write_a_config_hf_and_orinfer_read_back(name):
+    """The bench's presets (the published decoders) as config.json: HF builds its Qwen3_5 text config from it (the
+    bench's HF baseline) and orinfer reads back the same ModelConfig."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from orinfer.config import preset
+
+    cfg = preset(name)
+    raw = cfg.to_hf_dict()
+    assert ModelConfig.from_dict(raw) == cfg
+    hf = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert type(hf).__name__ == "Qwen3_5TextConfig" and hf.layer_types == list(cfg.layer_types)
+    published = ModelConfig.from_hf(REAL / ("Qwen3.5-27B" if name == "qwen3.5-27b" else "Qwen3.5-0.8B"))
+    differ = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(published, f.name)}
+    assert differ == {"architecture", "eos_token_id", "mtp_num_hidden_layers"}  # text decoder, no MTP; EOS of
+    # generation_config.json (<|im_end|> and <|endoftext|>)

@@ -29,6 +29,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--prompt-lens", default="512,2048")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-prompt-len", type=int, default=DECODE_PROMPT_LEN, metavar="N",
+                   help=f"prompt tokens of each decode sequence (default {DECODE_PROMPT_LEN}): the context decode "
+                        "runs at, e.g. 32768 for long-context decode; results go to a file named with -ctxN")
     p.add_argument("--quant", choices=["awq"], default=None,
                    help="random AWQ INT4 weights (group 128) of the preset's shapes instead of 16-bit ones")
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
@@ -58,19 +61,21 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
     it, exactly ceil(N / block_size) blocks, and the workload is cut to what those hold (`kv_plan`)."""
     prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
     batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    seq_tokens = DECODE_PROMPT_LEN + args.decode_tokens
+    seq_tokens = args.decode_prompt_len + args.decode_tokens
     block_size = EngineArgs.block_size
     plan: dict = {"kv_tokens": None, "notes": []}
     if args.kv_tokens is not None:
-        fit = kv_plan(args.kv_tokens, block_size, prompt_lens, batch_sizes, args.decode_tokens)
+        fit = kv_plan(args.kv_tokens, block_size, prompt_lens, batch_sizes, args.decode_tokens,
+                      args.decode_prompt_len)
         prompt_lens, batch_sizes = fit["prompt_lens"], fit["batch_sizes"]
         plan.update(kv_tokens=fit["kv_tokens"], notes=fit["notes"])
         kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
         kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
-        # Hybrid models: the linear-attention state pools (one slot per sequence) come out of the same budget.
-        kv_bytes += max(batch_sizes) * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
+        # Hybrid models: the linear-attention state pools (a slot per sequence and the graphs' scratch slot) come out
+        # of the same budget.
+        kv_bytes += (max(batch_sizes) + 1) * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
         kv_budget = {"kv_cache_bytes": max(kv_bytes, 2 * max_len * 2**20)}
     plan["engine_config"] = engine_args_from_namespace(
         args, max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
@@ -104,6 +109,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     prompt_lens, batch_sizes, engine_config = plan["prompt_lens"], plan["batch_sizes"], plan["engine_config"]
     if args.kv_tokens is not None:
         name = f"{name}-kv{plan['kv_tokens']}"
+    if args.decode_prompt_len != DECODE_PROMPT_LEN:
+        name = f"{name}-ctx{args.decode_prompt_len}"
     for note in plan["notes"]:
         log.warning("bench: %s", note)
     result: dict = {"model": name, "dtype": str(dtype).removeprefix("torch."), "command": "orinfer " + " ".join(
@@ -130,8 +137,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         llm = build_synthetic_llm(cfg, dtype, device, engine_config)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
-    timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens)
-    per_token = decode_bytes_per_token(cfg, wbytes, DECODE_PROMPT_LEN + args.decode_tokens // 2, dtype.itemsize)
+    timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
+    per_token = decode_bytes_per_token(cfg, wbytes, args.decode_prompt_len + args.decode_tokens // 2, dtype.itemsize)
     read = result["ceilings"]["read_GBps"] * 1e9
     b1 = timings["decode"].get(1)
     result["orinfer"] = {
@@ -155,7 +162,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         from orinfer.bench.hf_baseline import bench_hf
 
         torch.cuda.reset_peak_memory_stats(device)
-        result["hf"] = bench_hf(cfg, dtype, device, prompt_lens, args.decode_tokens)
+        result["hf"] = bench_hf(cfg, dtype, device, prompt_lens, args.decode_tokens, args.decode_prompt_len)
     write_report(result, Path(args.out))
     print(markdown(result))
     return 0
@@ -189,6 +196,8 @@ def markdown(r: dict) -> str:
         lines.append(f"| TTFT at {length} tokens | {row['ttft_ms']:.1f} ms | - |")
     for batch, row in o["decode"].items():
         extra = f" ({row['GBps']:.0f} GB/s, {row['pct_roofline']:.0f}% of roofline)" if "pct_roofline" in row else ""
+        if row.get("preemptions"):
+            extra += f" ({row['preemptions']} preemptions: the KV cache was too small)"
         ref = hf["decode"].get(batch, hf["decode"].get(str(batch))) if hf else None
         lines.append(f"| decode batch {batch} tok/s | {row['tok_s']:.0f}{extra} | "
                      f"{ref['tok_s']:.1f} |" if ref else f"| decode batch {batch} tok/s | {row['tok_s']:.0f}{extra} | - |")

@@ -11,6 +11,7 @@ name the part (`messages.2.content.1`); then
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +58,11 @@ def chat_input(messages: list[ChatMessage], limit: int, multimodal: bool) -> Cha
                                param=f"messages.{i}.content")
             content = ""
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        for key in ("name", "reasoning_content", "tool_calls", "tool_call_id"):
+        for key in ("name", "reasoning_content", "tool_call_id"):
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [_with_parsed_arguments(call) for call in m.tool_calls]
         out.append(msg)
     if not multimodal:
         return ChatInput(out)
@@ -70,6 +73,23 @@ def chat_input(messages: list[ChatMessage], limit: int, multimodal: bool) -> Cha
     if len(urls) != len(image_params):
         raise RuntimeError(f"split_chat found {len(urls)} images, the server {len(image_params)}")
     return ChatInput(rendered, [ImagePart(url, param) for url, param in zip(urls, image_params)])
+
+
+def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant tool call as templates take it: OpenAI clients send `function.arguments` as a JSON string, and
+    templates that walk the arguments (Qwen3.5's XML tool calls iterate `arguments | items`) need the object, so a
+    string holding a JSON object is parsed (as vLLM does); anything else is passed on as sent."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _part(part: ContentPart, param: str, multimodal: bool, image_params: list[str]) -> dict[str, Any]:

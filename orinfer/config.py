@@ -18,22 +18,21 @@ import torch
 from orinfer.errors import ConfigError
 from orinfer.hybrid_config import hybrid_fields, hybrid_hf_dict
 from orinfer.quant_config import QuantConfig
+from orinfer.vl_config import QWEN3_5_VL_ARCHITECTURE, VL_ARCHITECTURE, VL_ARCHITECTURES, vl_fields
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "HYBRID_ARCHITECTURES", "QuantConfig", "ModelConfig",
-           "PRESETS",
-           "preset", "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "VL_ARCHITECTURES", "HYBRID_ARCHITECTURES", "QuantConfig",
+           "ModelConfig", "PRESETS", "preset", "resolve_dtype"]
 
 # Architectures the registry can build. Kept here (not in models/) so the config can reject a model before any
 # weight is touched, with a message that lists what is supported.
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration",
-                           "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
-# Qwen3.5 / 3.6 / 3.8 dense (hybrid Gated DeltaNet + gated attention). A ConditionalGeneration checkpoint runs its
-# decoder on text (its vision tower is not loaded yet).
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", VL_ARCHITECTURE, "Qwen3_5ForCausalLM",
+                           QWEN3_5_VL_ARCHITECTURE)
+# Qwen3.5 / 3.6 / 3.8 dense (hybrid Gated DeltaNet + gated attention). A ConditionalGeneration checkpoint also has a
+# vision tower (VL_ARCHITECTURES: vision-language models, vl_config.py).
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", QWEN3_5_VL_ARCHITECTURE)
 
 _DEFAULT_ROPE_THETA = {VL_ARCHITECTURE: 500_000.0, "Qwen3_5ForCausalLM": 10_000_000.0,
-                       "Qwen3_5ForConditionalGeneration": 10_000_000.0}
+                       QWEN3_5_VL_ARCHITECTURE: 10_000_000.0}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -64,8 +63,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     quantization: QuantConfig | None = None  # AWQ INT4 weights (config.json's quantization_config), else None
-    # Qwen3-VL only: the raw vision_config dict (the vision tower parses it), the placeholder token ids, and the
-    # M-RoPE split of the rotary frequencies over the (t, h, w) axes. None for text-only models.
+    # Vision-language models only (Qwen3-VL, Qwen3.5 ConditionalGeneration): the raw vision_config dict (the vision
+    # tower parses it), the placeholder token ids, and the M-RoPE split of the rotary frequencies (rotary_dim / 2 of
+    # them) over the (t, h, w) axes. None for text-only models.
     vision_config: dict[str, Any] | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
@@ -169,8 +169,7 @@ class ModelConfig:
                 f"{source}: unsupported architecture {named}; orinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
         # Qwen3-VL nests the decoder's fields in text_config; Qwen2/3 causal LMs keep them flat.
         text = raw.get("text_config", raw)
-        if arch in (VL_ARCHITECTURE, "Qwen3_5ForConditionalGeneration") and not isinstance(raw.get("text_config"),
-                                                                                           dict):
+        if arch in VL_ARCHITECTURES and not isinstance(raw.get("text_config"), dict):
             raise ConfigError(f"{source}: {arch} needs a 'text_config' object")
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: text_config must be a JSON object")
@@ -193,6 +192,8 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         quant_raw = raw.get("quantization_config", text.get("quantization_config"))
         quant = None if quant_raw is None else QuantConfig.from_hf(quant_raw, source)
+        hybrid = hybrid_fields(text, source) if arch in HYBRID_ARCHITECTURES else {}
+        rotary_dim = int(head_dim * hybrid.get("partial_rotary_factor", 1.0))
         cfg = cls(
             architecture=arch,
             vocab_size=int(text["vocab_size"]),
@@ -214,8 +215,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             quantization=quant,
-            **(_vl_fields(raw, text, head_dim, source) if arch == VL_ARCHITECTURE else {}),
-            **(hybrid_fields(text, source) if arch in HYBRID_ARCHITECTURES else {}),
+            **(vl_fields(raw, text, rotary_dim, arch, source) if arch in VL_ARCHITECTURES else {}),
+            **hybrid,
         )
         if quant is not None:
             quant.check_model(cfg, source)
@@ -288,35 +289,6 @@ def _rope_theta(text: dict[str, Any], default: float = 10_000.0) -> float:
     # transformers 5 moved rope_theta into rope_parameters; older configs keep it top level.
     params = text.get("rope_parameters") or {}
     return params.get("rope_theta", text.get("rope_theta", default))
-
-
-def _vl_fields(raw: dict[str, Any], text: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
-    """The Qwen3-VL extras of ModelConfig: vision_config, placeholder ids and the M-RoPE section.
-
-    The section lives in text_config's rope_scaling (checkpoints written by transformers 4.57) or rope_parameters
-    (transformers 5); like HF, rope_scaling wins when both exist, and [24, 20, 20] is the default. Qwen3-VL always
-    interleaves the axes over the frequencies (HF ignores `mrope_interleaved`), so that flag is not kept.
-    """
-    vision = raw.get("vision_config")
-    if not isinstance(vision, dict):
-        raise ConfigError(f"{source}: Qwen3VLForConditionalGeneration needs a 'vision_config' object")
-    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
-    section = rope.get("mrope_section", [24, 20, 20]) if isinstance(rope, dict) else [24, 20, 20]
-    if (not isinstance(section, (list, tuple)) or len(section) != 3
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)):
-        raise ConfigError(f"{source}: mrope_section must be three non-negative integers, got {section!r}")
-    if sum(section) > head_dim // 2:
-        raise ConfigError(f"{source}: mrope_section {list(section)} covers {sum(section)} rotary frequencies; "
-                          f"head_dim {head_dim} has only {head_dim // 2}")
-    ids = {}
-    defaults = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-                "vision_end_token_id": 151653}  # HF's Qwen3VLConfig defaults
-    for key, default in defaults.items():
-        value = raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
-        ids[key] = value
-    return dict(vision_config=dict(vision), mrope_section=tuple(section), **ids)
 
 
 def _check_rope(text: dict[str, Any], source: str) -> None:

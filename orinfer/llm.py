@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from orinfer.args import EngineArgs
-from orinfer.config import ModelConfig, resolve_dtype
+from orinfer.config import VL_ARCHITECTURE, ModelConfig, resolve_dtype
 from orinfer.engine.llm_engine import EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
@@ -62,7 +62,7 @@ class LLM:
         weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
         home = _home(model_dir, args, seed_bin)
-        tok = _load_tokenizer(args.tokenizer, home, model_config.is_multimodal)
+        tok = _load_tokenizer(args.tokenizer, home, model_config.architecture == VL_ARCHITECTURE)
         if seed_bin:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
@@ -88,7 +88,8 @@ class LLM:
         model_dir = Path(model)
         seed_bin = is_seed_bin(model_dir)
         model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
-        return _load_tokenizer(args.tokenizer, _home(model_dir, args, seed_bin), model_config.is_multimodal)
+        return _load_tokenizer(args.tokenizer, _home(model_dir, args, seed_bin),
+                               model_config.architecture == VL_ARCHITECTURE)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, args: EngineArgs | None = None) -> "LLM":
@@ -201,10 +202,11 @@ def _home(model_dir: Path, args: EngineArgs, seed_bin: bool) -> Path:
     return given.parent if given is not None and given.is_file() else model_dir.parent
 
 
-def _load_tokenizer(tokenizer: str | Path | None, home: Path, multimodal: bool) -> Any:
+def _load_tokenizer(tokenizer: str | Path | None, home: Path, qwen3_vl: bool) -> Any:
     """The tokenizer: `tokenizer` (a directory or a tokenizer.json file) if given, else the one in `home`; None when
-    there is none (token-id prompts only). A vision-language model's tokenizer without a chat template gets
-    orinfer's Qwen3-VL template."""
+    there is none (token-id prompts only). A Qwen3-VL model's tokenizer without a chat template gets orinfer's
+    Qwen3-VL template (not other vision-language families: Qwen3.5's format differs, with thinking and XML tool
+    calls, and its checkpoints ship their template)."""
     from orinfer.tokenizer import Tokenizer, builtin_chat_template  # local: keeps `import orinfer` light
 
     tok_file = Path(tokenizer) if tokenizer and Path(tokenizer).is_file() else None
@@ -214,7 +216,7 @@ def _load_tokenizer(tokenizer: str | Path | None, home: Path, multimodal: bool) 
         tok = Tokenizer.from_dir(tokenizer or home)
     else:
         return None
-    if multimodal and tok.set_default_chat_template(builtin_chat_template("qwen3_vl")):
+    if qwen3_vl and tok.set_default_chat_template(builtin_chat_template("qwen3_vl")):
         log.info("%s has no chat template: using orinfer's Qwen3-VL template", home)
     return tok
 

@@ -265,3 +265,26 @@ def test_gated_rms_norm_head_views():
     w = torch.randn(32, generator=gen).to(DEVICE)
     torch.testing.assert_close(gated_rms_norm(x, gate, w, 1e-5), gated_rms_norm_ref(x, gate, w, 1e-5),
                                **tol(torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's kernels need CUDA")
+@pytest.mark.parametrize("lens", [[2048], [3, 64, 130, 1], [65, 300]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fla_prompt_path_matches_the_reference(lens, dtype):
+    """The 16-bit prompt path through fla-core (kernels/gated_delta_fla.py): outputs and the states written back to
+    shuffled slots, with and without initial states, GQA, Qwen3.5's head size. (The engine never sends it empty
+    sequences: only graph padding has them, and graphs keep our kernels.)"""
+    pytest.importorskip("fla.ops.gated_delta_rule", reason="fla-core is an optional extra (orinfer[fla])")
+    from orinfer.kernels import gated_delta_fla
+
+    gen = torch.Generator().manual_seed(5)
+    qsl, slots, init, num_slots = batch_layout(lens, seed=4)
+    tokens = sum(lens)
+    q, k, v, a, b, A_log, dt_bias = delta_inputs(tokens, 2, 6, 128, 128, dtype, seed=6)
+    states = (0.1 * torch.randn(num_slots, 6, 128, 128, generator=gen)).to(DEVICE)
+    want_states, got_states = states.clone(), states.clone()
+    want = gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, qsl, want_states, slots, init)
+    got = gated_delta_fla.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, qsl, got_states, slots, init)
+    torch.testing.assert_close(got.double(), want.double(), **tol(dtype, 2))
+    torch.testing.assert_close(got_states, want_states, atol=2e-2, rtol=2e-2)  # 16-bit inputs, tf32 dots inside

@@ -235,5 +235,7 @@ def test_presets_write_a_config_hf_and_orinfer_read_back(name):
     assert type(hf).__name__ == "Qwen3_5TextConfig" and hf.layer_types == list(cfg.layer_types)
     published = ModelConfig.from_hf(REAL / ("Qwen3.5-27B" if name == "qwen3.5-27b" else "Qwen3.5-0.8B"))
     differ = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(published, f.name)}
-    assert differ == {"architecture", "eos_token_id", "mtp_num_hidden_layers"}  # text decoder, no MTP; EOS of
+    vision = {"vision_config", "mrope_section", "image_token_id", "video_token_id", "vision_start_token_id",
+              "vision_end_token_id"}  # the presets are the text decoders of vision-language checkpoints
+    assert differ == {"architecture", "eos_token_id", "mtp_num_hidden_layers"} | vision  # no MTP; EOS of
     # generation_config.json (<|im_end|> and <|endoftext|>)

@@ -19,7 +19,7 @@ from orinfer.kernels.attention import store_kv, varlen_attention
 from orinfer.kernels.causal_conv import causal_conv1d
 from orinfer.kernels.decode_attention import paged_attention
 from orinfer.kernels.decode_inputs import advance_decode_inputs
-from orinfer.kernels.gated_delta_chunk import gated_delta_rule
+from orinfer.kernels.gated_delta_fla import gated_delta_rule
 from orinfer.kernels.gated_norm import gated_rms_norm
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.l2_prefetch import prefetch_scope, prefetch_weights

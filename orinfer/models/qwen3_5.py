@@ -10,7 +10,7 @@ Each layer mixes tokens one of two ways (`config.layer_types`, e.g. three "linea
   output multiplied by sigmoid of a gate that q_proj emits beside each query head.
 The norms are zero-centred (scale 1 + w). MLP, residual structure, embedding and head are Qwen3's. The MTP head
 (`mtp.*`, one extra layer for speculative decoding) is loaded and kept when the checkpoint has it, not run yet.
-A Qwen3_5ForConditionalGeneration checkpoint runs its decoder on text; its vision tower is not loaded yet.
+A Qwen3_5ForConditionalGeneration checkpoint (this decoder behind a vision tower) is models/qwen3_5_vl.py.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
             name, shard = super()._param_for(self.hf_prefix + hf_name)  # packing as in the decoder
             return name, shard
         if hf_name.startswith("model.visual."):
-            return None  # the vision tower is not loaded yet: text-only use
+            return None  # a vision tower: this class is the decoder alone (qwen3_5_vl.py loads the tower)
         return super()._param_for(hf_name)
 
     def _checkpoint_prefix(self, module_name: str) -> str:
@@ -214,8 +214,3 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
                                    f"missing e.g. {sorted(wanted - got)[0][0]}")
         return loaded
 
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """A vision-language checkpoint (`model.language_model.*`, `model.visual.*`, `lm_head`, `mtp.*`), run on text."""
-
-    hf_prefix = "model.language_model."

@@ -15,6 +15,9 @@ is ordinary RoPE, and a decode token's three positions are equal (n + delta, com
 Checkpoint layout (transformers >= 4.57): "model.language_model.*" (decoder), "model.visual.*" (tower),
 "lm_head.weight" (absent when tied). The Qwen2-VL-era layout ("model.*" decoder, "visual.*" tower) also loads, as
 HF's conversion mapping for its VL models renames it.
+
+Qwen3.5's ConditionalGeneration (models/qwen3_5_vl.py) is this class with another decoder (`decoder_class`): the same
+tower without DeepStack, M-RoPE over the rotary share of each head (`cfg.rotary_dim` columns of the table).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     # Tells the runner to build a MultimodalBatch for prefills of sequences with images.
     supports_multimodal = True
+    # The decoder: any QwenForCausalLM (its forward takes inputs_embeds, a per-token cos_sin and after_layer).
+    decoder_class: type[QwenForCausalLM] = QwenForCausalLM
+    # Checkpoint tensors outside "model." that belong to the decoder, under their own names.
+    decoder_top_level: tuple[str, ...] = ("lm_head.",)
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -62,9 +69,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         # tower halves its memory; its outputs are widened to the decoder's activation dtype.
         self.visual = Qwen3VLVisionTower(self.vision_config, ops, weight_dtype)
         self.vision_graphs: VisionGraphCache | None = None   # `enable_vision_graphs()`
-        self.language_model = QwenForCausalLM(cfg, ops, weight_dtype, act_dtype)
+        self.language_model = self.decoder_class(cfg, ops, weight_dtype, act_dtype)
         self.language_model.hf_prefix = TEXT_PREFIX
-        self.register_buffer("mrope_axes", mrope_frequency_axes(cfg.head_dim, cfg.mrope_section), persistent=False)
+        # One axis per rotary frequency: rotary_dim / 2 of them (all of head_dim, or the partial-rotary share).
+        self.register_buffer("mrope_axes", mrope_frequency_axes(cfg.rotary_dim, cfg.mrope_section), persistent=False)
 
     # --- forward ----------------------------------------------------------------------------------------------------
 
@@ -94,7 +102,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 mm: MultimodalBatch | None = None) -> torch.Tensor:
-        """Final hidden states [T, H]. Without `mm` (text, decode) this is exactly the Qwen3 forward."""
+        """Final hidden states [T, H]. Without `mm` (text, decode) this is exactly the decoder's forward."""
         if mm is None:
             return self.language_model(input_ids, positions, meta)
         text = self.language_model
@@ -125,7 +133,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                 if prefix is not None:
                     # Held until the decoder is done: the tower checks completeness over all its tensors at once.
                     vision.append((name[len(prefix):], tensor))
-                elif name.startswith((TEXT_PREFIX, "lm_head.")):
+                elif name.startswith((TEXT_PREFIX, *self.decoder_top_level)):
                     yield name, tensor
                 elif name.startswith("model."):
                     yield TEXT_PREFIX + name[len("model."):], tensor

@@ -18,7 +18,7 @@ MODEL_CLASSES: dict[str, str] = {
     "Qwen3ForCausalLM": "orinfer.models.qwen:QwenForCausalLM",
     "Qwen3VLForConditionalGeneration": "orinfer.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3_5ForCausalLM": "orinfer.models.qwen3_5:Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration": "orinfer.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration": "orinfer.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration",
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 

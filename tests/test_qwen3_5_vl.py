@@ -6,7 +6,6 @@ prompts batched beside an image prompt, and the published configs' vision fields
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -63,6 +62,13 @@ def model_dir(request, tmp_path_factory):
     then a full one, a quarter of each head rotary (mrope_section [1, 1, 0]: t and h); or a tied head, layers full /
     linear / full / linear / linear, half of each head rotary ([2, 1, 1]: all three axes)."""
     hf = build_hf_qwen3_5(request.param, vision=True)
+    if hf.config.tie_word_embeddings:
+        # The tied head is the unit-normal embedding, so logits reach ~60, where fp32 rounding alone (HF's fp32 logits
+        # against its own, sixty times smaller ones) exceeds 1e-4. The final norm's scale (1 + w: zero-centred) is cut
+        # tenfold, so every logit is compared at 1e-4. HF's float64 model is no exact reference: its norms and delta
+        # rule cast to float32 inside.
+        with torch.no_grad():
+            hf.model.language_model.norm.weight.mul_(0.1).sub_(0.9)
     path = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "patch_size": PATCH, "merge_size": 2,
@@ -80,11 +86,7 @@ def request(prompt: list[int], pil: list[Image.Image]) -> dict:
 
 def test_two_images_logits_match_hf(model_dir):
     """Prefill of a prompt with two images (preprocessed by orinfer, placeholders expanded), then decode steps at
-    n + delta: every position's logits within 1e-4 of HF's.
-
-    The tied model's logits reach ~60 (its head is the unit-normal embedding), and there fp32 rounding alone moves
-    them by more than 1e-4: HF's own fp32 logits sit ~1e-3 from its fp64 ones. For it, ours must be no further from
-    HF's fp64 logits than HF's fp32 logits are."""
+    n + delta: every position's logits within 1e-4 of HF's."""
     hf, path = model_dir
     llm = engine(path)
     cfg = llm.engine.parts.model_config
@@ -97,11 +99,7 @@ def test_two_images_logits_match_hf(model_dir):
     got = paged_logits(llm, ids + extra, len(ids), mm)
     want = hf_vl_logits(hf, ids + extra, PIXELS, GRIDS)
     assert got.shape == want.shape and want.abs().max() > 1.0
-    if not cfg.tie_word_embeddings:
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        return
-    exact = hf_vl_logits(copy.deepcopy(hf).double(), ids + extra, PIXELS.double(), GRIDS).float()
-    assert (got - exact).abs().max() <= max(1e-4, float((want - exact).abs().max()))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_two_images_greedy_tokens_match_hf(model_dir):

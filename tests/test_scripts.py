@@ -4,6 +4,7 @@ import time), documents how to run it, and answers --help; every shell script pa
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,8 @@ SH_SCRIPTS = sorted(SCRIPTS.glob("*.sh"))
 
 # Packages a script needs beyond the engine's own (the `serve` extra): without them (the GPU machine has none) its
 # smoke tests are skipped, as the server's own tests are.
-SCRIPT_NEEDS = {"bench_serve_synthetic.py": ("fastapi", "uvicorn")}
+SCRIPT_NEEDS = {"bench_serve_synthetic.py": ("fastapi", "uvicorn"),
+                "server_load_test.py": ("fastapi", "uvicorn", "httpx")}
 
 
 def needs(path: Path) -> None:
@@ -91,3 +93,19 @@ def test_sass_mix_reads_the_issue_order(monkeypatch):
     assert sass_mix.opcodes(listing)[-2:] == ["MOV", "STG.E.U16"]
     assert sass_mix.load_order(listing) == "Wx2 Lx1 ACQx1 IDPx2 STGx1"
     assert sass_mix.opcode_mix(listing)["IDP"] == 2
+
+
+@pytest.mark.slow
+def test_server_load_test_runs_a_small_mix(tmp_path):
+    """The load test of the server at 5% of its mix (a tiny Qwen3-VL model it builds, `orinfer serve` on loopback):
+    every request answered with the status it should get, no 5xx, no traceback logged, slow clients cut off, every
+    KV block free afterwards, memory back within 20%. Latencies are not judged at this size (see the script)."""
+    needs(SCRIPTS / "server_load_test.py")
+    out = tmp_path / "load.json"
+    run = subprocess.run([sys.executable, str(SCRIPTS / "server_load_test.py"), "--scale", "0.05",
+                          "--no-latency-checks", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == [] and report["server_5xx"] == 0 and report["tracebacks_logged"] == 0
+    assert report["statuses"]["stream 200"] >= 15 and report["slow_clients_cut_off"] == 5
+    assert report["free_blocks"] == report["total_blocks"] > 0

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orinfer.errors import RequestError
+from orinfer.server.memory import release_freed_memory
 from orinfer.server.errors import APIError
 from orinfer.server.messages import ImagePart
 from orinfer.server.protocol import MMProcessorKwargs
@@ -73,6 +74,10 @@ class ImageLoader:
         async with self._slots:
             return await asyncio.to_thread(self._load_all, parts, max_pixels)
 
+    # Decoding more pixels than this in one request is followed by a heap trim (see server/memory.py); smaller images
+    # reuse the allocator's free memory well enough.
+    TRIM_AFTER_PIXELS = 4 * 1024 * 1024
+
     # --- worker thread ----------------------------------------------------------------------------------------------
 
     def _load_all(self, parts: list[ImagePart], max_pixels: int | None) -> LoadedImages:
@@ -84,6 +89,8 @@ class ImageLoader:
             decoded += pixels
             out.images.append(image)
             out.token_counts.append(tokens)
+        if decoded > self.TRIM_AFTER_PIXELS:
+            release_freed_memory()  # the full-size decodes are freed by now; only the resized images remain
         return out
 
     def _load_one(self, part: ImagePart, max_pixels: int | None, request_pixels_left: int) -> tuple[Any, int, int]:

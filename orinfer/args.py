@@ -70,6 +70,10 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_cli(
         "reuse the KV of prompt prefixes already computed (full blocks, found by hash); --no-prefix-caching computes "
         "every prompt from scratch", flag="--prefix-caching"))
+    num_state_snapshots: int | None = field(default=None, metadata=_cli(
+        "hybrid models (Qwen3.5) with prefix caching: linear-attention states kept at prompt ends for later prompts "
+        "that start with the same tokens (default: a quarter of max_num_seqs, at least 1); each is one sequence's "
+        "state, from the KV-cache budget", metavar="N"))
     cuda_graph: bool = field(default=True, metadata=_cli(
         "replay decode steps as CUDA graphs (triton backend); --no-cuda-graph runs them eagerly (debugging)"))
     fused_ffn: bool = field(default=True, metadata=_cli(
@@ -91,12 +95,18 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "kv_cache_bytes", "num_kv_blocks", "max_pixels"):
+        for name in ("max_model_len", "kv_cache_bytes", "num_kv_blocks", "max_pixels", "num_state_snapshots"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    def state_snapshots(self, is_hybrid: bool) -> int:
+        """Snapshot slots a model's state pools keep for the prefix cache (0: none needed)."""
+        if not (is_hybrid and self.enable_prefix_caching):
+            return 0
+        return self.num_state_snapshots or max(1, self.max_num_seqs // 4)
 
     def replace(self, **changes: Any) -> "EngineArgs":
         return dataclasses.replace(self, **changes)

@@ -72,7 +72,7 @@ def test_state_slots_are_held_while_running_and_freed_on_abort(pair):
     _, path, want = pair
     llm = engine(path, max_num_seqs=3)
     manager = llm.engine.block_manager
-    assert manager.num_state_slots == 3 and not manager.enable_prefix_caching  # no state snapshots yet
+    assert manager.num_state_slots == 3 and manager.takes_snapshots and len(manager.free_snapshots) == 1
     first = llm.engine.add_request(PROMPTS[0], GREEDY)
     second = llm.engine.add_request(PROMPTS[1], GREEDY)
     llm.engine.step()
@@ -91,12 +91,16 @@ def test_state_pools_come_out_of_the_memory_budget(pair):
     llm = engine(path, kv_cache_bytes=1 << 19, max_num_seqs=4)
     runner = llm.engine.runner
     cfg = runner.model_config
-    assert runner.state.bytes == 5 * cfg.state_bytes_per_sequence(4) > 0  # a spare slot for graph padding
+    # A slot per sequence, a spare one for graph padding, one prefix-cache snapshot (a quarter of max_num_seqs).
+    assert runner.state.num_snapshots == 1
+    assert runner.state.bytes == 6 * cfg.state_bytes_per_sequence(4) > 0
     assert runner.num_blocks == ((1 << 19) - runner.state.bytes) // runner.bytes_per_block()
     layer = runner.model.state_layers()[0]
     assert layer.ssm_states.dtype == torch.float32
-    assert tuple(layer.ssm_states.shape) == (5, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+    assert tuple(layer.ssm_states.shape) == (6, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                              cfg.linear_value_head_dim)
+    off = engine(path, kv_cache_bytes=1 << 19, max_num_seqs=4, enable_prefix_caching=False).engine.runner.state
+    assert off.num_snapshots == 0 and off.bytes == 5 * cfg.state_bytes_per_sequence(4)
     assert len(runner.model.state_layers()) + len(runner.model.attention_layers()) == cfg.num_hidden_layers
 
 

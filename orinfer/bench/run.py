@@ -73,13 +73,17 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
         kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
-        # Hybrid models: the linear-attention state pools (a slot per sequence and the graphs' scratch slot) come out
-        # of the same budget.
-        kv_bytes += (max(batch_sizes) + 1) * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
-        kv_budget = {"kv_cache_bytes": max(kv_bytes, 2 * max_len * 2**20)}
-    plan["engine_config"] = engine_args_from_namespace(
+        kv_budget = {}
+    engine_config = engine_args_from_namespace(
         args, max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
         block_size=block_size, **kv_budget)
+    if args.kv_tokens is None:
+        # Hybrid models: the linear-attention state pools (a slot per sequence, the graphs' scratch slot and the
+        # prefix cache's snapshots) come out of the same budget.
+        slots = max(batch_sizes) + 1 + engine_config.state_snapshots(cfg.is_hybrid)
+        kv_bytes += slots * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
+        engine_config = engine_config.replace(kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20))
+    plan["engine_config"] = engine_config
     plan.update(prompt_lens=prompt_lens, batch_sizes=batch_sizes)
     return plan
 

@@ -12,6 +12,14 @@ left to compute: the step that computes it samples the first token) and fresh bl
 reference-counted; a block nobody holds goes back to the free queue but stays findable by its hash until the pool
 hands it out again: freed blocks without a hash are handed out first (they also tend to be warm in L2), then hashed
 ones, least recently freed first (a sequence's tail blocks before its head, which more prompts share).
+
+Hybrid models (linear-attention layers) also need the recurrent state at the point where a hit ends, so for them a
+hit is cut back to the deepest cached block that has a state snapshot. A snapshot is taken where a prompt's last full
+block before its last token ends (`snapshot_point`; the scheduler ends a chunk there), is named by that block's hash, and lives in one of
+`num_state_snapshots` snapshot slots, evicted least recently used, or with its block. The multi-turn case is the one
+this serves: turn k+1's prompt starts with turn k's, so it resumes from turn k's snapshot and recomputes only turn
+k's last partial block, its answer and the new message. Prompts that share only a system prompt share no snapshot
+(each one's snapshot also covers its own question), and compute their state from the start.
 """
 
 from __future__ import annotations
@@ -35,18 +43,21 @@ def block_hash(parent: bytes | None, token_ids: list[int], extra: list[bytes] = 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_snapshots: int = 0) -> None:
         """num_state_slots (hybrid models): slots of the linear-attention state pools; a sequence holds one while it
-        holds blocks (the scheduler runs at most max_num_seqs sequences, the pools' size). Prefix caching must be off
-        for them: a cached prefix would skip tokens whose state no slot holds."""
+        holds blocks (the scheduler runs at most max_num_seqs sequences, the pools' size). num_state_snapshots: slots
+        for prefix-cache state snapshots (hybrid models with prefix caching need at least one)."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
-        if num_state_slots and enable_prefix_caching:
+        if num_state_slots and enable_prefix_caching and num_state_snapshots <= 0:
             raise ValueError("prefix caching needs state snapshots for models with linear-attention state")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.enable_prefix_caching = enable_prefix_caching
+        self.takes_snapshots = bool(num_state_slots and enable_prefix_caching)
+        self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> snapshot slot, least recent first
+        self.free_snapshots = list(range(num_state_snapshots - 1, -1, -1)) if self.takes_snapshots else []
         self.ref_counts = [0] * num_blocks
         self.hashes: list[bytes | None] = [None] * num_blocks   # the hash of a full, computed block
         self.cached: dict[bytes, int] = {}                       # hash -> block holding those tokens
@@ -86,7 +97,32 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.takes_snapshots:  # the state must resume where the hit ends
+            while hits and seq.block_chain[len(hits) - 1] not in self.snapshots:
+                hits.pop()
         return hits
+
+    def snapshot_point(self, seq: Sequence) -> int:
+        """Where the sequence's state is snapshotted: the last block boundary before the end of its prompt, so that the
+        same prompt again (a hit always leaves a token to compute) resumes there too (0: nowhere, or no snapshots)."""
+        if not self.takes_snapshots:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def save_snapshot(self, seq: Sequence) -> int | None:
+        """Names a snapshot slot for the state the sequence has after its first `snapshot_point` tokens (the caller
+        copies it there, behind the step that computes them): the least recently used slot when none is free. None:
+        that block's state is kept already (or the point is not a full registered block)."""
+        point = self.snapshot_point(seq)
+        if point == 0 or seq.num_committed_blocks < point // self.block_size:
+            return None
+        digest = seq.block_chain[point // self.block_size - 1]
+        if digest in self.snapshots:
+            self.snapshots.move_to_end(digest)
+            return None
+        slot = self.free_snapshots.pop() if self.free_snapshots else self.snapshots.popitem(last=False)[1]
+        self.snapshots[digest] = slot
+        return slot
 
     def _fits(self, seq: Sequence, hits: list[int]) -> bool:
         """Whether the free queue covers the fresh blocks and the cached hits nobody holds (they leave it too)."""
@@ -120,6 +156,10 @@ class BlockManager:
             seq.state_slot = self.free_state_slots.pop()
         seq.num_committed_blocks = len(hits)  # registered already: they came from the cache
         seq.num_cached_tokens = len(hits) * self.block_size
+        if self.takes_snapshots and hits:
+            digest = seq.block_chain[len(hits) - 1]
+            self.snapshots.move_to_end(digest)
+            seq.restore_snapshot = self.snapshots[digest]  # the engine copies it into the state slot before its step
         if seq.num_preemptions == 0:
             seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
         if self.enable_prefix_caching:
@@ -132,6 +172,9 @@ class BlockManager:
         if old is not None:  # evicted: its tokens are no longer findable
             if self.cached.get(old) == block:
                 del self.cached[old]
+                snapshot = self.snapshots.pop(old, None)  # nothing can hit that block now: its state is of no use
+                if snapshot is not None:
+                    self.free_snapshots.append(snapshot)
             self.hashes[block] = None
         self.ref_counts[block] = 1
         return block
@@ -176,6 +219,7 @@ class BlockManager:
                     self.free_blocks.move_to_end(block, last=False)  # handed out next: nothing to keep, warm in L2
         seq.block_table = []
         seq.num_committed_blocks = 0
+        seq.restore_snapshot = -1
         if seq.state_slot >= 0:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = -1

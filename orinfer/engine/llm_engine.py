@@ -60,15 +60,9 @@ class LLMEngine:
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
                                   graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
                                   vision_warmup_patches=self._largest_image_patches())
-        prefix_caching = config.enable_prefix_caching
-        if prefix_caching and mcfg.is_hybrid:
-            # A cached prefix would skip tokens whose linear-attention state no slot holds (state snapshots at block
-            # boundaries would lift this).
-            log.info("prefix caching is off: this model's linear-attention layers keep state that cached blocks "
-                     "cannot restore yet")
-            prefix_caching = False
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, prefix_caching,
-                                          num_state_slots=self.runner.state.num_slots)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_state_slots=self.runner.state.num_slots,
+                                          num_state_snapshots=self.runner.state.num_snapshots)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
@@ -203,12 +197,33 @@ class LLMEngine:
         prev_ids = after.device_ids if after is not None else None
         sampled = plan.sampled
         prompt_seqs = [seq for seq in plan.seqs if not seq.is_decoding]
+        self._restore_snapshots(plan)
         out = self.runner.execute(plan, prev_ids, rows)
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += num_new
+        self._save_snapshots(plan)
         for seq in sampled:
             seq.num_pending += 1
         return InFlightStep(sampled, prompt_seqs, start, out)
+
+    def _restore_snapshots(self, plan: StepPlan) -> None:
+        """Hybrid models: a sequence admitted on a prefix-cache hit resumes the state saved where the hit ends (copied
+        into its slot ahead of the step, in stream order)."""
+        for seq in plan.seqs:
+            if seq.restore_snapshot >= 0:
+                self.runner.state.restore(seq.restore_snapshot, seq.state_slot)
+                seq.restore_snapshot = -1
+
+    def _save_snapshots(self, plan: StepPlan) -> None:
+        """Hybrid models: the state of a prompt that this step brought to its snapshot point is copied out (behind
+        the step, in stream order) for later prompts that start with the same tokens."""
+        if not self.block_manager.takes_snapshots:
+            return
+        for seq in plan.seqs:
+            if seq.num_computed_tokens == self.block_manager.snapshot_point(seq) > 0:
+                snapshot = self.block_manager.save_snapshot(seq)
+                if snapshot is not None:
+                    self.runner.state.save(seq.state_slot, snapshot)
 
     def _launch_lookahead(self, current: InFlightStep) -> InFlightStep | None:
         """The next step, launched while `current` is in flight: decode rows for the running sequences whose tokens

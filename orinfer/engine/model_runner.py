@@ -46,7 +46,8 @@ class ModelRunner:
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
         # Hybrid models: one slot of linear-attention state per sequence that may run.
-        self.state = StatePools(model, model_config, engine_config.max_num_seqs, kv_dtype, device)
+        self.state = StatePools(model, model_config, engine_config.max_num_seqs, kv_dtype, device,
+                                num_snapshots=engine_config.state_snapshots(model_config.is_hybrid))
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
         self.state.allocate()

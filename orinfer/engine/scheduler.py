@@ -134,6 +134,7 @@ class Scheduler:
                 chunk = self._chunk(seq.num_uncomputed_tokens, budget, len(plan) > 0, context, beside_decodes)
                 if chunk == 0:
                     break  # not split (chunking off): later prompts wait behind it, in order
+                chunk = self._end_at_snapshot(seq, context, chunk)
                 self._plan(plan, seq, chunk)
                 budget -= self._cost(chunk, context, beside_decodes)
         return budget
@@ -159,6 +160,13 @@ class Scheduler:
         if uncomputed <= budget or not prefill_in_plan:
             return uncomputed  # whole; a prompt over the full budget runs in a step of its own, not never
         return 0
+
+    def _end_at_snapshot(self, seq: Sequence, start: int, chunk: int) -> int:
+        """A chunk from `start` that would run past the sequence's state-snapshot point (hybrid models with prefix
+        caching) ends there instead, so the state can be copied out exactly at that point: a prompt pays one more
+        step, of fewer than block_size tokens."""
+        point = self.block_manager.snapshot_point(seq)
+        return point - start if start < point < start + chunk else chunk
 
     def _cost(self, chunk: int, context: int, beside_decodes: bool) -> float:
         """What a chunk spends of the step budget: its tokens, plus (beside decode rows) its attention to `context`
@@ -198,6 +206,7 @@ class Scheduler:
             chunk = self._chunk(seq.num_tokens - cached, budget, prompts_in_plan, cached, beside_decodes)
             if chunk == 0:
                 break
+            chunk = self._end_at_snapshot(seq, cached, chunk)
             self.block_manager.allocate(seq)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING

@@ -51,6 +51,9 @@ class Sequence:
         # Hybrid models: the slot of the linear-attention state pools this sequence owns while it holds blocks (-1:
         # none; engine/block_manager.py hands them out).
         self.state_slot = -1
+        # Hybrid models with prefix caching: the state snapshot a prefix-cache hit resumes from, to be copied into the
+        # state slot before the sequence's first step (-1: none pending).
+        self.restore_snapshot = -1
         # Prefix-cache hashes of the token ids' first full blocks, computed once (tokens only ever get appended), and
         # how many of the block table's blocks are registered under them.
         self.block_chain: list[bytes] = []

@@ -4,8 +4,10 @@ Each such layer (`model.state_layers()`) gets two pools with one slot per sequen
 states [slots, C, K-1] in the activation dtype (the last K-1 conv inputs) and delta-rule states [slots, Hv, Dk, Dv]
 in fp32. A running sequence owns one slot index across all layers (`Sequence.state_slot`, handed out by the block
 manager); its first step ignores the slot's old contents (`AttentionMetadata.has_initial_state`), so slots are never
-cleared. One more slot, `scratch_slot`, belongs to nobody: CUDA-graph padding rows and sequences update it. The pools
-come out of the KV cache's memory budget.
+cleared. One more slot, `scratch_slot`, belongs to nobody: CUDA-graph padding rows and sequences update it. After it
+come `num_snapshots` snapshot slots: copies of a sequence's state at a block boundary, for prefix-cache hits (the
+block manager names them; `save` and `restore` copy on the device, in stream order with the steps). The pools come
+out of the KV cache's memory budget.
 """
 
 from __future__ import annotations
@@ -25,16 +27,36 @@ log = logging.getLogger(__name__)
 
 class StatePools:
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_snapshots: int = 0) -> None:
         """`num_slots` 0 (models without linear attention): nothing is allocated."""
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
         self.num_slots = num_slots if cfg.is_hybrid else 0
+        self.num_snapshots = num_snapshots if self.num_slots else 0
         self.scratch_slot = self.num_slots
 
     @property
     def bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return (self.num_slots + 1) * self.cfg.state_bytes_per_sequence(elem) if self.num_slots else 0
+        slots = self.num_slots + 1 + self.num_snapshots
+        return slots * self.cfg.state_bytes_per_sequence(elem) if self.num_slots else 0
+
+    def _snapshot_slot(self, snapshot: int) -> int:
+        if not 0 <= snapshot < self.num_snapshots:
+            raise IndexError(f"snapshot {snapshot} out of range ({self.num_snapshots} kept)")
+        return self.num_slots + 1 + snapshot
+
+    def save(self, slot: int, snapshot: int) -> None:
+        """Copies sequence slot `slot`'s state (every linear-attention layer) into snapshot `snapshot`."""
+        self._copy(slot, self._snapshot_slot(snapshot))
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """Copies snapshot `snapshot` into sequence slot `slot`."""
+        self._copy(self._snapshot_slot(snapshot), slot)
+
+    def _copy(self, src: int, dst: int) -> None:
+        for layer in self.model.state_layers():
+            layer.conv_states[dst].copy_(layer.conv_states[src])
+            layer.ssm_states[dst].copy_(layer.ssm_states[src])
 
     def _bind(self, slots: int) -> None:
         cfg = self.cfg
@@ -47,8 +69,9 @@ class StatePools:
     def allocate(self) -> None:
         """Binds the pools to the model's linear-attention layers."""
         if self.num_slots:
-            self._bind(self.num_slots + 1)
-            log.info("linear-attention state: %d slots (%.1f MiB)", self.num_slots, self.bytes / 2**20)
+            self._bind(self.num_slots + 1 + self.num_snapshots)
+            log.info("linear-attention state: %d slots and %d prefix-cache snapshots (%.1f MiB)", self.num_slots,
+                     self.num_snapshots, self.bytes / 2**20)
 
     @contextlib.contextmanager
     def scratch(self, meta: AttentionMetadata) -> Iterator[None]:

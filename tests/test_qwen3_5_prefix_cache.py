@@ -7,6 +7,7 @@ the block manager's snapshot bookkeeping."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_models import build_hf_qwen3_5, hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
@@ -93,6 +94,21 @@ def test_no_prefix_caching_keeps_no_snapshots(model):
     outs = llm.generate([TURN1, TURN1], GREEDY)
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     assert outs[1].token_ids == hf_greedy(hf, TURN1, STEPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_snapshots_on_the_gpu_with_graphs(model):
+    """The triton backend on the GPU, fp32, CUDA graphs: the snapshot copies are queued in stream order with graph
+    replays (decode and mixed steps), and turn 2 still gives HF's tokens from 12 cached tokens."""
+    hf, path = model
+    llm = LLM(path, dtype="float32", device="cuda", backend="triton", block_size=BLOCK, kv_cache_bytes=64 << 20,
+              max_num_seqs=8, max_num_batched_tokens=6, progress=False)
+    first = llm.generate([TURN1], GREEDY)[0]
+    turn2 = TURN1 + first.token_ids + [11, 200, 14]
+    outs = llm.generate([turn2, [88, 3, 5]], GREEDY)
+    assert outs[0].num_cached_tokens == 12
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, turn2, STEPS), hf_greedy(hf, [88, 3, 5], STEPS)]
 
 
 # --- the block manager's bookkeeping -----------------------------------------------------------------------------

@@ -208,3 +208,18 @@ def test_llm_chat_tool_choice(llms):
             llms["json"].chat([{"role": "user", "content": "hi"}], params, tools=tools, tool_choice=bad)
     with pytest.raises(RequestError, match="tools.0.type"):
         llms["json"].chat([{"role": "user", "content": "hi"}], params, tools=[{"type": "x"}])
+
+
+def test_tool_call_parser_setting(tool_dirs, llms):
+    """The format comes from the chat template; EngineArgs.tool_call_parser (--tool-call-parser) overrides it."""
+    assert build_app(llms["json"], "j").state.server.tool_format == "qwen-json"
+    assert build_app(llms["xml"], "x").state.server.tool_format == "qwen-xml"
+    assert build_app(llms["xml"], "x", tool_call_parser="qwen-json").state.server.tool_format == "qwen-json"
+    assert build_app(llms["xml"], "x", tool_call_parser="none").state.server.tool_format is None
+    off = LLM(tool_dirs["json"], dtype="float32", device="cpu", progress=False, tool_call_parser="none")
+    assert build_app(off, "off").state.server.tool_format is None   # the engine's own setting
+    params = SamplingParams(max_tokens=80, temperature=0)
+    out = off.chat([{"role": "user", "content": "weather please"}], params, tools=TOOLS)[0]
+    assert out.content == JSON_CALL and out.tool_calls == []   # tools in the prompt, the answer not parsed
+    with pytest.raises(RequestError, match="tool_choice"):
+        off.chat([{"role": "user", "content": "weather please"}], params, tools=TOOLS, tool_choice="required")

@@ -1,7 +1,7 @@
 """A tiny Qwen3 made to answer with fixed tool calls, for the end-to-end tool-calling tests.
 
 Its tokenizer is make-tiny's byte-level BPE (with Qwen's added tokens: <tool_call>, <think> are single tokens),
-trained on the bundled text plus the conversations below. The model memorises one answer per user message (the
+trained on the conversations below. The model memorises one answer per user message (the
 trigger) and chat template: the answers are real tool calls in the Qwen3 JSON format under the Qwen3 template and
 in the XML format under the Qwen3.5 (Qwen3.8-27B) template, with and without reasoning first, a call inside the
 reasoning, plain text, and an answer to a tool result. The same weights serve two model directories, one per
@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
 
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import TORCH_OPS
 from orinfer.loader import random_model
 from orinfer.tiny import tiny_config, torch_threads
 from orinfer.tokenizer import Tokenizer
-from orinfer.tokenizer_train import bundled_corpus, train_tokenizer
+from orinfer.tokenizer_train import train_tokenizer
 
-REAL = Path("/work/shared/real-qwen")
-TEMPLATES = {"json": REAL / "Qwen3-8B-resaved" / "chat_template.jinja",
+REAL = Path(__file__).parent / "data" / "real-qwen"   # published chat templates (see its README)
+TEMPLATES = {"json": REAL / "Qwen3-8B" / "chat_template.jinja",
              "xml": REAL / "Qwen3.8-27B" / "chat_template.jinja"}
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -80,18 +83,20 @@ def make_tool_models(root: Path, steps: int = 80, seed: int = 0, lr: float = 1e-
     """Writes the two model directories ("json", "xml") under `root` and returns them."""
     base = root / "tokenizer"
     dirs = {kind: root / kind for kind in TEMPLATES}
-    # The tokenizer is trained on the corpus and on the prompts (rendered with a provisional tokenizer: rendering
-    # needs only the template), so the long tool prompts take few tokens.
-    provisional = train_tokenizer([bundled_corpus()], 1024, base)
+    # The tokenizer is trained on the conversations themselves (rendering them needs only the template, no
+    # vocabulary), so the long tool prompts take few tokens.
     tok = {}
     for kind, d in dirs.items():
         d.mkdir(parents=True, exist_ok=True)
         shutil.copy(TEMPLATES[kind], d / "chat_template.jinja")
-        tok[kind] = Tokenizer(provisional._backend, provisional.config, {"default": TEMPLATES[kind].read_text()})
+        tok[kind] = Tokenizer(BackendTokenizer(BPE()), {}, {"default": TEMPLATES[kind].read_text()})
     pairs = _conversations(tok)
-    final = train_tokenizer([bundled_corpus()] + [p + a for p, a in pairs] * 20, 1024, base)
+    final = train_tokenizer([p + a for p, a in pairs] * 4, 1024, base)
     eos = [final.token_to_id("<|im_end|>"), final.token_to_id("<|endoftext|>")]
-    config = tiny_config("qwen3", final.vocab_size, eos)
+    # Smaller than make-tiny's model (two layers, width 64): memorising ten answers needs little, and it trains in
+    # a third of the time.
+    config = replace(tiny_config("qwen3", final.vocab_size, eos), hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2)
     torch.manual_seed(seed)
     model = random_model(config, TORCH_OPS, torch.float32, torch.float32, torch.device("cpu"), seed=seed, std=0.05)
     # Whole prompts: trained on their last turns only, the model does not answer the whole prompts.

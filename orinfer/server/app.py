@@ -19,7 +19,7 @@ error object (`errors`); a 5xx means a bug or a dead engine.
     engine_loop.py    the engine thread                        request_group.py one request's side of it
     engine_process.py the engine thread in a child process
     reasoning.py      Qwen3 <think> split                      metrics.py       Prometheus /metrics
-    cli.py            `orinfer serve`, BackgroundServer
+    cli.py            `orinfer serve`, BackgroundServer       tools.py         tools, tool_choice (parsing: tool_calls/)
 """
 
 from __future__ import annotations

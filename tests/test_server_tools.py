@@ -6,6 +6,7 @@ follow-up turn."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -17,11 +18,64 @@ openai = pytest.importorskip("openai")
 from orinfer import LLM, SamplingParams  # noqa: E402
 from orinfer.errors import RequestError  # noqa: E402
 from orinfer.server.app import build_app  # noqa: E402
+from orinfer.server.chat import chat_stream  # noqa: E402
 from orinfer.server.cli import BackgroundServer  # noqa: E402
+from orinfer.server.engine_loop import SeqUpdate  # noqa: E402
+from orinfer.server.reasoning import ThinkState  # noqa: E402
+from orinfer.server.tools import ChatTools  # noqa: E402
+from orinfer.tool_calls import ToolChoice  # noqa: E402
 from tool_model import (ANSWER_TO_RESULT, CALL_ARGS, JSON_CALL, TOOLS, make_tool_models,  # noqa: E402
                         result_turn)
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+class _Group:
+    def __init__(self, updates):
+        self._updates = updates
+
+    async def updates(self):
+        for u in self._updates:
+            yield u
+
+    def abort(self):
+        pass
+
+
+class _Server:
+    name = "fake"
+
+
+def _stream_chunks(pieces: list[str], finish: str, max_calls: int | None) -> list[dict]:
+    updates = [SeqUpdate(0, p, [], i + 1, None) for i, p in enumerate(pieces)] + [SeqUpdate(0, "", [], 99, finish)]
+    tools = ChatTools(TOOLS, ToolChoice("auto"), True, max_calls)
+
+    async def run():
+        return [e async for e in chat_stream(_Server(), _Group(updates), "id", 0, 1, 5, ThinkState.START, False,
+                                             False, tools)]
+
+    events = asyncio.run(asyncio.wait_for(run(), 10))
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("finish, max_calls", [("stop", None), ("stop", 1), ("length", None)])
+def test_stream_chunks_of_calls(finish, max_calls):
+    """The SSE chunks of an answer with two calls (no model): OpenAI's delta shapes, `parallel_tool_calls: false`
+    keeping the first call only, finish_reason "tool_calls" only when generation stopped by itself."""
+    text = ('Checking.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+            '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    chunks = _stream_chunks([text[i:i + 3] for i in range(0, len(text), 3)], finish, max_calls)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    heads = [tc for tc in calls if "id" in tc]
+    assert [(h["index"], h["type"], h["function"]["name"], h["function"]["arguments"]) for h in heads] == \
+        [(0, "function", "get_weather", ""), (1, "function", "get_weather", "")][:max_calls or 2]
+    assert [tc["function"]["arguments"] for tc in calls if "id" not in tc] == \
+        ['{"city": "Paris", "days": 3}', '{"city": "Rome"}'][:max_calls or 2]
+    assert all(set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+               for tc in calls if "id" not in tc)
+    assert chunks[-1]["choices"][0]["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,10 @@ TEXTS = [JSON_TWO, XML_ONE, XML_TWO, "Plain answer,\n no calls.  \n", "", *MALFO
          '<tool_call>\n<function=noop>\n<parameter=a>\n1\n</parameter>\n</function>\nno close tag after',
          '<tool_call>\n<function=noop>\n</function>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n'
          '</function>\n</tool_call>',                                                     # two functions, one block
-         '<tool_call>\n<function=noop>\nstray words <parameter=a>\nv\n</parameter>\n</function>\n</tool_call>']
+         '<tool_call>\n<function=noop>\nstray words <parameter=a>\nv\n</parameter>\n</function>\n</tool_call>',
+         '<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n5\n</function>\n</tool_call>',
+         '<tool_call>\n<function=noop>\n<parameter=code>\na </parameter-like> <parameter=x> b\n</parameter>\n'
+         '</function>\n</tool_call>']
 
 
 def _stream(text: str, cuts: list[int], tools=TOOLS):
@@ -138,17 +141,24 @@ def test_malformed_markup_stays_content(text):
 def test_cut_off_calls():
     _, calls = parse_tool_calls('<tool_call>\n{"name": "noop", "arguments": {"k": 1}}', TOOLS)
     assert _calls(calls) == [("noop", {"k": 1})]         # the JSON is whole: only the closing tag is missing
-    _, calls = parse_tool_calls(TEXTS[-4], TOOLS)
+    _, calls = parse_tool_calls(TEXTS[-6], TOOLS)
     assert _calls(calls) == [("get_weather", {"city": "Rome"})]   # the cut-off parameter is dropped
-    content, calls = parse_tool_calls(TEXTS[-3], TOOLS)
+    content, calls = parse_tool_calls(TEXTS[-5], TOOLS)
     assert _calls(calls) == [("noop", {"a": "1"})] and content == "no close tag after"
 
 
 def test_two_functions_in_one_block_and_stray_text():
-    _, calls = parse_tool_calls(TEXTS[-2], TOOLS)
+    _, calls = parse_tool_calls(TEXTS[-4], TOOLS)
     assert _calls(calls) == [("noop", {}), ("get_weather", {"days": 2})]
-    _, calls = parse_tool_calls(TEXTS[-1], TOOLS)
+    _, calls = parse_tool_calls(TEXTS[-3], TOOLS)
     assert _calls(calls) == [("noop", {"a": "v"})]
+
+
+def test_missing_parameter_close_tags():
+    _, calls = parse_tool_calls(TEXTS[-2], TOOLS)
+    assert _calls(calls) == [("get_weather", {"city": "Oslo", "days": 5})]
+    _, calls = parse_tool_calls(TEXTS[-1], TOOLS)   # tag-like text inside a value on one line stays in it
+    assert _calls(calls) == [("noop", {"code": "a </parameter-like> <parameter=x> b"})]
 
 
 # --- streaming agrees with the whole text ----------------------------------------------------------------------------

@@ -12,7 +12,8 @@ understood. What is held back, and when a call is committed:
   (or `"parameters"`, or arguments as a JSON string of an object) is malformed and goes to the content verbatim,
   markup included, so no text is lost. The call is then sent as two deltas (name, then the whole arguments).
 - XML body: the call is committed at `<function=NAME>` (its name delta goes out at once) and each parameter adds a
-  fragment when its `</parameter>` arrives, so long arguments stream. A `<function=...>` without a usable name makes
+  fragment when its `</parameter>` arrives, so long arguments stream (a missing `</parameter>` is tolerated: the
+  next `<parameter=` or `</function>` on a new line ends the value). A `<function=...>` without a usable name makes
   the block malformed (content, as above). Stray text between parameters is dropped; a missing `</tool_call>` after
   `</function>` is tolerated (what follows is content); several `<function=...>` in one block are several calls.
 - End of the text inside a block: a JSON body that parses is still a call (the closing tag was cut off), else the
@@ -46,6 +47,18 @@ _TEXT, _BLOCK, _JSON, _BAD, _XML_ARGS, _XML_AFTER = "text", "block", "json", "ba
 def _may_become(text: str, *tags: str) -> bool:
     """Whether `text` is a proper prefix of one of `tags` (more text could complete the tag)."""
     return any(tag.startswith(text) and len(text) < len(tag) for tag in tags)
+
+
+# What ends a parameter's value: its closing tag, or (models sometimes leave it out) the next parameter or the end of
+# the function, which are not consumed. The earliest complete one wins, so any split of the text ends it at the same
+# place.
+_VALUE_ENDS = ((PARAM_CLOSE, len(PARAM_CLOSE)), ("\n" + PARAM_OPEN, 0), ("\n" + FUNC_CLOSE, 0))
+
+
+def _value_end(text: str, start: int) -> tuple[int, int]:
+    """(where the value starting at `start` ends, characters of the terminator to consume), or (-1, 0)."""
+    found = [(at, skip) for tag, skip in _VALUE_ENDS if (at := text.find(tag, start)) >= 0]
+    return min(found) if found else (-1, 0)
 
 
 @dataclass
@@ -215,7 +228,7 @@ class ToolCallParser:
         s = self._buf.lstrip()
         if s.startswith(PARAM_OPEN):
             gt = s.find(">")
-            end = s.find(PARAM_CLOSE, gt + 1) if gt >= 0 else -1
+            end, skip = _value_end(s, gt + 1) if gt >= 0 else (-1, 0)
             if end < 0:
                 self._buf = s
                 return False
@@ -224,7 +237,7 @@ class ToolCallParser:
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
             self._add_param(name, value, out)
-            self._buf = s[end + len(PARAM_CLOSE):]
+            self._buf = s[end + skip:]
             return True
         if s.startswith(FUNC_CLOSE) or s.startswith(CLOSE):
             self._close_xml(out)

@@ -55,10 +55,17 @@ def _may_become(text: str, *tags: str) -> bool:
 _VALUE_ENDS = ((PARAM_CLOSE, len(PARAM_CLOSE)), ("\n" + PARAM_OPEN, 0), ("\n" + FUNC_CLOSE, 0))
 
 
+_LONGEST_END = max(len(tag) for tag, _ in _VALUE_ENDS)
+
+
 def _value_end(text: str, start: int) -> tuple[int, int]:
     """(where the value starting at `start` ends, characters of the terminator to consume), or (-1, 0)."""
     found = [(at, skip) for tag, skip in _VALUE_ENDS if (at := text.find(tag, start)) >= 0]
     return min(found) if found else (-1, 0)
+
+
+def _lstrip(text: str) -> str:
+    return text.lstrip() if text[:1].isspace() else text   # no copy of a long buffer that needs none
 
 
 @dataclass
@@ -120,6 +127,7 @@ class ToolCallParser:
         self._index = -1           # index of the last call started
         self._nargs = 0            # parameters written so far in the current XML call
         self._xml_name = ""        # the current XML call's function name
+        self._scanned = 0          # how far a closing tag was already looked for (long values and blocks stay linear)
         self.num_calls = 0
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -173,7 +181,7 @@ class ToolCallParser:
         self._raw, self._held_ws = self._held_ws, ""
         self._body_at = len(self._raw) + len(OPEN)
         self._raw += self._buf[start:]
-        self._buf = ""
+        self._buf, self._scanned = "", 0
         self._state = _BLOCK
         return True
 
@@ -181,7 +189,8 @@ class ToolCallParser:
         self._raw += self._buf
         self._buf = ""
         body_at = self._body_at
-        end = self._raw.find(CLOSE, body_at)
+        end = self._raw.find(CLOSE, max(body_at, self._scanned))
+        self._scanned = max(body_at, len(self._raw) - len(CLOSE) + 1) if end < 0 else 0
         if self._state == _BLOCK:
             head = self._raw[body_at:end if end >= 0 else len(self._raw)].lstrip()
             if head.startswith(FUNC_OPEN):
@@ -219,19 +228,22 @@ class ToolCallParser:
             return True
         self._begin_call(name, out)
         self._xml_name = name
-        self._buf = head[gt + 1:]
+        self._buf, self._scanned = head[gt + 1:], 0
         self._raw = ""
         self._state = _XML_ARGS
         return True
 
     def _step_xml_args(self, out: Parsed) -> bool:
-        s = self._buf.lstrip()
+        s = _lstrip(self._buf)
         if s.startswith(PARAM_OPEN):
             gt = s.find(">")
-            end, skip = _value_end(s, gt + 1) if gt >= 0 else (-1, 0)
+            end, skip = _value_end(s, max(gt + 1, self._scanned)) if gt >= 0 else (-1, 0)
             if end < 0:
                 self._buf = s
+                if gt >= 0:   # the value so far holds no terminator, bar one that more text may complete
+                    self._scanned = max(gt + 1, len(s) - _LONGEST_END + 1)
                 return False
+            self._scanned = 0
             name = s[len(PARAM_OPEN):gt].strip()
             value = s[gt + 1:end]
             value = value[1:] if value.startswith("\n") else value
@@ -255,7 +267,7 @@ class ToolCallParser:
         return nxt >= 0
 
     def _step_xml_after(self, out: Parsed) -> bool:
-        s = self._buf.lstrip()
+        s = _lstrip(self._buf)
         if s.startswith(CLOSE):
             self._buf, self._state, self._skip_ws = s[len(CLOSE):], _TEXT, True
             return True

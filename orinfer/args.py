@@ -25,6 +25,10 @@ from orinfer.errors import ConfigError
 __all__ = ["EngineArgs", "add_engine_args", "engine_args_from_namespace"]
 
 
+# Values of EngineArgs.tool_call_parser (the formats themselves: orinfer/tool_calls/formats.py).
+TOOL_CALL_PARSERS = ("auto", "qwen-json", "qwen-xml", "none")
+
+
 def _cli(help: str, **extra: Any) -> dict[str, Any]:
     return {"help": help, **extra}
 
@@ -49,6 +53,9 @@ class EngineArgs:
     max_pixels: int | None = field(default=None, metadata=_cli(
         "vision-language models: resize images to at most N pixels (default: the model's preprocessor_config; a "
         "request may ask for fewer)", metavar="N"))
+    tool_call_parser: str = field(default="auto", metadata=_cli(
+        "tool-call format of chat answers: auto (the one the chat template renders), qwen-json (Qwen2.5/Qwen3), "
+        "qwen-xml (Qwen3-Coder, Qwen3.5) or none (no parsing)", choices=list(TOOL_CALL_PARSERS)))
     seed: int | None = None          # torch.manual_seed at load (Python only; requests carry their own seeds)
     progress: bool = True            # progress bars while loading (Python only)
 
@@ -99,6 +106,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

@@ -19,6 +19,9 @@ from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
+from orinfer.tool_calls import (answer_start, check_parser_for, check_tools, constrain_tool_choice, parse_chat_output,
+                                parse_tool_choice, resolve_format)
+from orinfer.tool_calls.history import template_messages
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +143,36 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None, *,
              enable_thinking: bool | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             tools: list[dict] | None = None, tool_choice: str | dict[str, Any] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template and generates the assistant's reply.
 
-        A message's content may be a list of OpenAI-style parts (text, image_url, image): see prompt_inputs.py."""
+        A message's content may be a list of OpenAI-style parts (text, image_url, image): see prompt_inputs.py.
+        Each output's `reasoning_content`, `content` and `tool_calls` hold the answer split as the server splits it.
+        `tools` (OpenAI's function tools) and `tool_choice` ("auto" by default with tools, "none", "required" or
+        {"type": "function", "function": {"name": ...}}) work as in the server; a bad one is a RequestError naming
+        the field. The tool-call format is the chat template's (EngineArgs.tool_call_parser overrides it)."""
+        tools = check_tools(tools)
+        choice = parse_tool_choice(tool_choice, tools)
+        tool_format = resolve_format(self.engine.config.tool_call_parser,
+                                     self.tokenizer.chat_template_for(True) if self.tokenizer is not None else None)
+        check_parser_for(choice, tool_format)
+        prompt_tools = tools if choice.parses else None
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
-                                    tools=tools, **(chat_template_kwargs or {})) for c in conversations]
-        return self.generate(prompts, params)
+                                    tools=prompt_tools, **(chat_template_kwargs or {})) for c in conversations]
+        outputs = self.generate(prompts, constrain_tool_choice(params, choice, prompt_tools))
+        for out, prompt in zip(outputs, prompts):
+            text = prompt if isinstance(prompt, str) else prompt["prompt"]
+            res = parse_chat_output(out.text, answer_start(self.tokenizer, text),
+                                    prompt_tools is not None and tool_format is not None, prompt_tools)
+            out.reasoning_content, out.content, out.tool_calls = res.reasoning, res.content, res.calls
+        return outputs
 
     def chat_prompt(self, messages: list[Message], **kwargs: Any) -> Prompt:
         """The generate() prompt of a conversation: the rendered text, with its images when it has any."""
         multimodal = self.engine.parts.model_config.is_multimodal
-        rendered, images = split_chat(messages, multimodal)
+        rendered, images = split_chat(template_messages(messages), multimodal)
         text = self.render_chat(rendered, **kwargs)
         if not images:
             return text

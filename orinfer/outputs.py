@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from orinfer.engine.sequence import Sequence, TokenLogprob
+
+if TYPE_CHECKING:
+    from orinfer.tool_calls.types import ToolCall
 
 
 @dataclass
@@ -48,6 +52,11 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (as vLLM reports them)
+    # Set by LLM.chat (None / empty from generate): the answer split as the server splits it, i.e. the reasoning
+    # (<think>), the text outside the tool calls, and the parsed calls (see orinfer/tool_calls).
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list["ToolCall"] = field(default_factory=list)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":

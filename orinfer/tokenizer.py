@@ -223,6 +223,12 @@ class Tokenizer:
         """String form of a token id (byte-level symbols for BPE pieces), or None if out of range."""
         return self._backend.id_to_token(token_id)
 
+    def chat_template_for(self, tools: bool) -> str | None:
+        """The template source a chat uses: like transformers, one named "tool_use" is preferred when tools are
+        given."""
+        source = self._templates.get("tool_use") if tools else None
+        return source or self.chat_template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, enable_thinking: bool | None = None,
                             **template_kwargs: Any) -> str:
@@ -232,9 +238,7 @@ class Tokenizer:
         extra keyword arguments become template variables. Raises TokenizerError if there is no chat
         template or rendering fails (including the template's own raise_exception messages).
         """
-        # Like transformers: a template named "tool_use" is preferred when tools are given.
-        source = self._templates.get("tool_use") if tools is not None else None
-        source = source or self.chat_template
+        source = self.chat_template_for(tools is not None)
         if source is None:
             raise TokenizerError("this tokenizer has no chat template (no chat_template.jinja, chat_template.json "
                                  "or 'chat_template' in tokenizer_config.json)")

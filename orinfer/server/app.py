@@ -19,7 +19,7 @@ error object (`errors`); a 5xx means a bug or a dead engine.
     engine_loop.py    the engine thread                        request_group.py one request's side of it
     engine_process.py the engine thread in a child process
     reasoning.py      Qwen3 <think> split                      metrics.py       Prometheus /metrics
-    cli.py            `orinfer serve`, BackgroundServer
+    cli.py            `orinfer serve`, BackgroundServer       tools.py         tools, tool_choice (parsing: tool_calls/)
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ __all__ = ["ServerLimits", "build_app"]
 
 
 def build_app(llm: Any, served_model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
-              reasoning: bool | None = None) -> FastAPI:
+              reasoning: bool | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an `orinfer.LLM`, or an `EngineProcess` running one in a child process). The
     engine thread starts with the app's lifespan and stops with it (an engine process, with its end). `reasoning`:
-    split Qwen3 <think> output into reasoning_content (None: when the tokenizer has the tags).
+    split Qwen3 <think> output into reasoning_content (None: when the tokenizer has the tags). `tool_call_parser`:
+    an `EngineArgs.tool_call_parser` value (None: the in-process engine's setting, else "auto").
     The server decodes request images itself, under `limits`; it turns the engine's own local-file loading off."""
-    srv = ServerState(llm, served_model_name, limits or ServerLimits(), reasoning)
+    srv = ServerState(llm, served_model_name, limits or ServerLimits(), reasoning, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: checks, the chat template (rendered and tokenized in a worker thread), images
 (vision-language models; decoded in a worker thread by `images`), then the engine; the answer as one JSON body or as
-`chat.completion.chunk` server-sent events, with Qwen3's <think> output split into `reasoning_content`."""
+`chat.completion.chunk` server-sent events, with Qwen3's <think> output split into `reasoning_content` and tool calls
+parsed into `tool_calls` (orinfer/tool_calls; the request side in `tools`)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from orinfer.server.errors import APIError, engine_error
 from orinfer.server.messages import chat_input
 from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                      Usage)
-from orinfer.server.reasoning import ReasoningParser, Split, ThinkState, initial_state, split_reasoning
+from orinfer.server.reasoning import ThinkState, initial_state
 from orinfer.server.request_body import template_kwargs
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, usage)
 from orinfer.server.state import ServerState
+from orinfer.server.tools import NO_TOOLS, ChatTools, chat_tools, finish_reason
+from orinfer.tool_calls import constrain_tool_choice
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +48,13 @@ def _check_fields(srv: ServerState, req: ChatCompletionRequest) -> int:
     return n
 
 
-async def _render(srv: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+async def _render(srv: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None) -> str:
     kwargs, thinking = template_kwargs(req.chat_template_kwargs)
     try:
         return await asyncio.to_thread(srv.tokenizer.apply_chat_template, messages,
                                        add_generation_prompt=req.add_generation_prompt is not False,
-                                       tools=req.tools, enable_thinking=thinking, **kwargs)
+                                       tools=tools, enable_thinking=thinking, **kwargs)
     except OrinferError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except Exception as exc:  # noqa: BLE001 - whatever the client's messages/tools make the template do is a 400
@@ -70,10 +74,11 @@ def _text_length(content: Any) -> int:
 
 async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -> Response:
     n = _check_fields(srv, req)
+    tools = chat_tools(req, srv.tool_format)
     chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
     max_pixels = srv.images.check(len(chat_in.images), req.mm_processor_kwargs) if chat_in.images else None
     srv.check_prompt_chars(sum(_text_length(m.get("content")) for m in chat_in.messages), "messages")
-    prompt = await _render(srv, req, chat_in.messages)
+    prompt = await _render(srv, req, chat_in.messages, tools.prompt_tools)
     ids = await srv.tokenize(prompt, "messages")
     srv.check_prompt(ids, "messages")
     prompt_len = len(ids)
@@ -86,7 +91,8 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = srv.max_tokens(req.max_completion_tokens or req.max_tokens, prompt_len, param)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [srv.sampling(req, max_tokens, i, num_logprobs) for i in range(n)]
+    params = [constrain_tool_choice(srv.sampling(req, max_tokens, i, num_logprobs), tools.choice, tools.prompt_tools)
+              for i in range(n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, [ids] * n, params, images=images, max_pixels=max_pixels)
     prompt_tokens = group.accepted.result()[0]  # as the engine counts it (visual tokens included)
@@ -96,7 +102,7 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         return AbortingStream(chat_stream(srv, group, request_id, created, n, prompt_tokens, think, include_usage,
-                                          bool(req.logprobs)), group.abort)
+                                          bool(req.logprobs), tools), group.abort)
     try:
         choices = await collect(request, group, n)
     except ClientGone:
@@ -107,11 +113,13 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     def build() -> ChatCompletionResponse:
         out = []
         for i, c in enumerate(choices):
-            text = "".join(c.text)
-            reasoning, content = split_reasoning(text, think) if think is not ThinkState.CONTENT else (None, text)
-            out.append(ChatChoice(index=i, message=ChatResponseMessage(content=content, reasoning_content=reasoning),
+            res = tools.split("".join(c.text), think)
+            calls = [call.to_openai() for call in res.calls]
+            content = res.content if res.content or not calls else None  # OpenAI: null beside calls
+            message = ChatResponseMessage(content=content, reasoning_content=res.reasoning, tool_calls=calls)
+            out.append(ChatChoice(index=i, message=message,
                                   logprobs=srv.chat_logprobs(c.logprobs) if req.logprobs else None,
-                                  finish_reason=c.finish_reason))
+                                  finish_reason=finish_reason(c.finish_reason, bool(calls))))
         return ChatCompletionResponse(id=request_id, created=created, model=srv.name, choices=out,
                                       usage=Usage(**usage(prompt_tokens, sum(c.tokens for c in choices),
                                                           [c.cached for c in choices], n)))
@@ -120,21 +128,24 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
 
 
 def chat_stream(srv: ServerState, group: RequestGroup, request_id: str, created: int, n: int, prompt_tokens: int,
-                think: ThinkState, include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
+                think: ThinkState, include_usage: bool, want_logprobs: bool,
+                tools: ChatTools = NO_TOOLS) -> AsyncIterator[str]:
     """The whole SSE stream of a streaming chat (`_chat_events`, then [DONE]; see `finish_stream`)."""
     return finish_stream(_chat_events(srv, group, request_id, created, n, prompt_tokens, think, include_usage,
-                                      want_logprobs), group)
+                                      want_logprobs, tools), group)
 
 
 async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, created: int, n: int,
                        prompt_tokens: int, think: ThinkState, include_usage: bool,
-                       want_logprobs: bool) -> AsyncIterator[str]:
+                       want_logprobs: bool, tools: ChatTools) -> AsyncIterator[str]:
     """The SSE events of a streaming chat: a role chunk per choice, then one chunk per update (updates already
-    queued arrive merged, see RequestGroup.updates), a finish chunk per choice, the usage chunk."""
+    queued arrive merged, see RequestGroup.updates), a finish chunk per choice, the usage chunk. A tool call goes out
+    as OpenAI's deltas: its index, id, type and name first, then fragments of its arguments."""
     def chunk(choices: list[dict[str, Any]], usage_obj: dict[str, int] | None = None) -> str:
         return stream_chunk(request_id, "chat.completion.chunk", created, srv.name, choices, usage_obj, include_usage)
 
-    parsers = [ReasoningParser(think) if think is not ThinkState.CONTENT else None for _ in range(n)]
+    parsers = [tools.parser(think) for _ in range(n)]
+    has_calls = [False] * n
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
     tokens = [0] * n
     cached = [0] * n
@@ -145,14 +156,17 @@ async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, c
         tokens[i] = up.num_completion_tokens
         cached[i] = up.num_cached_tokens
         pending[i].extend(up.logprobs)
-        split = parser.feed(up.text) if parser is not None else Split(content=up.text)
-        if up.finish_reason is not None and parser is not None:
+        split = parser.feed(up.text)
+        if up.finish_reason is not None:
             split += parser.finish()
-        delta = {}
+        delta: dict[str, Any] = {}
         if split.reasoning:
             delta["reasoning_content"] = split.reasoning
         if split.content:
             delta["content"] = split.content
+        if split.calls:
+            delta["tool_calls"] = [d.to_openai() for d in split.calls]
+            has_calls[i] = True
         if not delta and up.finish_reason is None:
             continue  # nothing to show yet (held back); its logprobs go with the next chunk
         lps = srv.chat_logprobs(pending[i]).model_dump() if want_logprobs and pending[i] else None
@@ -161,6 +175,7 @@ async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, c
             yield chunk([{"index": i, "delta": delta, "logprobs": lps, "finish_reason": None}])
             lps = None
         if up.finish_reason is not None:
-            yield chunk([{"index": i, "delta": {}, "logprobs": lps, "finish_reason": up.finish_reason}])
+            yield chunk([{"index": i, "delta": {}, "logprobs": lps,
+                          "finish_reason": finish_reason(up.finish_reason, has_calls[i])}])
     if include_usage:
         yield chunk([], usage(prompt_tokens, sum(tokens), cached, n))

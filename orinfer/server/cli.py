@@ -129,7 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.model, engine_args)
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
-                    reasoning=reasoning)
+                    reasoning=reasoning, tool_call_parser=engine_args.tool_call_parser)
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level)).run()
     return 0
 

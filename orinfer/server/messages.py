@@ -1,7 +1,8 @@
 """Chat messages as the chat template takes them, and the images their content parts carry.
 
 The body's messages (validated `ChatMessage`s) become plain dicts: role `developer` is `system`, the optional fields
-(name, reasoning_content, tool_calls, tool_call_id) pass through. Content parts are checked here, with errors that
+(name, reasoning_content, tool_calls, tool_call_id) pass through, tool-call arguments sent as a JSON string as
+objects (orinfer/tool_calls/history.py). Content parts are checked here, with errors that
 name the part (`messages.2.content.1`); then
 - a vision-language model keeps its parts (its template writes <|vision_start|><|image_pad|><|vision_end|> per image
   part) and the image URLs are collected, in prompt order, by `orinfer.prompt_inputs.split_chat`: the same code as
@@ -11,7 +12,6 @@ name the part (`messages.2.content.1`); then
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from orinfer.errors import RequestError
 from orinfer.prompt_inputs import split_chat
 from orinfer.server.errors import APIError
 from orinfer.server.protocol import ChatMessage, ContentPart
+from orinfer.tool_calls.history import with_parsed_arguments
 
 _IMAGE_PART_TYPES = {"image_url", "input_image", "image"}
 _OTHER_MEDIA = {"input_audio": "audio", "audio_url": "audio", "video_url": "video", "video": "video", "file": "file"}
@@ -62,7 +63,7 @@ def chat_input(messages: list[ChatMessage], limit: int, multimodal: bool) -> Cha
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)
         if m.tool_calls is not None:
-            msg["tool_calls"] = [_with_parsed_arguments(call) for call in m.tool_calls]
+            msg["tool_calls"] = [with_parsed_arguments(call) for call in m.tool_calls]
         out.append(msg)
     if not multimodal:
         return ChatInput(out)
@@ -73,23 +74,6 @@ def chat_input(messages: list[ChatMessage], limit: int, multimodal: bool) -> Cha
     if len(urls) != len(image_params):
         raise RuntimeError(f"split_chat found {len(urls)} images, the server {len(image_params)}")
     return ChatInput(rendered, [ImagePart(url, param) for url, param in zip(urls, image_params)])
-
-
-def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant tool call as templates take it: OpenAI clients send `function.arguments` as a JSON string, and
-    templates that walk the arguments (Qwen3.5's XML tool calls iterate `arguments | items`) need the object, so a
-    string holding a JSON object is parsed (as vLLM does); anything else is passed on as sent."""
-    function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, dict) else None
-    if not isinstance(arguments, str):
-        return call
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return call
-    if not isinstance(parsed, dict):
-        return call
-    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _part(part: ContentPart, param: str, multimodal: bool, image_params: list[str]) -> dict[str, Any]:

@@ -135,6 +135,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template: str | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None

@@ -19,6 +19,7 @@ from orinfer.server.images import ImageLoader
 from orinfer.server.logprobs import LogprobFormatter
 from orinfer.server.metrics import ServerMetrics
 from orinfer.server.protocol import I64_MAX, I64_MIN, ChatLogprobs, CompletionLogprobs, SamplingFields
+from orinfer.tool_calls import resolve_format
 
 
 @dataclass
@@ -70,7 +71,8 @@ CHARS_PER_TOKEN_LIMIT = 16
 class ServerState:
     """The model, limits, metrics and the engine loop, plus the checks every endpoint makes."""
 
-    def __init__(self, llm: Any, name: str, limits: ServerLimits, reasoning: bool | None) -> None:
+    def __init__(self, llm: Any, name: str, limits: ServerLimits, reasoning: bool | None,
+                 tool_call_parser: str | None = None) -> None:
         """`llm`: an `orinfer.LLM` (its engine runs in a thread of this process) or an `EngineProcess` (the engine in
         a child process)."""
         self.name, self.limits = name, limits
@@ -92,6 +94,10 @@ class ServerState:
         has_think = self.tokenizer is not None and self.tokenizer.token_to_id("<think>") is not None \
             and self.tokenizer.token_to_id("</think>") is not None
         self.reasoning = has_think if reasoning is None else reasoning
+        if tool_call_parser is None:
+            tool_call_parser = "auto" if self.engine is None else self.engine.config.tool_call_parser
+        template = self.tokenizer.chat_template_for(True) if self.tokenizer is not None else None
+        self.tool_format = resolve_format(tool_call_parser, template)  # None: answers are not parsed for calls
         self.logprobs = LogprobFormatter(self.tokenizer)
 
     # --- checks ---

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -12,6 +13,7 @@ from torch import nn
 
 from orinfer.config import ModelConfig
 from orinfer.errors import ConfigError
+from orinfer.fp8_config import FP8Config
 from orinfer.layers.ops import Ops
 from orinfer.loader.safetensors_loader import checkpoint_files, iter_safetensors
 from orinfer.models.registry import build_model
@@ -23,11 +25,26 @@ def load_hf_model(model_dir: str | Path, ops: Ops, weight_dtype: torch.dtype, ac
                   device: torch.device, config: ModelConfig | None = None, progress: bool = True) -> nn.Module:
     """Builds the model for `model_dir`'s config.json and fills it from its safetensors files."""
     config = config or ModelConfig.from_hf(model_dir)
+    if config.quantization is not None:
+        config.quantization.check_loadable(config)
     files = checkpoint_files(model_dir)  # fail on missing weights before allocating anything
     model = build_model(config, ops, weight_dtype, act_dtype, device)
-    model.load_weights(iter_safetensors(files, device=device, progress=progress))
+    online = getattr(config.quantization, "online", False)
+    desc = "Loading weights (quantizing to FP8)" if online else "Loading weights"
+    model.load_weights(iter_safetensors(files, device=device, progress=progress, desc=desc))
     finish_loading(model)
     return model
+
+
+def online_quantization(config: ModelConfig, method: str, source: str = "model") -> ModelConfig:
+    """`config` with the weight format that `--quantization method` makes of a 16/32-bit checkpoint while loading
+    (today: "fp8", block-wise FP8 with 128x128 blocks). ConfigError for a checkpoint that is already quantized."""
+    if method != "fp8":
+        raise ConfigError(f"quantization={method!r} is not supported; orinfer quantizes while loading to: fp8")
+    if config.quantization is not None:
+        raise ConfigError(f"{source} is already quantized ({config.quantization.method}); quantization={method!r} "
+                          "applies to 16/32-bit checkpoints")
+    return dataclasses.replace(config, quantization=FP8Config(online=True))
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -7,7 +7,8 @@ GPTQ, classic checkpoint format, symmetric: per group of inputs and output colum
 fp16, zero = 2^(b - 1), q = clamp(round(W / s) + zero, 0, 2^b - 1); `qweight` int32 [K / P, N] packs P = 32 / b
 consecutive inputs per word (input P r + i in bits b i..), `qzeros` int32 [groups, N / P] packs zero - 1 of P
 consecutive outputs, `scales` fp16 [groups, N], `g_idx` int32 [K]. With desc_act the groups are taken in a
-permuted input order (GPTQ's act-order): g_idx[perm[i]] = i // G, the weights stay in the original order.
+permuted input order (GPTQ's act-order): g_idx[perm[i]] = i // G, the weights stay in the original order; matrices
+that read the same input (q/k/v, gate/up) share the order, as GPTQ's Hessian of that input gives them.
 
 Every packer returns the dequantised fp32 weights too: the HF reference model runs those.
 """
@@ -111,9 +112,13 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 12
 def write_gptq_checkpoint(src: Path, dst: Path, bits: int, group: int, desc_act: bool) -> dict[str, torch.Tensor]:
     """The GPTQ version of the fp32 checkpoint in `src`; returns the dequantised state (HF names, fp32)."""
     tensors, deq_state = {}, {}
-    for index, (name, t) in enumerate(sorted(load_file(str(src / "model.safetensors")).items())):
+    for name, t in load_file(str(src / "model.safetensors")).items():
         if is_decoder_linear(name):
-            packed, deq = gptq_pack(t, bits, group, desc_act, seed=index)
+            # GPTQ orders inputs by the Hessian of the layer's input: q/k/v share one order, gate/up another.
+            layer = int(name.split(".")[2])
+            reads = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(name.split(".")[-2])
+            seed = 10 * layer + LINEARS.index(reads or name.split(".")[-2])
+            packed, deq = gptq_pack(t, bits, group, desc_act, seed=seed)
             base = name.removesuffix(".weight")
             tensors.update({f"{base}.{kind}": v for kind, v in packed.items()})
             deq_state[name] = deq

@@ -8,6 +8,7 @@ Checkpoints come from tests/quant_packers.py, written from the format's definiti
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -21,11 +22,15 @@ from orinfer.config import ModelConfig
 from orinfer.errors import WeightsError
 from orinfer.gptq_config import GPTQConfig
 from orinfer.kernels.gptq import gptq_dequantize_ref, gptq_linear_ref, unpack_gptq_cols, unpack_gptq_rows
+from orinfer.kernels.gptq_w4 import gptq_to_w4, w4_to_gptq
+from orinfer.kernels.w4 import w4_dequantize_ref
 from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.linear_types import make_linear
 from orinfer.layers.ops import TORCH_OPS
 
 pytest.importorskip("transformers")
+needs_kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="no CUDA and no TRITON_INTERPRET")
 
 
 
@@ -149,3 +154,76 @@ def test_dense_weights_with_a_gptq_config_are_a_clear_error(gptq_dir, tmp_path):
     bad = edited_copy(orig, tmp_path / "bad", lambda t: None, lambda raw: raw.__setitem__("quantization_config", quant))
     with pytest.raises(WeightsError, match=r"dense model\.layers\..*\.weight where quantization_config says GPTQ"):
         LLM(bad, **SMALL_KV)
+
+
+# --- 4-bit GPTQ in the W4 layout (the AWQ kernels) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("group,desc_act,shape", [(32, False, (24, 64)), (16, True, (40, 48)), (128, True, (16, 256)),
+                                                  (-1, False, (8, 128))])
+def test_w4_repack_dequantizes_identically_and_round_trips(group, desc_act, shape):
+    packed, deq = gptq_pack(torch.randn(shape, generator=torch.Generator().manual_seed(7)), 4, group, desc_act, seed=5)
+    g = shape[1] if group == -1 else group
+    w4, perm = gptq_to_w4(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], g)
+    assert (perm is None) == (not desc_act)
+    dense = w4_dequantize_ref(w4, torch.float32)  # W' [N, K]: inputs in perm's order
+    if perm is not None:
+        assert torch.equal(packed["g_idx"][perm].long(), torch.arange(shape[1]) // g)
+        dense = torch.empty_like(dense).index_copy_(1, perm, dense)
+    assert torch.equal(dense, deq)
+    assert all(torch.equal(a, packed[k]) for a, k in zip(w4_to_gptq(w4, perm), ("qweight", "qzeros", "scales")))
+
+
+def test_w4_repack_refuses_what_w4_cannot_hold():
+    packed, _ = gptq_pack(torch.randn(16, 80), 4, 32, False)  # 80 inputs: a partial last group
+    with pytest.raises(ValueError, match="does not divide"):
+        gptq_to_w4(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], 32)
+    packed, _ = gptq_pack(torch.randn(16, 64), 4, 32, False)
+    uneven = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)  # groups of 40 and 24 inputs
+    with pytest.raises(ValueError, match="groups of group_size"):
+        gptq_to_w4(packed["qweight"], packed["qzeros"], packed["scales"], uneven, 32)
+
+
+def _gptq_layers(llm):
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, GPTQLinear)]
+
+
+@pytest.mark.parametrize("case,repacked", [("qwen3-int4-g32", "all"), ("qwen3-int4-g32-actorder-partial", "some"),
+                                           ("qwen3-int8-g-1", "none")])
+def test_which_layers_run_on_w4(case, repacked, tmp_path):
+    """4-bit layers whose groups divide in_features run on W4 (act-order included); partial groups and 8-bit keep
+    GPTQ's layout. Logits match HF either way (test_gptq_model_logits_and_greedy_match_hf)."""
+    kind, bits, group, desc_act = CASES[case]
+    orig = save_hf_model(build_hf_model(kind), tmp_path / "orig")
+    write_gptq_checkpoint(orig, tmp_path / "gptq", bits, group, desc_act)
+    flags = [m.repacked for m in _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV))]
+    assert {"all": all(flags), "some": any(flags) and not all(flags), "none": not any(flags)}[repacked]
+    if desc_act:
+        assert any(m.input_perm is not None for m in _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5])
+def test_triton_w4_path_matches_the_reference(rows, monkeypatch):
+    """A packed gate|up and a q|k|v GPTQ layer with act-order through the Triton op table (AWQ's W4 GEMV / GEMM,
+    the interpreter on the CPU) against the GPTQ reference."""
+    from orinfer.layers.triton_ops import triton_ops
+
+    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
+    gen = torch.Generator().manual_seed(rows)
+    for sizes in ({0: 48, 1: 48}, {"q": 64, "k": 16, "v": 16}):
+        layer = make_linear(GPTQConfig(bits=4, group_size=32, desc_act=True), 64, sizes, False, triton_ops(),
+                            torch.float32)
+        ref = make_linear(GPTQConfig(bits=4, group_size=32, desc_act=True), 64, sizes, False, TORCH_OPS,
+                          torch.float32)
+        for shard, cols in sizes.items():
+            packed, _ = gptq_pack(torch.randn(cols, 64, generator=gen), 4, 32, True, seed=11)  # one shared order
+            for kind, tensor in packed.items():
+                for target in (layer, ref):
+                    param = getattr(target, kind)
+                    param.weight_loader(param, tensor, shard, f"{shard}.{kind}")
+        layer.finish_loading()
+        assert layer.repacked and layer.input_perm is not None and not ref.repacked
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), ref(x), atol=1e-4, rtol=1e-4)
+        if 0 in sizes:
+            torch.testing.assert_close(layer.gate_up_silu(x), ref.gate_up_silu(x), atol=1e-4, rtol=1e-4)

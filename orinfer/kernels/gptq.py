@@ -60,3 +60,22 @@ def gptq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
                                            scales[:, c0:c0 + cols], g_idx[i], bits, x.dtype)
                        for i, (c0, cols) in enumerate(shards)])
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement into int32
+
+
+def pack_gptq_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [K, N] codes -> qweight [K / P, N] int32 (inverse of `unpack_gptq_rows`)."""
+    per_word = 32 // bits
+    v = q.to(torch.int64).reshape(q.shape[0] // per_word, per_word, q.shape[1])
+    words = torch.zeros(v.shape[0], v.shape[2], dtype=torch.int64, device=q.device)
+    for i in range(per_word):
+        words |= v[:, i, :] << (bits * i)
+    return _to_int32(words)
+
+
+def pack_gptq_cols(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z [G, N] codes -> qzeros [G, N / P] int32 (inverse of `unpack_gptq_cols`)."""
+    return pack_gptq_rows(z.t(), bits).t().contiguous()

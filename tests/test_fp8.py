@@ -7,12 +7,14 @@ Checkpoints come from tests/quant_packers.py, written from the format's definiti
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from hf_models import build_hf_model, save_hf_model
+from kernel_checks import poison_allocations, tol
 from quant_packers import edited_copy, fp8_pack, hf_with_weights, write_fp8_checkpoint
 from quant_parity import PROMPT, SMALL_KV, assert_matches_hf
 from test_hf_parity import paged_logits
@@ -26,6 +28,8 @@ from orinfer.layers.linear_types import make_linear
 from orinfer.layers.ops import TORCH_OPS
 
 pytest.importorskip("transformers")
+needs_kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="no CUDA and no TRITON_INTERPRET")
 
 # Shapes that divide by 128 (Qwen3-8B-like on a small scale: q 256, k/v 128, intermediate 384).
 ALIGNED = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128, intermediate_size=384,
@@ -189,3 +193,53 @@ def test_online_quantization_errors(fp8_dir):
         LLM(fp8_dir[1], quantization="fp8", **SMALL_KV)
     with pytest.raises(ConfigError, match="quantization"):
         LLM(fp8_dir[0], quantization="int3", **SMALL_KV)
+
+
+# --- the W8A16 decode GEMV (Triton; the interpreter on the CPU) ------------------------------------------------------
+
+@needs_kernels
+@pytest.mark.parametrize("n,k,block,rows,dtype,bias,straddle", [
+    (37, 70, (16, 32), 1, torch.float32, True, False),
+    (130, 200, (128, 128), 3, torch.bfloat16, False, False),
+    (48, 96, (16, 48), 2, torch.float16, True, True),
+    (24, 256, (128, 128), 16, torch.float32, False, True),
+])
+def test_fp8_gemv_matches_the_reference(n, k, block, rows, dtype, bias, straddle, monkeypatch):
+    from orinfer.kernels.fp8_gemv import fp8_block_gemv
+
+    poison_allocations(monkeypatch)
+    gen = torch.Generator().manual_seed(n + k)
+    if straddle:  # two shards of n/2 rows each, packed: scale rows per shard, row_block maps output rows to them
+        layer = make_linear(FP8Config(block_size=block), k, {0: n // 2, 1: n // 2}, bias, TORCH_OPS, dtype)
+        for shard in (0, 1):
+            q, scale, _ = fp8_pack(torch.randn(n // 2, k, generator=gen) / k**0.5, block)
+            layer.weight.weight_loader(layer.weight, q, shard, "w")
+            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, shard, "s")
+        weight, scale, row_block = layer.weight.data, layer.weight_scale_inv.data, layer.row_block
+        assert row_block is not None or (n // 2) % block[0] == 0
+    else:
+        weight, scale, _ = fp8_pack(torch.randn(n, k, generator=gen) / k**0.5, block)
+        row_block = None
+    b = (torch.randn(n, generator=gen) * 0.1).to(dtype) if bias else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    expected = x.double() @ fp8_block_dequantize_ref(weight, scale, block, row_block, torch.float64).t()
+    if b is not None:
+        expected += b.double()
+    got = fp8_block_gemv(x, weight, scale, block, row_block, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), expected, **tol(dtype))
+
+
+@needs_kernels
+def test_fp8_triton_dispatch():
+    """Decode-sized inputs go to the GEMV, larger ones to the reference (dequantise + matmul); both agree."""
+    from orinfer.kernels import fp8_gemv
+
+    weight, scale, _ = fp8_pack(torch.randn(40, 64), (128, 128))
+    small, large = torch.randn(2, 64), torch.randn(fp8_gemv.MAX_ROWS + 1, 64)
+    torch.testing.assert_close(fp8_gemv.fp8_block_linear(small, weight, scale, (128, 128)),
+                               fp8_block_linear_ref(small, weight, scale, (128, 128)), atol=1e-5, rtol=1e-5)
+    assert torch.equal(fp8_gemv.fp8_block_linear(large, weight, scale, (128, 128)),
+                       fp8_block_linear_ref(large, weight, scale, (128, 128)))
+    with pytest.raises(ValueError, match="at most|<= 16 rows"):
+        fp8_gemv.fp8_block_gemv(large, weight, scale, (128, 128))

@@ -14,6 +14,8 @@ from torch import nn
 from orinfer.config import ModelConfig
 from orinfer.errors import ConfigError
 from orinfer.fp8_config import FP8Config
+from orinfer.kernels.gptq import pack_gptq_cols
+from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.ops import Ops
 from orinfer.loader.safetensors_loader import checkpoint_files, iter_safetensors
 from orinfer.models.registry import build_model
@@ -61,7 +63,11 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dtype == torch.int32:  # AWQ packed nibbles (qweight, qzeros): any bits are valid codes
+            if param.dtype == torch.float8_e4m3fn:  # FP8 codes ~ N(0, 1) (scales of std: below)
+                param.copy_(torch.randn(param.shape, generator=gen, device=device).clamp_(-448, 448))
+            elif name.endswith(".weight_scale_inv"):
+                param.fill_(std)
+            elif param.dtype == torch.int32:  # packed nibbles / bytes: any bits are valid codes (GPTQ: below)
                 param.random_(generator=gen)
             elif name.endswith(".scales"):
                 param.fill_(std / 6)
@@ -71,8 +77,24 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
                 param.zero_()
             else:
                 param.normal_(0.0, std, generator=gen)
+        for module in model.modules():
+            if isinstance(module, GPTQLinear):
+                _symmetric_gptq(module, std, gen)
     finish_loading(model)
     return model
+
+
+def _symmetric_gptq(layer: GPTQLinear, std: float, gen: torch.Generator) -> None:
+    """A valid symmetric GPTQ layer of random codes: codes uniform over all 2^b values (random_'s default range
+    leaves the sign bit 0, which would bias the top code of each word), zero points 2^(b-1), plain group order,
+    scales giving weights of about `std`."""
+    layer.qweight.random_(-2**31, 2**31 - 1, generator=gen)
+    groups, k = layer.scales.shape[0], layer.in_features
+    zero = 2 ** (layer.bits - 1)
+    layer.qzeros.copy_(pack_gptq_cols(torch.full((groups, layer.out_features), zero - 1, dtype=torch.int32,
+                                                 device=layer.qzeros.device), layer.bits))
+    layer.g_idx.copy_((torch.arange(k, device=layer.g_idx.device) * groups // k).expand_as(layer.g_idx))
+    layer.scales.fill_(std / (0.58 * zero))  # a uniform code's deviation from the zero point is ~0.58 * zero
 
 
 def read_generation_config(model_dir: str | Path) -> dict[str, Any]:

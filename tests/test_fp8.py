@@ -28,6 +28,7 @@ from orinfer.layers.linear_types import make_linear
 from orinfer.layers.ops import TORCH_OPS
 
 pytest.importorskip("transformers")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                    reason="no CUDA and no TRITON_INTERPRET")
 
@@ -225,7 +226,9 @@ def test_fp8_gemv_matches_the_reference(n, k, block, rows, dtype, bias, straddle
     expected = x.double() @ fp8_block_dequantize_ref(weight, scale, block, row_block, torch.float64).t()
     if b is not None:
         expected += b.double()
-    got = fp8_block_gemv(x, weight, scale, block, row_block, b)
+    weight, scale, x = weight.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
+    row_block = None if row_block is None else row_block.to(DEVICE)
+    got = fp8_block_gemv(x, weight, scale, block, row_block, None if b is None else b.to(DEVICE)).cpu()
     assert got.dtype == dtype and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expected, **tol(dtype))
 
@@ -236,7 +239,8 @@ def test_fp8_triton_dispatch():
     from orinfer.kernels import fp8_gemv
 
     weight, scale, _ = fp8_pack(torch.randn(40, 64), (128, 128))
-    small, large = torch.randn(2, 64), torch.randn(fp8_gemv.MAX_ROWS + 1, 64)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    small, large = torch.randn(2, 64, device=DEVICE), torch.randn(fp8_gemv.MAX_ROWS + 1, 64, device=DEVICE)
     torch.testing.assert_close(fp8_gemv.fp8_block_linear(small, weight, scale, (128, 128)),
                                fp8_block_linear_ref(small, weight, scale, (128, 128)), atol=1e-5, rtol=1e-5)
     assert torch.equal(fp8_gemv.fp8_block_linear(large, weight, scale, (128, 128)),

@@ -29,6 +29,7 @@ from orinfer.layers.linear_types import make_linear
 from orinfer.layers.ops import TORCH_OPS
 
 pytest.importorskip("transformers")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                    reason="no CUDA and no TRITON_INTERPRET")
 
@@ -221,9 +222,10 @@ def test_triton_w4_path_matches_the_reference(rows, monkeypatch):
                 for target in (layer, ref):
                     param = getattr(target, kind)
                     param.weight_loader(param, tensor, shard, f"{shard}.{kind}")
-        layer.finish_loading()
+        layer.to(DEVICE).finish_loading()
         assert layer.repacked and layer.input_perm is not None and not ref.repacked
         x = torch.randn(rows, 64, generator=gen)
-        torch.testing.assert_close(layer(x), ref(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), ref(x), atol=1e-4, rtol=1e-4)
         if 0 in sizes:
-            torch.testing.assert_close(layer.gate_up_silu(x), ref.gate_up_silu(x), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer.gate_up_silu(x.to(DEVICE)).cpu(), ref.gate_up_silu(x), atol=1e-4,
+                                       rtol=1e-4)

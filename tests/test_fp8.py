@@ -153,7 +153,7 @@ def test_online_fp8_equals_the_fp8_checkpoint(case, tmp_path):
     assert torch.equal(paged_logits(online, ids, len(PROMPT)), paged_logits(stored, ids, len(PROMPT)))
 
 
-# --- errors ------------------------------------------------------------------------------------------------------------
+# --- errors -----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):

@@ -121,7 +121,7 @@ def test_gptq_checkpoint_tensors_round_trip(gptq_pair):
         assert ours[name].dtype == tensors[name].dtype and torch.equal(ours[name], tensors[name]), name
 
 
-# --- errors ------------------------------------------------------------------------------------------------------------
+# --- errors -----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def gptq_dir(tmp_path_factory):

@@ -18,11 +18,10 @@ from orinfer.quant_fields import module_list_field
 if TYPE_CHECKING:
     from orinfer.config import ModelConfig
 
-# Decoder linears of Qwen2/3: a modules_to_not_convert entry naming one would need a dense linear in an FP8 model.
-_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Qwen3.5's linear attention keeps in_proj_a / in_proj_b (few rows) in 16 bits, packed into one in_proj with the
-# FP8 in_proj_qkv / in_proj_z: a packed linear of mixed formats orinfer does not build yet.
-_HYBRID_MIXED = ("in_proj_a", "in_proj_b", "in_proj_ba")
+# Decoder linears that must be FP8 in an FP8 model (a modules_to_not_convert entry naming one is refused). Qwen3.5's
+# in_proj_a / in_proj_b may stay 16-bit: they are the last shards of the packed in_proj (`dense_shards`).
+_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                    "in_proj_z", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -61,20 +60,22 @@ class FP8Config:
         return cls(block_size=(block[0], block[1]), activation_scheme=scheme, modules_to_not_convert=tuple(skip))
 
     def check_model(self, cfg: "ModelConfig", source: str = "config") -> None:
-        """Qwen2/3: every decoder linear must be FP8 (a dense one listed in modules_to_not_convert is refused).
-        Qwen3.5's mixed in_proj is accepted here (the config is valid) and refused when loading (`check_loadable`)."""
+        """Every decoder linear must be FP8 but Qwen3.5's in_proj_a / in_proj_b (a 16-bit one in modules_to_not_convert
+        is refused)."""
         for name in self.modules_to_not_convert:
             if name.rsplit(".", 1)[-1] in _DECODER_LINEARS:
                 raise ConfigError(f"{source}: quantization_config: modules_to_not_convert lists {name!r}; orinfer "
                                   "needs every decoder linear of an FP8 model in FP8")
 
     def check_loadable(self, cfg: "ModelConfig") -> None:
-        """Raises ConfigError for FP8 checkpoints orinfer parses but cannot build yet."""
-        mixed = sorted({n.rsplit(".", 1)[-1] for n in self.modules_to_not_convert} & set(_HYBRID_MIXED))
-        if cfg.is_hybrid and mixed and not self.online:
-            raise ConfigError(f"quantization_config: modules_to_not_convert keeps {', '.join(mixed)} in 16 bits "
-                              "inside the packed linear-attention in_proj; FP8 Qwen3.5 checkpoints are not supported "
-                              "yet")
+        """Everything check_model accepts loads."""
+
+    def dense_shards(self, checkpoint_names: dict[object, str]) -> tuple[object, ...]:
+        """The shards of a packed layer (shard id -> checkpoint sub-name, e.g. "a" -> "in_proj_a") that
+        modules_to_not_convert keeps 16-bit. The lists name every layer's module; a sub-name listed for any layer
+        is taken for all (a layer that has it in FP8 then fails to load with a clear error)."""
+        listed = {name.rsplit(".", 1)[-1] for name in self.modules_to_not_convert}
+        return tuple(shard for shard, sub in checkpoint_names.items() if sub in listed)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `quantization_config` Qwen's FP8 releases carry."""

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Qwen2/3 decoder linears, then Qwen3.5's linear-attention ones.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
+           "in_proj_b", "in_proj_a", "out_proj")
 E4M3_MAX = 448.0
 
 

@@ -153,6 +153,30 @@ def test_online_fp8_equals_the_fp8_checkpoint(case, tmp_path):
     assert torch.equal(paged_logits(online, ids, len(PROMPT)), paged_logits(stored, ids, len(PROMPT)))
 
 
+def test_qwen3_5_fp8_with_16_bit_in_proj_a_b_matches_hf(tmp_path):
+    """A Qwen3.5 FP8 checkpoint as Qwen3.6-27B-FP8 is laid out: in_proj_a / in_proj_b 16-bit beside the FP8
+    in_proj_qkv / in_proj_z, packed into one in_proj (shards straddling 16 x 32 blocks), gated attention FP8."""
+    from hf_models import build_hf_qwen3_5
+
+    kind = "qwen3.5-interval4-untied"
+    orig = save_hf_model(build_hf_qwen3_5(kind), tmp_path / "orig")
+    layers = ModelConfig.from_hf(orig).num_hidden_layers
+    keep = ("lm_head", *(f"model.layers.{i}.linear_attn.in_proj_{x}" for i in range(layers) for x in "ab"))
+    state = write_fp8_checkpoint(orig, tmp_path / "fp8", block=(16, 32), not_convert=keep)
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    assert tensors["model.layers.0.linear_attn.in_proj_a.weight"].dtype == torch.float32
+    assert tensors["model.layers.0.linear_attn.in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
+    llm = assert_matches_hf(tmp_path / "fp8", hf_with_weights(build_hf_qwen3_5(kind), state))
+    in_proj = llm.engine.runner.model.layers[0].linear_attn.in_proj
+    assert isinstance(in_proj, FP8Linear) and in_proj.dense_shards == ("b", "a")
+    ours = dict(llm.engine.runner.model.hf_state_dict())
+    for name in ("model.layers.0.linear_attn.in_proj_a.weight", "model.layers.1.linear_attn.in_proj_z.weight",
+                 "model.layers.2.linear_attn.in_proj_qkv.weight_scale_inv"):
+        assert ours[name].dtype == tensors[name].dtype
+        assert torch.equal(ours[name].view(torch.uint8), tensors[name].view(torch.uint8)), name
+    assert "model.layers.0.linear_attn.in_proj_a.weight_scale_inv" not in ours
+
+
 # --- errors -----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

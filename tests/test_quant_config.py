@@ -43,10 +43,14 @@ def test_published_gptq_config_parses():
     assert cfg.quantization.pack_factor == 8 and cfg.quantization.num_groups(18944) == 148
 
 
-def test_qwen3_6_fp8_is_refused_when_loading_not_when_parsing():
+def test_qwen3_6_fp8_keeps_in_proj_a_and_b_16_bit():
+    """Qwen3.6-27B-FP8 lists every layer's in_proj_a / in_proj_b (and an in_proj_ba orinfer has no matrix for) as
+    not converted: the packed in_proj keeps those two shards 16-bit."""
     cfg = ModelConfig.from_hf(REAL / "Qwen3.6-27B-FP8")
-    with pytest.raises(ConfigError, match="keeps in_proj_a, in_proj_b, in_proj_ba in 16 bits"):
-        cfg.quantization.check_loadable(cfg)
+    cfg.quantization.check_loadable(cfg)
+    names = {"qkv": "in_proj_qkv", "z": "in_proj_z", "b": "in_proj_b", "a": "in_proj_a"}
+    assert cfg.quantization.dense_shards(names) == ("b", "a")
+    assert cfg.quantization.dense_shards({"q": "q_proj", "k": "k_proj", "v": "v_proj"}) == ()
 
 
 @pytest.mark.parametrize("quant", [GOOD_FP8, {**GOOD_FP8, "weight_block_size": [16, 32]},
@@ -64,6 +68,7 @@ def test_good_configs_round_trip(quant):
     ({**GOOD_FP8, "weight_block_size": [0, 128]}, "must be two positive integers"),
     ({**GOOD_FP8, "weight_per_tensor": True}, "weight_per_tensor=True is not supported"),
     ({**GOOD_FP8, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}, "modules_to_not_convert lists"),
+    ({**GOOD_FP8, "modules_to_not_convert": ["model.layers.0.linear_attn.in_proj_z"]}, "modules_to_not_convert lists"),
     ({**GOOD_FP8, "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
     ({**GOOD_GPTQ, "bits": 3}, "bits=3 is not supported"),
     ({**GOOD_GPTQ, "bits": 2}, "bits=2 is not supported"),

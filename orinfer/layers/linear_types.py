@@ -24,16 +24,19 @@ _QUANTIZED_SUFFIXES = tuple(f".{name}" for name in (*QUANT_PARAMS, "g_idx", "wei
 
 
 def make_linear(quant: AnyQuantConfig | None, in_features: int, out: int | dict[object, int], bias: bool, ops: Ops,
-                dtype: torch.dtype) -> LinearBase:
+                dtype: torch.dtype, checkpoint_names: dict[object, str] | None = None) -> LinearBase:
     """A linear of the checkpoint's weight format. `out`: output features, or shard id -> output features for a
-    layer that packs several checkpoint matrices (q|k|v, gate|up) along its output."""
+    layer that packs several checkpoint matrices (q|k|v, gate|up) along its output. `checkpoint_names` (shard id ->
+    the checkpoint's module sub-name) lets a format keep some shards unquantized (FP8's modules_to_not_convert)."""
     if quant is None:
         if isinstance(out, dict):
             return PackedLinear(in_features, out, bias, ops, dtype)
         return Linear(in_features, out, bias, ops, dtype)
     shards = out if isinstance(out, dict) else {None: out}
     if isinstance(quant, FP8Config):
-        return FP8Linear(in_features, shards, bias, ops, dtype, quant.block_size, online=quant.online)
+        dense = quant.dense_shards(checkpoint_names) if checkpoint_names else ()
+        return FP8Linear(in_features, shards, bias, ops, dtype, quant.block_size, online=quant.online,
+                         dense_shards=dense)
     if isinstance(quant, GPTQConfig):
         return GPTQLinear(in_features, shards, bias, ops, dtype, quant.bits, quant.group_size)
     group = quant.group_for(in_features)

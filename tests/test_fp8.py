@@ -213,6 +213,19 @@ def test_wrong_or_missing_scales_are_clear_errors(fp8_dir, tmp_path):
         LLM(edited_copy(fp8_dir[1], tmp_path / "missing", lambda t: t.pop(name)), **SMALL_KV)
 
 
+def test_quantization_option_on_the_command_line_and_bin_export(fp8_dir, tmp_path):
+    from orinfer.cli import build_parser
+    from orinfer.loader.seed_bin import export_bin
+
+    for command in ("generate", "chat", "serve"):
+        extra = ["-p", "x"] if command == "generate" else []
+        assert build_parser().parse_args([command, "-m", "DIR", "--quantization", "fp8", *extra]).quantization == "fp8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "-m", "DIR", "--quantization", "int3"])
+    with pytest.raises(ConfigError, match="not FP8"):
+        export_bin(fp8_dir[1], tmp_path / "m.bin")
+
+
 def test_online_quantization_errors(fp8_dir):
     with pytest.raises(ConfigError, match="already quantized \\(fp8\\)"):
         LLM(fp8_dir[1], quantization="fp8", **SMALL_KV)

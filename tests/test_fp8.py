@@ -73,6 +73,25 @@ def test_linear_ref_rounds_the_weight_once_to_the_activation_dtype():
         fp8_block_dequantize_ref(q, scale[:1], (16, 16))
 
 
+@needs_kernels
+def test_fp16_outputs_are_clamped_not_infinite():
+    """Qwen's activations can leave fp16's range: the FP8 and GPTQ references and the FP8 GEMV clamp to +-65504."""
+    from orinfer.kernels.fp8_gemv import fp8_block_gemv
+    from orinfer.kernels.gptq import gptq_linear_ref
+    from quant_packers import gptq_pack
+
+    w = torch.full((16, 64), 448.0)
+    weight, scale, _ = fp8_pack(w, (128, 128))
+    x = torch.full((1, 64), 60000.0).half()
+    y = fp8_block_linear_ref(x, weight, scale, (128, 128))
+    assert torch.equal(y, torch.full((1, 16), 65504.0).half())
+    gemv = fp8_block_gemv(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), (128, 128)).cpu()
+    assert torch.equal(gemv, y)
+    packed, _ = gptq_pack(-w, 8, 32, False)
+    y = gptq_linear_ref(x, packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], 8)
+    assert torch.equal(y, torch.full((1, 16), -65504.0).half())
+
+
 # --- the layer -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sizes,block", [({"q": 96, "k": 24, "v": 24}, (16, 32)), ({0: 40, 1: 40}, (128, 128)),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP16_MAX = 65504.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -65,6 +66,12 @@ def fp8_block_dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block_si
 def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                          row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) in x's dtype with W dequantised per call (`fp8_block_dequantize_ref`, rounded once to x's
-    dtype): weight-only FP8 (W8A16); activations are not quantized."""
+    dtype): weight-only FP8 (W8A16); activations are not quantized. fp16 results are clamped (`fp16_guard`)."""
     w = fp8_block_dequantize_ref(weight, scale, block_size, row_block, x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return fp16_guard(F.linear(x, w, None if bias is None else bias.to(x.dtype)))
+
+
+def fp16_guard(y: torch.Tensor) -> torch.Tensor:
+    """fp16 results clamped to +-65504 (Qwen's activations can overflow fp16: "!!!!" outputs), as the W4 kernels
+    do; other dtypes unchanged."""
+    return y.clamp_(-FP16_MAX, FP16_MAX) if y.dtype == torch.float16 else y

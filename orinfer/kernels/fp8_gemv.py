@@ -28,7 +28,7 @@ BLOCK_N = 32
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, y_ptr, N, K, stride_x, stride_w, stride_s, stride_y,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, HAS_RB: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, FP16_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -49,6 +49,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, y_ptr, N, K, stride_x, 
             acc += tl.sum(w * x[None, :], axis=1) * s
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if FP16_OUT:  # the fp16 guard of the reference (`fp16_guard`)
+            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
         tl.store(y_ptr + b * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -78,7 +80,7 @@ def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     _fp8_gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x2, weight, scale, rb, b, y, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
         BN=bn, BK=bk, ROWS=x2.shape[0], HAS_RB=row_block is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=BLOCK_N, BLOCK_K=_block_k(bk))
+        FP16_OUT=x.dtype == torch.float16, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(bk))
     return y.reshape(*x.shape[:-1], n)
 
 

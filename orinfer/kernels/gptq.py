@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from orinfer.kernels.fp8_block import fp16_guard
+
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
@@ -51,7 +53,7 @@ def gptq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) in x's dtype, W dequantised per call. A packed layer (q|k|v, gate|up) passes `shards`, the
     (first column, columns) of each checkpoint matrix, and g_idx [S, K] (each matrix has its own, which act-order
-    may make different); otherwise g_idx is [K]."""
+    may make different); otherwise g_idx is [K]. fp16 results are clamped to +-65504 (`fp16_guard`)."""
     if shards is None:
         w = gptq_dequantize_ref(qweight, qzeros, scales, g_idx, bits, x.dtype)
     else:
@@ -59,7 +61,7 @@ def gptq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
         w = torch.cat([gptq_dequantize_ref(qweight[:, c0:c0 + cols], qzeros[:, c0 // p:(c0 + cols) // p],
                                            scales[:, c0:c0 + cols], g_idx[i], bits, x.dtype)
                        for i, (c0, cols) in enumerate(shards)])
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return fp16_guard(F.linear(x, w, None if bias is None else bias.to(x.dtype)))
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,9 @@ class EngineArgs:
     backend: str = field(default="auto", metadata=_cli(
         "kernels: torch (reference, any device), triton (fused GPU kernels) or auto (triton on CUDA)",
         choices=["auto", "torch", "triton"]))
+    quantization: str | None = field(default=None, metadata=_cli(
+        "quantize a 16/32-bit checkpoint while loading: fp8 (block-wise e4m3 weights, 128x128 blocks with fp32 "
+        "scales, as Qwen's FP8 releases; activations stay 16-bit)", choices=["fp8"]))
     pre_dequant: bool = field(default=False, metadata=_cli(
         "AWQ models: also keep a 16-bit copy of the weights for prefill (cuBLAS), decode stays INT4; faster prefill "
         "for ~2 bytes per weight more memory (the seed's V6 mode)"))

@@ -17,7 +17,7 @@ import torch
 
 from orinfer.errors import ConfigError
 from orinfer.hybrid_config import hybrid_fields, hybrid_hf_dict
-from orinfer.quant_config import QuantConfig
+from orinfer.quant_config import AnyQuantConfig, QuantConfig, parse_quantization_config
 from orinfer.vl_config import QWEN3_5_VL_ARCHITECTURE, VL_ARCHITECTURE, VL_ARCHITECTURES, vl_fields
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "VL_ARCHITECTURES", "HYBRID_ARCHITECTURES", "QuantConfig",
@@ -62,7 +62,7 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"     # the checkpoint's dtype
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    quantization: QuantConfig | None = None  # AWQ INT4 weights (config.json's quantization_config), else None
+    quantization: AnyQuantConfig | None = None  # AWQ, GPTQ or FP8 weights (config.json's quantization_config)
     # Vision-language models only (Qwen3-VL, Qwen3.5 ConditionalGeneration): the raw vision_config dict (the vision
     # tower parses it), the placeholder token ids, and the M-RoPE split of the rotary frequencies (rotary_dim / 2 of
     # them) over the (t, h, w) axes. None for text-only models.
@@ -191,7 +191,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id", text.get("eos_token_id"))
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         quant_raw = raw.get("quantization_config", text.get("quantization_config"))
-        quant = None if quant_raw is None else QuantConfig.from_hf(quant_raw, source)
+        quant = None if quant_raw is None else parse_quantization_config(quant_raw, source)
         hybrid = hybrid_fields(text, source) if arch in HYBRID_ARCHITECTURES else {}
         rotary_dim = int(head_dim * hybrid.get("partial_rotary_factor", 1.0))
         cfg = cls(

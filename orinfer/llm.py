@@ -14,7 +14,7 @@ from orinfer.engine.llm_engine import EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import get_ops
-from orinfer.loader import load_hf_model, read_generation_config
+from orinfer.loader import load_hf_model, online_quantization, read_generation_config
 from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
@@ -59,6 +59,10 @@ class LLM:
         model_dir = Path(model)
         seed_bin = is_seed_bin(model_dir)  # the seed's single-file .bin (AWQ v5 / FP16 v6), else a HF directory
         model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
+        if args.quantization is not None:
+            if seed_bin:
+                raise ConfigError("quantization (--quantization) applies to Hugging Face directories, not .bin files")
+            model_config = online_quantization(model_config, args.quantization, str(model_dir))
         if args.pre_dequant and model_config.quantization is None:
             raise ConfigError(f"pre_dequant (--pre-dequant) applies to AWQ INT4 models; {model_dir} is not quantized "
                               "(its weights are already 16-bit)")

@@ -1,4 +1,5 @@
-"""AWQ quantization settings read from config.json's `quantization_config` (re-exported by orinfer.config)."""
+"""Quantization settings read from config.json's `quantization_config` (re-exported by orinfer.config): AWQ here,
+FP8 block-wise in fp8_config.py, GPTQ in gptq_config.py; `parse_quantization_config` picks by quant_method."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orinfer.errors import ConfigError
+from orinfer.quant_fields import group_size_field, module_list_field
+from orinfer.fp8_config import FP8Config
+from orinfer.gptq_config import GPTQConfig
 
 if TYPE_CHECKING:
     from orinfer.config import ModelConfig
@@ -37,14 +41,13 @@ class QuantConfig:
             raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
         method = raw.get("quant_method")
         if not isinstance(method, str) or method.lower() != "awq":
-            raise ConfigError(f"{where}: quant_method {method!r} is not supported; orinfer loads AWQ checkpoints "
-                              "(quant_method 'awq', bits 4, zero_point true, version 'gemm')")
+            raise ConfigError(f"{where}: quant_method {method!r} is not supported; orinfer loads AWQ "
+                              "(bits 4, zero_point true, version 'gemm'), GPTQ (symmetric, 4 or 8 bits) and "
+                              "block-wise FP8 checkpoints")
         bits = raw.get("bits", raw.get("w_bit", 4))
         if isinstance(bits, bool) or not isinstance(bits, int) or bits != 4:
             raise ConfigError(f"{where}: bits={bits!r} is not supported; AWQ in orinfer is 4-bit only")
-        group = raw.get("group_size", raw.get("q_group_size", 128))
-        if isinstance(group, bool) or not isinstance(group, int) or (group <= 0 and group != -1):
-            raise ConfigError(f"{where}: group_size={group!r} must be a positive integer (or -1: one group)")
+        group = group_size_field(raw, where, "group_size", "q_group_size")
         zero_point = raw.get("zero_point", True)
         if zero_point is not True:
             raise ConfigError(f"{where}: zero_point={zero_point!r} is not supported; orinfer needs zero_point true "
@@ -53,9 +56,7 @@ class QuantConfig:
         if not isinstance(version, str) or version.lower() != "gemm":
             raise ConfigError(f"{where}: version {version!r} is not supported; orinfer reads AWQ's 'gemm' packing "
                               "(qweight [in, out/8])")
-        skip = raw.get("modules_to_not_convert") or ()
-        if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip):
-            raise ConfigError(f"{where}: modules_to_not_convert must be a list of module names")
+        skip = module_list_field(raw, where)
         return cls(method="awq", bits=4, group_size=group, zero_point=True, version="gemm",
                    modules_to_not_convert=tuple(skip))
 
@@ -81,8 +82,27 @@ class QuantConfig:
                 raise ConfigError(f"{where}: {name}'s out_features={fout} is not a multiple of 8, which AWQ's "
                                   "int32 packing needs")
 
+    def check_loadable(self, cfg: "ModelConfig") -> None:
+        """Everything check_model accepts loads."""
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The `quantization_config` entry AutoAWQ writes (and HF transformers / vLLM read)."""
         return {"quant_method": self.method, "bits": self.bits, "group_size": self.group_size,
                 "zero_point": self.zero_point, "version": self.version,
                 "modules_to_not_convert": list(self.modules_to_not_convert) or None}
+
+
+# Any weight format's settings: what ModelConfig.quantization holds.
+AnyQuantConfig = QuantConfig | FP8Config | GPTQConfig
+
+
+def parse_quantization_config(raw: Any, source: str = "config") -> AnyQuantConfig:
+    """The settings of config.json's `quantization_config`, by its quant_method; ConfigError for anything orinfer
+    does not load, naming the field and value."""
+    if isinstance(raw, dict):
+        method = raw.get("quant_method")
+        if method == "fp8":
+            return FP8Config.from_hf(raw, source)
+        if method == "gptq":
+            return GPTQConfig.from_hf(raw, source)
+    return QuantConfig.from_hf(raw, source)  # AWQ, or the error naming quant_method

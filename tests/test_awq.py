@@ -13,9 +13,10 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hf_models import build_hf_model, save_hf_model
+from quant_packers import edited_copy
 from orinfer import LLM, SamplingParams
 from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig, QuantConfig
@@ -407,7 +408,7 @@ def test_good_quantization_config_round_trips():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("quant_method", "gptq", "quant_method 'gptq' is not supported"),
+    ("quant_method", "bitsandbytes", "quant_method 'bitsandbytes' is not supported"),
     ("quant_method", None, "quant_method None is not supported"),
     ("bits", 8, "bits=8 is not supported"),
     ("bits", 3, "bits=3 is not supported"),
@@ -449,25 +450,13 @@ def awq_dir(tmp_path_factory):
     return orig, root / "awq"
 
 
-def _edited_copy(src, dst, edit, config_edit=None):
-    dst.mkdir()
-    tensors = load_file(str(src / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    raw = json.loads((src / "config.json").read_text())
-    if config_edit:
-        config_edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 def test_wrong_qweight_shape_is_a_clear_error(awq_dir, tmp_path):
     name = "model.layers.1.self_attn.v_proj.qweight"
 
     def edit(t):
         t[name] = t[name][:, :-1].contiguous()
 
-    bad = _edited_copy(awq_dir[1], tmp_path / "bad", edit)
+    bad = edited_copy(awq_dir[1], tmp_path / "bad", edit)
     with pytest.raises(WeightsError, match=rf"{name}: expected shape \(64, 3\), checkpoint has \(64, 2\)"):
         LLM(bad, **SMALL_KV)
 
@@ -479,7 +468,7 @@ def test_wrong_scales_shape_is_a_clear_error(awq_dir, tmp_path):
         t[name] = t[name][:1].contiguous()
 
     with pytest.raises(WeightsError, match=rf"{name}: expected shape"):
-        LLM(_edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
+        LLM(edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
 
 
 def test_float_qweight_is_a_clear_error(awq_dir, tmp_path):
@@ -489,7 +478,7 @@ def test_float_qweight_is_a_clear_error(awq_dir, tmp_path):
         t[name] = t[name].float()
 
     with pytest.raises(WeightsError, match=f"{name}: expected int32"):
-        LLM(_edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
+        LLM(edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
 
 
 def test_missing_qzeros_is_a_clear_error(awq_dir, tmp_path):
@@ -497,18 +486,18 @@ def test_missing_qzeros_is_a_clear_error(awq_dir, tmp_path):
         del t["model.layers.1.mlp.gate_proj.qzeros"]
 
     with pytest.raises(WeightsError, match="missing 1 tensor.*model.layers.1.mlp.gate_proj.qzeros"):
-        LLM(_edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
+        LLM(edited_copy(awq_dir[1], tmp_path / "bad", edit), **SMALL_KV)
 
 
 def test_awq_tensors_without_quantization_config_are_a_clear_error(awq_dir, tmp_path):
-    bad = _edited_copy(awq_dir[1], tmp_path / "bad", lambda t: None, lambda raw: raw.pop("quantization_config"))
-    with pytest.raises(WeightsError, match="AWQ tensor .* but config.json has no quantization_config"):
+    bad = edited_copy(awq_dir[1], tmp_path / "bad", lambda t: None, lambda raw: raw.pop("quantization_config"))
+    with pytest.raises(WeightsError, match="quantized tensor .* but config.json has no quantization_config"):
         LLM(bad, **SMALL_KV)
 
 
 def test_dense_weights_with_awq_config_are_a_clear_error(awq_dir, tmp_path):
     orig = awq_dir[0]
-    bad = _edited_copy(orig, tmp_path / "bad", lambda t: None,
+    bad = edited_copy(orig, tmp_path / "bad", lambda t: None,
                        lambda raw: raw.__setitem__("quantization_config", GOOD_Q))
     with pytest.raises(WeightsError, match=r"dense model\.layers\..*\.weight where quantization_config says AWQ"):
         LLM(bad, **SMALL_KV)

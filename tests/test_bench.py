@@ -127,3 +127,31 @@ def test_report_memory_row_shows_the_kv_tokens_the_copies_and_the_notes():
     assert "| weights / KV cache / peak GPU memory | 5.7 / 0.56 (4096 tokens) / 6.5 GiB | - |" in text
     assert "Note: decode batch 32, 64 capped to 16 (ran 1, 8, 16)." in text
     assert "max_memory_allocated" in text
+
+
+@pytest.mark.parametrize("quant", ["fp8", "gptq4", "gptq8"])
+def test_synthetic_quantized_weights_are_valid_checkpoints(quant):
+    """--quant fp8 | gptq4 | gptq8: random weights of the format (symmetric GPTQ zero points and plain group order,
+    so 4-bit layers repack into W4), weights of about the 16-bit ones' size, finite logits."""
+    from orinfer.bench.run import SYNTHETIC_QUANT
+    from orinfer.layers.gptq_linear import GPTQLinear
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.loader import random_model
+
+    args = _args("--quant", quant)
+    assert args.quant == quant
+    cfg = _tiny_awq_config()
+    cfg.quantization = SYNTHETIC_QUANT[quant]
+    model = random_model(cfg, TORCH_OPS, torch.float32, torch.float32, CPU, std=0.02)
+    layer = model.layers[0].mlp.down_proj
+    w = layer.dequantized_weight()
+    # symmetric 4-bit codes span -8..7 steps: their mean is half a step (about 0.11 of their deviation) below 0
+    assert 0.01 < w.std().item() < 0.04 and w.mean().abs().item() < 0.12 * w.std().item()
+    if isinstance(layer, GPTQLinear):
+        assert layer.repacked == (quant == "gptq4")
+    else:
+        assert layer.weight.dtype == torch.float8_e4m3fn
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, bench_plan(
+        _args("--quant", quant, "--backend", "torch", "--kv-tokens", "512"), cfg, torch.float32)["engine_config"])
+    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

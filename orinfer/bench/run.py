@@ -17,6 +17,8 @@ from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_s
                                         kv_plan, pre_dequant_bytes, weight_bytes)
 from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
 from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
+from orinfer.fp8_config import FP8Config
+from orinfer.gptq_config import GPTQConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--decode-prompt-len", type=int, default=DECODE_PROMPT_LEN, metavar="N",
                    help=f"prompt tokens of each decode sequence (default {DECODE_PROMPT_LEN}): the context decode "
                         "runs at, e.g. 32768 for long-context decode; results go to a file named with -ctxN")
-    p.add_argument("--quant", choices=["awq"], default=None,
-                   help="random AWQ INT4 weights (group 128) of the preset's shapes instead of 16-bit ones")
+    p.add_argument("--quant", choices=sorted(SYNTHETIC_QUANT), default=None,
+                   help="random quantized weights of the preset's shapes instead of 16-bit ones: awq (INT4, group "
+                        "128), fp8 (block-wise, 128x128), gptq4 / gptq8 (symmetric, group 128)")
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
     p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                    help="size the KV cache to exactly N tokens (rounded up to whole 16-token blocks) instead of the "
@@ -48,6 +51,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     add_engine_args(p, only=BENCH_ENGINE_SETTINGS, defaults={"dtype": "bfloat16"})
     p.set_defaults(func=func)
 
+
+# --quant: the weight format of the random weights.
+SYNTHETIC_QUANT = {"awq": QuantConfig(group_size=128), "fp8": FP8Config(), "gptq4": GPTQConfig(bits=4),
+                   "gptq8": GPTQConfig(bits=8)}
 
 BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant",
                          "enable_prefix_caching")
@@ -101,7 +108,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             print("error: --quant applies to --synthetic presets (a -m directory carries its own quantization)",
                   file=sys.stderr)
             return 2
-        cfg.quantization = QuantConfig(group_size=128)
+        cfg.quantization = SYNTHETIC_QUANT[args.quant]
         name = f"{name}-{args.quant}"
     if args.pre_dequant:
         if cfg.quantization is None:

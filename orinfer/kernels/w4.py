@@ -85,11 +85,15 @@ def w4_unpack(packed: torch.Tensor, group_size: int) -> torch.Tensor:
 def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> W4Weight:
     """AWQ checkpoint tensors (qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]) -> W4, on their device."""
     k, _, g = awq_shapes(qweight, qzeros, scales, group_size)
-    g = check_group_size(k, g)
-    q = awq_unpack(qweight).t()                                   # [N, K]
+    return w4_from_codes(awq_unpack(qweight).t(), awq_unpack(qzeros).t(), scales.t(), g)
+
+
+def w4_from_codes(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> W4Weight:
+    """W4 from unpacked codes: q [N, K] and zeros [N, K/G] in 0..15, scales [N, K/G] (any 4-bit format whose groups
+    are contiguous runs of inputs: AWQ, GPTQ after its act-order permutation)."""
+    g = check_group_size(q.shape[1], group_size)
     packed = _pack_rows(q, chunk_int32(g)).contiguous()
-    zeros = awq_unpack(qzeros).t().to(torch.uint8).contiguous()   # [N, K/G]
-    return W4Weight(packed, scales.t().contiguous(), zeros, g)
+    return W4Weight(packed, scales.contiguous(), zeros.to(torch.uint8).contiguous(), g)
 
 
 def _awq_pack_columns(q: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,12 @@ class LinearBase(nn.Module):
         """The layer's tensors in the checkpoint layout, by kind ("weight", "bias", "qweight", ...), for saving."""
         raise NotImplementedError
 
+    def shards_of(self, kind: str) -> tuple[object, ...] | None:
+        """The shards (checkpoint matrices) that have a tensor of `kind`: all of a packed layer's by default (a
+        layer mixing formats has, e.g., no scales for its 16-bit shards); None for a single matrix."""
+        offsets = getattr(self, "shard_offsets", None)
+        return None if offsets is None else tuple(offsets)
+
 
 class Linear(LinearBase):
     """y = x W^T (+ b). weight [out, in] as in the checkpoint."""

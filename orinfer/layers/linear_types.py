@@ -1,8 +1,8 @@
 """Weight formats as linear-layer types: the one place that maps a model's quantization config to the class of its
 linears, so that model files build `make_linear(...)` and never name a format.
 
-Today: dense 16/32-bit (`Linear`, `PackedLinear`) and AWQ INT4 (`AWQLinear`, `AWQPackedLinear`). A new format (FP8,
-GPTQ) adds its classes here and in its own layer module.
+Today: dense 16/32-bit (`Linear`, `PackedLinear`), AWQ INT4 (`AWQLinear`, `AWQPackedLinear`), FP8 block-wise
+(`FP8Linear`) and GPTQ 4/8-bit (`GPTQLinear`); each format's class lives in its own layer module.
 """
 
 from __future__ import annotations
@@ -10,23 +10,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from orinfer.fp8_config import FP8Config
+from orinfer.gptq_config import GPTQConfig
 from orinfer.layers.awq_linear import QUANT_PARAMS, AWQLinear, AWQPackedLinear
+from orinfer.layers.fp8_linear import FP8Linear
+from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.linear import LinearBase, Linear, PackedLinear
 from orinfer.layers.ops import Ops
-from orinfer.quant_config import QuantConfig
+from orinfer.quant_config import AnyQuantConfig
 
 # Suffixes of tensors that only quantized checkpoints hold.
-_QUANTIZED_SUFFIXES = tuple(f".{name}" for name in QUANT_PARAMS)
+_QUANTIZED_SUFFIXES = tuple(f".{name}" for name in (*QUANT_PARAMS, "g_idx", "weight_scale_inv"))
 
 
-def make_linear(quant: QuantConfig | None, in_features: int, out: int | dict[object, int], bias: bool, ops: Ops,
-                dtype: torch.dtype) -> LinearBase:
+def make_linear(quant: AnyQuantConfig | None, in_features: int, out: int | dict[object, int], bias: bool, ops: Ops,
+                dtype: torch.dtype, checkpoint_names: dict[object, str] | None = None) -> LinearBase:
     """A linear of the checkpoint's weight format. `out`: output features, or shard id -> output features for a
-    layer that packs several checkpoint matrices (q|k|v, gate|up) along its output."""
+    layer that packs several checkpoint matrices (q|k|v, gate|up) along its output. `checkpoint_names` (shard id ->
+    the checkpoint's module sub-name) lets a format keep some shards unquantized (FP8's modules_to_not_convert)."""
     if quant is None:
         if isinstance(out, dict):
             return PackedLinear(in_features, out, bias, ops, dtype)
         return Linear(in_features, out, bias, ops, dtype)
+    shards = out if isinstance(out, dict) else {None: out}
+    if isinstance(quant, FP8Config):
+        dense = quant.dense_shards(checkpoint_names) if checkpoint_names else ()
+        return FP8Linear(in_features, shards, bias, ops, dtype, quant.block_size, online=quant.online,
+                         dense_shards=dense)
+    if isinstance(quant, GPTQConfig):
+        return GPTQLinear(in_features, shards, bias, ops, dtype, quant.bits, quant.group_size)
     group = quant.group_for(in_features)
     if isinstance(out, dict):
         return AWQPackedLinear(in_features, out, bias, ops, dtype, group)
@@ -34,13 +46,13 @@ def make_linear(quant: QuantConfig | None, in_features: int, out: int | dict[obj
 
 
 def misplaced_tensor(hf_name: str, our_name: str, params: dict[str, nn.Parameter],
-                     quant: QuantConfig | None) -> str | None:
+                     quant: AnyQuantConfig | None) -> str | None:
     """Why a checkpoint tensor that fills no parameter is an error, or None when it is merely extra (HF ignores extra
     tensors too): a quantized tensor in a model whose config.json says unquantized, or a dense weight where every
     decoder linear should be quantized."""
     if quant is None and hf_name.endswith(_QUANTIZED_SUFFIXES):
-        return f"checkpoint holds AWQ tensor {hf_name} but config.json has no quantization_config"
+        return f"checkpoint holds quantized tensor {hf_name} but config.json has no quantization_config"
     if quant is not None and hf_name.endswith(".weight") and our_name.replace(".weight", ".qweight") in params:
-        return (f"checkpoint holds a dense {hf_name} where quantization_config says AWQ (every decoder linear must "
-                "have qweight/qzeros/scales)")
+        return (f"checkpoint holds a dense {hf_name} where quantization_config says {quant.method.upper()} (every "
+                "decoder linear must have qweight/qzeros/scales)")
     return None

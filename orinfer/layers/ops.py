@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from orinfer.errors import ConfigError
 from orinfer.kernels.activation import fused_gate_up_silu_ref, silu_and_mul_ref
 from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
+from orinfer.kernels.fp8_block import fp8_block_linear_ref
 from orinfer.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref
+from orinfer.kernels.gptq import gptq_linear_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
 from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
@@ -77,6 +79,10 @@ class Ops:
     # gate_up_silu). x may be the `W4Words` that `rms_norm_words` made.
     w4_linear: Callable = w4_linear_ref
     w4_gate_up_silu: Callable = w4_gate_up_silu_ref
+    # FP8 block-wise weights (kernels/fp8_block.py): fp8_block_linear(x, weight, scale, block_size, row_block, bias).
+    fp8_block_linear: Callable = fp8_block_linear_ref
+    # GPTQ weights (kernels/gptq.py): gptq_linear(x, qweight, qzeros, scales, g_idx, bits, shards, bias).
+    gptq_linear: Callable = gptq_linear_ref
     # RMSNorm (+ residual add) whose output goes to a batch-1 AWQ linear as int16 words (`kernels/w4_words.py`):
     # rms_norm's signature, a `W4Words` in place of the normed row; w4_linear and w4_gate_up_silu then take those.
     # None: the backend has no words (the torch reference).

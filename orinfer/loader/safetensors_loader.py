@@ -45,7 +45,7 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                     progress: bool = True, desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor in `files`, converted to `dtype` and moved to `device`."""
     total = 0
     names_by_file = []
@@ -57,7 +57,7 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
             raise WeightsError(f"{path}: cannot read safetensors file ({exc})") from None
         names_by_file.append((path, names))
         total += len(names)
-    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = tqdm(total=total, desc=desc, unit="tensor", disable=not progress, leave=False)
     try:
         for path, names in names_by_file:
             with safe_open(str(path), framework="pt") as handle:

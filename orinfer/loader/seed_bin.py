@@ -93,6 +93,9 @@ def _check_exportable(cfg: ModelConfig, source: str) -> None:
     if cfg.architecture != "Qwen3ForCausalLM" or not cfg.qk_norm or cfg.attention_bias:
         raise ConfigError(f"{source}: the seed .bin layout holds Qwen3 decoders only (q/k norms, no q/k/v bias); "
                           f"got {cfg.architecture}")
+    if cfg.quantization is not None and cfg.quantization.method != "awq":
+        raise ConfigError(f"{source}: the seed .bin layout holds AWQ INT4 or 16-bit weights, not "
+                          f"{cfg.quantization.method.upper()}")
 
 
 def encode_header(cfg: ModelConfig) -> bytes:

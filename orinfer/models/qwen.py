@@ -191,7 +191,10 @@ class QwenForCausalLM(nn.Module):
     def _expected_keys(self) -> set[tuple[str, object]]:
         keys: set[tuple[str, object]] = set()
         for name, _ in self.named_parameters():
-            shards = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "shard_offsets", None)
+            module_name, kind = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            shards = (module.shards_of(kind) if isinstance(module, LinearBase)
+                      else getattr(module, "shard_offsets", None))
             if shards is not None:
                 keys.update((name, shard) for shard in shards)
             else:
@@ -209,9 +212,9 @@ class QwenForCausalLM(nn.Module):
         for module_name, module in self.named_modules():
             prefix = self._checkpoint_prefix(module_name)
             if isinstance(module, LinearBase):
-                shards = getattr(module, "shard_offsets", None)
                 for kind, tensor in module.checkpoint_tensors().items():
                     name = f"{module_name}.{kind}"
+                    shards = module.shards_of(kind)
                     if shards is None:
                         yield prefix + name, tensor
                         continue

@@ -38,6 +38,8 @@ _PACKED = {
     "in_proj_qkv": ("in_proj", "qkv"), "in_proj_z": ("in_proj", "z"), "in_proj_b": ("in_proj", "b"),
     "in_proj_a": ("in_proj", "a"),
 }
+# The checkpoint matrices packed into in_proj, by shard (a format may keep some unquantized).
+_IN_PROJ_NAMES = {shard: ckpt for ckpt, (packed, shard) in _PACKED.items() if packed == "in_proj"}
 
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -89,7 +91,7 @@ class GatedDeltaNetBlock(nn.Module):
         heads = cfg.linear_num_value_heads
         self.in_proj = make_linear(cfg.quantization, cfg.hidden_size,
                                    {"qkv": cfg.linear_conv_dim, "z": cfg.linear_value_dim, "b": heads, "a": heads},
-                                   False, ops, dtype)
+                                   False, ops, dtype, checkpoint_names=_IN_PROJ_NAMES)
         self.conv1d = nn.Module()
         self.conv1d.weight = _parameter((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim), dtype)
         # The decay parameters stay fp32 (HF widens them before use; checkpoints store them so).

@@ -1,0 +1,83 @@
+"""GPTQ weights (classic checkpoint format, symmetric, 4 or 8 bits): unpacking, dequantization and the linear, pure
+torch (the references). The format is described in orinfer/gptq_config.py:
+
+    W[n, k] = (q[k, n] - (z[g_idx[k], n] + 1)) * scales[g_idx[k], n]
+
+with q unpacked from qweight [K / P, N] along the input dimension and z from qzeros [groups, N / P] along the
+output dimension, P = 32 / bits values per int32, value i of a word in bits [bits * i, bits * (i + 1)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from orinfer.kernels.fp8_block import fp16_guard
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
+
+
+def unpack_gptq_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [K, N] int32 (0 .. 2^bits - 1) from qweight [K / P, N]: row r's word holds inputs P r .. P r + P - 1."""
+    words, n = qweight.shape
+    vals = (qweight.unsqueeze(1) >> _shifts(bits, qweight.device).view(1, -1, 1)) & ((1 << bits) - 1)
+    return vals.reshape(words * (32 // bits), n)
+
+
+def unpack_gptq_cols(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """z [G, N] int32 from qzeros [G, N / P]: column c's word holds outputs P c .. P c + P - 1."""
+    g, words = qzeros.shape
+    vals = (qzeros.unsqueeze(2) >> _shifts(bits, qzeros.device).view(1, 1, -1)) & ((1 << bits) - 1)
+    return vals.reshape(g, words * (32 // bits))
+
+
+def gptq_dequantize_ref(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                        bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] in `dtype`: (q - z - 1) * s, exact in fp32 (a small integer times an fp16 scale), then rounded once.
+    qweight [K/P, N] int32, qzeros [G, N/P] int32, scales [G, N] fp16, g_idx [K] int (values in 0 .. G-1)."""
+    q = unpack_gptq_rows(qweight, bits)
+    k, n = q.shape
+    if g_idx.shape != (k,) or scales.shape[1] != n or qzeros.shape[0] != scales.shape[0]:
+        raise ValueError(f"GPTQ tensors do not fit: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+                         f"scales {tuple(scales.shape)}, g_idx {tuple(g_idx.shape)} ({bits} bits)")
+    z = unpack_gptq_cols(qzeros, bits)[:, :n] + 1
+    groups = g_idx.long()
+    w_t = (q - z[groups]).float() * scales.float()[groups]
+    return w_t.t().to(dtype)
+
+
+def gptq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor, bits: int, shards: tuple[tuple[int, int], ...] | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) in x's dtype, W dequantised per call. A packed layer (q|k|v, gate|up) passes `shards`, the
+    (first column, columns) of each checkpoint matrix, and g_idx [S, K] (each matrix has its own, which act-order
+    may make different); otherwise g_idx is [K]. fp16 results are clamped to +-65504 (`fp16_guard`)."""
+    if shards is None:
+        w = gptq_dequantize_ref(qweight, qzeros, scales, g_idx, bits, x.dtype)
+    else:
+        p = 32 // bits
+        w = torch.cat([gptq_dequantize_ref(qweight[:, c0:c0 + cols], qzeros[:, c0 // p:(c0 + cols) // p],
+                                           scales[:, c0:c0 + cols], g_idx[i], bits, x.dtype)
+                       for i, (c0, cols) in enumerate(shards)])
+    return fp16_guard(F.linear(x, w, None if bias is None else bias.to(x.dtype)))
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement into int32
+
+
+def pack_gptq_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [K, N] codes -> qweight [K / P, N] int32 (inverse of `unpack_gptq_rows`)."""
+    per_word = 32 // bits
+    v = q.to(torch.int64).reshape(q.shape[0] // per_word, per_word, q.shape[1])
+    words = torch.zeros(v.shape[0], v.shape[2], dtype=torch.int64, device=q.device)
+    for i in range(per_word):
+        words |= v[:, i, :] << (bits * i)
+    return _to_int32(words)
+
+
+def pack_gptq_cols(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z [G, N] codes -> qzeros [G, N / P] int32 (inverse of `unpack_gptq_cols`)."""
+    return pack_gptq_rows(z.t(), bits).t().contiguous()

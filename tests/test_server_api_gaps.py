@@ -161,6 +161,21 @@ def test_echo_with_logprobs_matches_hf(server, client, tiny_dir):
     assert plain.choices[0].text.startswith(ALICE) and plain.choices[0].logprobs is None
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt(server, client):
+    full = client.completions.create(model="tiny", prompt=ALICE, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    out = client.completions.create(model="tiny", prompt=ALICE, max_tokens=0, echo=True, logprobs=1)
+    choice, prompt_len = out.choices[0], out.usage.prompt_tokens
+    assert choice.text == ALICE and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == full.choices[0].logprobs.token_logprobs[:prompt_len]
+    chunks = _sse(server, "/v1/completions", {"prompt": ALICE, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                              "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ALICE
+    assert [x for c in chunks if c["choices"][0]["logprobs"]
+            for x in c["choices"][0]["logprobs"]["token_logprobs"]] == choice.logprobs.token_logprobs
+    r = _post(server, "/v1/completions", {"prompt": ALICE, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 # --- reasoning controls ------------------------------------------------------------------------------------------------
 
 def test_thinking_token_budget_on_chat(server, client):

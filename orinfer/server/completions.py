@@ -1,7 +1,8 @@
 """POST /v1/completions: one prompt or a batch (text or token ids) x n choices; the answer as one JSON body or as
 `text_completion` server-sent events. `echo` puts the prompt before the text; with `logprobs` too, the logprobs
 start with the prompt's tokens (the first one's null), as OpenAI's legacy completions and vLLM return them: the
-engine computes them from the prompt's rows (SamplingParams.prompt_logprobs)."""
+engine computes them from the prompt's rows (SamplingParams.prompt_logprobs). `max_tokens: 0` with `echo` returns
+the prompt only (scoring a text by its logprobs, as vLLM allows): the engine samples one token, which is dropped."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup
+from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup, SeqUpdate
 from orinfer.server.errors import APIError, engine_error
 from orinfer.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
@@ -36,6 +37,9 @@ def _check_fields(srv: ServerState, req: CompletionRequest, prompts: list[Any]) 
     n = srv.check_common(req, len(prompts))
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens: 0 needs echo: true (the prompt is then all of the answer)",
+                       param="max_tokens")
     if req.best_of is not None and req.best_of != n:
         raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
     return n
@@ -61,7 +65,7 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
         texts.append(p if isinstance(p, str) else (srv.tokenizer.decode(ids) if req.echo and srv.tokenizer else ""))
     prompts_rep, params = [], []
     for ids in ids_list:
-        max_tokens = srv.max_tokens(req.max_tokens, len(ids), "max_tokens")
+        max_tokens = srv.max_tokens(req.max_tokens or (1 if req.max_tokens == 0 else None), len(ids), "max_tokens")
         for i in range(n):
             prompts_rep.append(ids)
             params.append(srv.sampling(req, max_tokens, i, req.logprobs,
@@ -76,13 +80,17 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
         include_usage, continuous = stream_usage_options(req)
         return AbortingStream(completion_stream(srv, group, request_id, created, echoes, prompt_tokens,
                                                 include_usage, req.logprobs is not None, n,
-                                                continuous_usage=continuous, echo_ids=echo_ids), group.abort)
+                                                continuous_usage=continuous, echo_ids=echo_ids,
+                                                prompt_only=req.max_tokens == 0), group.abort)
     try:
         choices = await collect(request, group, len(params))
     except ClientGone:
         return Response(status_code=499)
     except (EngineDeadError, EngineStepError) as exc:
         raise engine_error(exc) from None
+    if req.max_tokens == 0:
+        for c in choices:
+            c.text, c.logprobs, c.tokens, c.finish_reason = [], [], 0, "length"
 
     def logprobs(k: int, c: Any) -> CompletionLogprobs | None:
         if req.logprobs is None:
@@ -110,19 +118,20 @@ def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 def completion_stream(srv: ServerState, group: RequestGroup, request_id: str, created: int, echoes: list[str],
                       prompt_tokens: int, include_usage: bool, want_logprobs: bool, n: int = 1, *,
-                      continuous_usage: bool = False, echo_ids: list[list[int]] | None = None
-                      ) -> AsyncIterator[str]:
+                      continuous_usage: bool = False, echo_ids: list[list[int]] | None = None,
+                      prompt_only: bool = False) -> AsyncIterator[str]:
     """The whole SSE stream of a streaming completion (`_completion_events`, then [DONE]; see `finish_stream`).
     `n`: choices per prompt (adjacent); `continuous_usage`: usage in every chunk; `echo_ids`: each choice's prompt
-    ids when the echoed prompts carry their logprobs."""
+    ids when the echoed prompts carry their logprobs; `prompt_only` (max_tokens 0): the sampled token is dropped."""
     return finish_stream(_completion_events(srv, group, request_id, created, echoes, prompt_tokens, include_usage,
-                                            want_logprobs, n, continuous_usage, echo_ids), group)
+                                            want_logprobs, n, continuous_usage, echo_ids, prompt_only), group)
 
 
 async def _completion_events(srv: ServerState, group: RequestGroup, request_id: str, created: int,
                              echoes: list[str], prompt_tokens: int, include_usage: bool,
                              want_logprobs: bool, n: int, continuous_usage: bool = False,
-                             echo_ids: list[list[int]] | None = None) -> AsyncIterator[str]:
+                             echo_ids: list[list[int]] | None = None,
+                             prompt_only: bool = False) -> AsyncIterator[str]:
     """The SSE events of a streaming completion: the echoed prompts (with their logprobs: as the first update of each
     choice brings them), one chunk per update (updates already queued arrive merged, see RequestGroup.updates), the
     usage chunk."""
@@ -140,6 +149,8 @@ async def _completion_events(srv: ServerState, group: RequestGroup, request_id: 
             yield chunk([{"index": k, "text": echo, "logprobs": None, "finish_reason": None}])
     async for up in group.updates():
         k = up.index
+        if prompt_only:
+            up = SeqUpdate(k, "", [], 0, up.finish_reason and "length", up.num_cached_tokens, up.prompt_logprobs)
         if echo_pending[k]:
             echo_pending[k] = False
             lps = srv.logprobs.prompt(echo_ids[k], up.prompt_logprobs).model_dump()

@@ -152,7 +152,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)   # 0: with echo, the prompt (and its logprobs) only, as vLLM allows
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1)

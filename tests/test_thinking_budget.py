@@ -87,6 +87,13 @@ def test_max_tokens_cuts_the_closing_text_and_stop_strings_apply(llm):
                                                  stop=["</think>"]))[0]
     assert stop.finish_reason == "stop" and "</think>" not in stop.text
     assert stop.token_ids[2:] == closing[:2]  # it stopped inside the closing text, where the stop string ended
+    # Budget 0 on a prompt that opened the reasoning: the closing text comes at admission; a stop string in it ends
+    # the sequence at its first step (the token sampled there is not in the text).
+    first = llm.generate([prompt], SamplingParams(max_tokens=MAX, temperature=0, thinking_token_budget=0,
+                                                  stop=["</think>"]))[0]
+    assert first.finish_reason == "stop" and first.text == "\n" and first.token_ids[:2] == closing[:2]
+    tiny = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, thinking_token_budget=0))[0]
+    assert tiny.token_ids[:1] == closing[:1] and tiny.finish_reason == "length"  # one token kept to sample
 
 
 def test_engine_default_and_request_override(tiny_dir, llm):

@@ -153,7 +153,7 @@ class LLMEngine:
     def _start_thinking_budget(self, seq: Sequence) -> None:
         """Gives `seq` its thinking budget (the request's, else EngineArgs'). A prompt that already opened the
         reasoning with a budget of 0 gets the closing tokens at once, keeping one token of max_tokens to sample (a
-        sequence cannot end before its first step); stop strings are matched from the text after them."""
+        sequence cannot end before its first step: one that a stop string ends there ends at that token)."""
         params = seq.params
         if params.thinking_token_budget is None:
             params.thinking_token_budget = self.config.thinking_token_budget if self.think_tokens else None
@@ -163,12 +163,12 @@ class LLMEngine:
             return
         seq.thinking = ThinkingBudget(self.think_tokens, params.thinking_token_budget, seq.token_ids)
         if seq.thinking.exhausted:
-            self._close_thinking(seq, at_admission=True)
+            seq.thinking.stop_in_closing = self._close_thinking(seq, at_admission=True) == "stop_str"
 
     def _close_thinking(self, seq: Sequence, at_admission: bool = False) -> str | None:
         """Appends the reasoning's closing tokens to `seq` (engine/thinking.py), as far as max_tokens and the context
-        allow (at admission: one token less, and no stop strings); returns the finish reason they cause
-        ("stop_str", "length"), else None."""
+        allow (at admission: one token less); returns the finish reason they cause ("stop_str", "length"), else
+        None."""
         budget = seq.thinking
         budget.closed()
         room = min(seq.params.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq.token_ids))
@@ -178,7 +178,7 @@ class LLMEngine:
             if seq.detokenizer is not None:
                 before = len(seq.output_text)
                 seq.output_text += seq.detokenizer.push(token)
-                if seq.params.stop and not at_admission and self._apply_stop_strings(seq, before):
+                if seq.params.stop and self._apply_stop_strings(seq, before):
                     return "stop_str"
         if len(closing) < len(budget.tokens.closing) or seq.num_completion_tokens >= seq.params.max_tokens:
             return "length"
@@ -306,9 +306,12 @@ class LLMEngine:
                 k = seq.params.logprobs
                 top = list(zip(sample.top_ids[i][:k], sample.top_logprobs[i][:k])) if sample.top_ids is not None else []
                 seq.logprobs.append(TokenLogprob(token, sample.logprobs[i], top))
-            reason = self._stop_reason(seq, token)
-            if reason is None and seq.thinking is not None:
-                reason = self._count_thinking(seq, token)
+            if seq.thinking is not None and seq.thinking.stop_in_closing:
+                reason = "stop_str"  # the text already ends at the stop string (`_start_thinking_budget`)
+            else:
+                reason = self._stop_reason(seq, token)
+                if reason is None and seq.thinking is not None:
+                    reason = self._count_thinking(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 seq.finish_time = now

@@ -83,6 +83,9 @@ class ThinkingBudget:
         self.tokens, self.budget = tokens, budget
         self.state = state_after_prompt(prompt_ids, tokens.turn, tokens.start, tokens.end)
         self.count = 0          # tokens generated inside the reasoning so far
+        # A stop string ended the closing text that the engine appended at admission: the sequence ends (as "stop")
+        # at its first sampled token, whose text is dropped (a sequence cannot end before its first step).
+        self.stop_in_closing = False
 
     def observe(self, token_id: int, output_blank: Callable[[], bool]) -> None:
         """A generated token. `output_blank()`: whether the output so far, this token included, is whitespace only

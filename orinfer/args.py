@@ -94,6 +94,11 @@ class EngineArgs:
     async_scheduling: bool = field(default=True, metadata=_cli(
         "launch each decode step before the previous one's tokens reach the host (same tokens); "
         "--no-async-scheduling waits for each step (debugging)"))
+    # The default of SamplingParams.thinking_token_budget (a request's own wins); models without <think> ignore it.
+    thinking_token_budget: int | None = field(default=None, metadata=_cli(
+        "Qwen3 thinking: after N reasoning tokens the engine closes the reasoning itself (appends the template's "
+        "\\n</think>\\n\\n) and the answer follows; a request's thinking_token_budget overrides it (default: no "
+        "budget)", metavar="N"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -105,6 +110,9 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ConfigError(f"thinking_token_budget must be a non-negative integer or None, got {budget!r}")
         for name in ("max_model_len", "kv_cache_bytes", "num_kv_blocks", "max_pixels", "num_state_snapshots"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

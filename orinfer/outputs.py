@@ -57,9 +57,12 @@ class RequestOutput:
     reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list["ToolCall"] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_text,
                    seq.completion_token_ids, seq.finish_reason, RequestMetrics.of(seq), list(seq.logprobs),
-                   seq.num_prompt_cached_tokens)
+                   seq.num_prompt_cached_tokens,
+                   list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)

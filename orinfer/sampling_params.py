@@ -41,12 +41,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None             # number of top log-probabilities to return per token (None: off)
+    # Log-probabilities of the prompt's tokens (vLLM's name): None off, else how many top ones per token besides the
+    # prompt's own (RequestOutput.prompt_logprobs; the first token has none). The prompt then skips the prefix cache.
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else, in [-100, 100]
+    # Reasoning tokens (inside <think>) after which the engine closes the thinking itself (None: no budget).
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and isinstance(self.logit_bias, dict):
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}  # OpenAI sends ids as strings
         self.validate()
 
     def validate(self) -> None:
@@ -65,6 +74,14 @@ class SamplingParams:
         _check_int("seed", self.seed, low=-(2 ** 63), allow_none=True)
         _check_int("min_tokens", self.min_tokens, low=0)
         _check_int("logprobs", self.logprobs, low=0, high=20, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20, allow_none=True)
+        _check_int("thinking_token_budget", self.thinking_token_budget, low=0, allow_none=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad("logit_bias", self.logit_bias, "must be a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token, low=0)
+                _check_float(f"logit_bias[{token}]", bias, low=-100.0, high=100.0)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

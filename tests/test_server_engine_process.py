@@ -68,6 +68,22 @@ def test_same_answers_as_the_engine_in_a_thread(servers):
     assert [c["message"] for c in got_chat["choices"]] == [c["message"] for c in want_chat["choices"]]
 
 
+def test_new_request_fields_cross_the_process_boundary(servers):
+    """Prompt logprobs (echo + logprobs), logit_bias and the thinking budget come back the same from a child
+    process as from a thread."""
+    remote, local, _ = servers
+    bodies = [("/v1/completions", {"prompt": ALICE, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2,
+                                   "logit_bias": {"50": 5}}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Who is Alice?"}], "max_tokens": 8,
+                                        "temperature": 0, "thinking_token_budget": 2, "logit_bias": {"50": 5}})]
+    for path, body in bodies:
+        want, got = _post(local, path, body).json(), _post(remote, path, body).json()
+        assert "error" not in got and got["choices"] == want["choices"]
+    echoed = _post(remote, *bodies[0]).json()["choices"][0]["logprobs"]
+    assert echoed["token_logprobs"][0] is None and len(echoed["tokens"]) > 4
+    assert all(v is not None for v in echoed["token_logprobs"][1:])
+
+
 def test_refusals_and_a_client_that_leaves(servers):
     remote, _, process = servers
     too_long = _post(remote, "/v1/completions", {"prompt": [1] * 5000, "max_tokens": 4})

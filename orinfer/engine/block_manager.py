@@ -89,7 +89,7 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the longest prefix of the sequence's tokens, leaving at least one token."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.skips_prefix_cache:
             return []
         hits: list[int] = []
         for index in range((seq.num_tokens - 1) // self.block_size):

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from orinfer.engine.prompt_logprobs import PromptSpan
 from orinfer.engine.sequence import Sequence
 from orinfer.layers.sampler import SamplerOutput
 
@@ -28,14 +29,19 @@ class HostSample:
     logprobs: list[float] | None
     top_logprobs: list[list[float]] | None
     top_ids: list[list[int]] | None
+    prompt_logprobs: list[float] | None = None        # the step's prompt entries (InFlightStep.spans), in order
+    prompt_top_logprobs: list[list[float]] | None = None
+    prompt_top_ids: list[list[int]] | None = None
 
 
 class InFlightStep:
     """One launched step: the sequences that sample in it (row i samples for seqs[i]), those that ran prompt tokens
     in it, when it was launched, and its device outputs."""
 
-    def __init__(self, seqs: list[Sequence], prompt_seqs: list[Sequence], start: float, out: SamplerOutput) -> None:
+    def __init__(self, seqs: list[Sequence], prompt_seqs: list[Sequence], start: float, out: SamplerOutput,
+                 spans: list[PromptSpan] | None = None) -> None:
         self.seqs, self.prompt_seqs, self.start = seqs, prompt_seqs, start
+        self.spans = spans or []             # the prompt log-probability entries this step computes
         self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
         host = {f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)
                 if f.name not in ("token_ids", "host_token_ids")}
@@ -62,7 +68,8 @@ class InFlightStep:
         def lists(t: torch.Tensor | None) -> list | None:
             return None if t is None else t.tolist()
 
-        return HostSample(h.token_ids.tolist(), lists(h.logprobs), lists(h.top_logprobs), lists(h.top_ids))
+        return HostSample(h.token_ids.tolist(), lists(h.logprobs), lists(h.top_logprobs), lists(h.top_ids),
+                          lists(h.prompt_logprobs), lists(h.prompt_top_logprobs), lists(h.prompt_top_ids))
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -26,8 +26,10 @@ from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
 from orinfer.engine.model_runner import ModelRunner
 from orinfer.engine.multimodal import prepare_images
+from orinfer.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from orinfer.engine.scheduler import Scheduler, StepPlan, attention_keys_per_token
 from orinfer.engine.sequence import Sequence, TokenLogprob
+from orinfer.engine.thinking import ThinkingBudget, ThinkTokens
 from orinfer.errors import RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
@@ -57,6 +59,7 @@ class LLMEngine:
         mcfg = parts.model_config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
+        self.think_tokens = ThinkTokens.of(self.tokenizer)  # None: the model does not think (no budget applies)
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
                                   graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
                                   vision_warmup_patches=self._largest_image_patches())
@@ -103,6 +106,10 @@ class LLMEngine:
         text, ids = self._encode(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
+        vocab = self.parts.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                               f"(0..{vocab - 1})")
         mm = None
         mcfg = self.parts.model_config
         if mcfg.is_multimodal:
@@ -132,9 +139,44 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, prompt=text, generator=generator, mm=mm)
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.new_detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
+        self._start_thinking_budget(seq)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _start_thinking_budget(self, seq: Sequence) -> None:
+        """Gives `seq` its thinking budget (the request's, else EngineArgs'). A prompt that already opened the
+        reasoning with a budget of 0 gets the closing tokens at once, keeping one token of max_tokens to sample (a
+        sequence cannot end before its first step: one that a stop string ends there ends at that token)."""
+        params = seq.params
+        if params.thinking_token_budget is None:
+            params.thinking_token_budget = self.config.thinking_token_budget if self.think_tokens else None
+        elif self.think_tokens is None:
+            raise RequestError("thinking_token_budget: this model has no <think> and </think> tokens")
+        if params.thinking_token_budget is None:
+            return
+        seq.thinking = ThinkingBudget(self.think_tokens, params.thinking_token_budget, seq.token_ids)
+        if seq.thinking.exhausted:
+            seq.thinking.stop_in_closing = self._close_thinking(seq, at_admission=True) == "stop_str"
+
+    def _close_thinking(self, seq: Sequence, at_admission: bool = False) -> str | None:
+        """Appends the reasoning's closing tokens to `seq` (engine/thinking.py), as far as max_tokens and the context
+        allow (at admission: one token less); returns the finish reason they cause ("stop_str", "length"), else
+        None."""
+        budget = seq.thinking
+        budget.closed()
+        room = min(seq.params.max_tokens - seq.num_completion_tokens, self.max_model_len - len(seq.token_ids))
+        closing = budget.tokens.closing[:max(0, room - at_admission)]
+        for token in closing:
+            seq.append_token(token)
+            if seq.detokenizer is not None:
+                before = len(seq.output_text)
+                seq.output_text += seq.detokenizer.push(token)
+                if seq.params.stop and self._apply_stop_strings(seq, before):
+                    return "stop_str"
+        if len(closing) < len(budget.tokens.closing) or seq.num_completion_tokens >= seq.params.max_tokens:
+            return "length"
+        return None
 
     def _encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -198,13 +240,14 @@ class LLMEngine:
         sampled = plan.sampled
         prompt_seqs = [seq for seq in plan.seqs if not seq.is_decoding]
         self._restore_snapshots(plan)
-        out = self.runner.execute(plan, prev_ids, rows)
+        spans = prompt_spans(plan)
+        out = self.runner.execute(plan, prev_ids, rows, spans)
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += num_new
         self._save_snapshots(plan)
         for seq in sampled:
             seq.num_pending += 1
-        return InFlightStep(sampled, prompt_seqs, start, out)
+        return InFlightStep(sampled, prompt_seqs, start, out, spans)
 
     def _restore_snapshots(self, plan: StepPlan) -> None:
         """Hybrid models: a sequence admitted on a prefix-cache hit resumes the state saved where the hit ends (copied
@@ -235,8 +278,11 @@ class LLMEngine:
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
         # then what the plain step would run. One that stops on a token or string may still be in it: its extra
         # row is skipped at resolve (its KV write goes to its own, freed blocks; later users are queued behind it).
+        # So does one whose pending token may bring its reasoning to its thinking budget: the host closes the
+        # reasoning after that token, before anything samples past it.
         batch = [seq for seq in self.scheduler.running
-                 if seq.num_uncomputed_tokens == 1 and not self._ends_by_length(seq)]
+                 if seq.num_uncomputed_tokens == 1 and not self._ends_by_length(seq)
+                 and not (seq.thinking is not None and seq.thinking.may_exhaust_with(seq.num_pending))]
         rows = current.rows_of(batch)
         if rows is None:
             return None
@@ -257,6 +303,9 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in step.prompt_seqs:
             seq.prefill_seconds += now - step.start
+        if step.spans:
+            record_prompt_logprobs(step.spans, sample.prompt_logprobs, sample.prompt_top_logprobs,
+                                   sample.prompt_top_ids)
         live = [(i, seq) for i, seq in enumerate(step.seqs) if not seq.is_finished]
         self._process(live, sample, now)
         return [seq for _, seq in live]
@@ -272,7 +321,12 @@ class LLMEngine:
                 k = seq.params.logprobs
                 top = list(zip(sample.top_ids[i][:k], sample.top_logprobs[i][:k])) if sample.top_ids is not None else []
                 seq.logprobs.append(TokenLogprob(token, sample.logprobs[i], top))
-            reason = self._stop_reason(seq, token)
+            if seq.thinking is not None and seq.thinking.stop_in_closing:
+                reason = "stop_str"  # the text already ends at the stop string (`_start_thinking_budget`)
+            else:
+                reason = self._stop_reason(seq, token)
+                if reason is None and seq.thinking is not None:
+                    reason = self._count_thinking(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 seq.finish_time = now
@@ -281,6 +335,18 @@ class LLMEngine:
                 if reason == "stop_str":
                     seq.finish_reason = "stop"
                 self.scheduler.finish(seq)
+
+    def _count_thinking(self, seq: Sequence, token: int) -> str | None:
+        """Counts a token against the sequence's thinking budget; at the budget, closes the reasoning (the closing
+        tokens then run as a chunk: `Scheduler.extend`). Returns a finish reason the closing tokens cause."""
+        budget = seq.thinking
+        budget.observe(token, lambda: not seq.output_text.strip())
+        if not budget.exhausted:
+            return None
+        reason = self._close_thinking(seq)
+        if reason is None:
+            self.scheduler.extend(seq)
+        return reason
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

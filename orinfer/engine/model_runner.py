@@ -18,6 +18,7 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.scheduler import StepPlan
+from orinfer.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs
 from orinfer.engine.sequence import Sequence
 from orinfer.engine.state_pools import StatePools
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
@@ -277,7 +278,8 @@ class ModelRunner:
         need_history = any(p.repetition_penalty != 1.0 for p in params)
         need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs):
+        need_bias = any(p.logit_bias for p in params)
+        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs or need_bias):
             return SamplingBatch.greedy_only()  # argmax needs no per-row settings on the device
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -298,7 +300,16 @@ class ModelRunner:
             use_min_p=any(p.min_p > 0 for p in params),
             use_repetition_penalty=need_history, use_presence_frequency=need_output,
             num_logprobs=num_logprobs, want_logprobs=want_logprobs,
+            **(self._logit_bias(params) if need_bias else {}),
         )
+
+    def _logit_bias(self, params: list) -> dict[str, torch.Tensor]:
+        """The rows' logit biases as SamplingBatch's sparse [B, K] ids and values (padding: id 0, bias 0)."""
+        rows = [sorted((p.logit_bias or {}).items()) for p in params]
+        width = max(len(r) for r in rows)
+        ids = [[t for t, _ in r] + [0] * (width - len(r)) for r in rows]
+        values = [[float(v) for _, v in r] + [0.0] * (width - len(r)) for r in rows]
+        return {"bias_ids": self._upload(ids, torch.int64), "bias_values": self._upload(values, torch.float32)}
 
     def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
@@ -308,14 +319,14 @@ class ModelRunner:
     # --- step -------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, prev_ids: torch.Tensor | None = None, rows: list[int] | None = None
-                ) -> SamplerOutput:
+    def execute(self, plan: StepPlan, prev_ids: torch.Tensor | None = None, rows: list[int] | None = None,
+                spans: list[PromptSpan] | None = None) -> SamplerOutput:
         """Queues one step; returns the samples of the plan's sampling sequences, on the device (nothing here waits
         for the device).
 
         Lookahead: the input id of decode row i (the first len(rows) sequences) is prev_ids[rows[i]], the previous
         step's sample, read on the device while that step may still be running (stream order makes it wait), never
-        through the host."""
+        through the host. `spans`: prompt log-probabilities to compute from this step's prompt rows."""
         seqs = plan.seqs
         device_ids = None
         if prev_ids is not None and rows:
@@ -324,8 +335,9 @@ class ModelRunner:
             device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
         sampled = plan.sampled
         if not sampled:  # prompt chunks only: K/V to write, nothing to sample
-            self._run_forward(plan, device_ids)
-            return SamplerOutput(token_ids=torch.zeros(0, dtype=torch.int64, device=self.device))
+            hidden, _ = self._run_forward(plan, device_ids)
+            return self._with_prompt_logprobs(
+                SamplerOutput(token_ids=torch.zeros(0, dtype=torch.int64, device=self.device)), hidden, spans)
         # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens (the
         # decode rows come first; a prompt that ends in this step has none: -1, the history's padding).
         pending = device_ids
@@ -342,7 +354,17 @@ class ModelRunner:
         else:
             hidden, sample_rows = self._run_forward(plan, device_ids)
             logits = self._logits(hidden, sample_rows)
+            return self._with_prompt_logprobs(sample(logits, sampling), hidden, spans)
         return sample(logits, sampling)
+
+    def _with_prompt_logprobs(self, out: SamplerOutput, hidden: torch.Tensor,
+                              spans: list[PromptSpan] | None) -> SamplerOutput:
+        """`out` with the prompt log-probabilities of `spans`, from the step's hidden states (none: as is)."""
+        if spans:
+            lps = compute_prompt_logprobs(hidden, spans, self._logits, self._upload)
+            out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_top_ids = lps.logprobs, lps.top_logprobs, \
+                lps.top_ids
+        return out
 
     def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a step that is not decode-only: (hidden states [T, H], the sampling rows on the device).

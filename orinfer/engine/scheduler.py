@@ -237,6 +237,16 @@ class Scheduler:
         self._continue_prompts(plan, self.config.max_num_batched_tokens - len(batch), bool(batch))
         return plan if plan else None
 
+    def extend(self, seq: Sequence) -> None:
+        """The engine appended known tokens to a running sequence (a closed reasoning, engine/thinking.py): slots for
+        them, which the next steps compute like a prompt chunk; or, when the free blocks cannot hold them, back to the
+        queue to be recomputed (what it computed stays in the prefix cache), as a preemption would."""
+        if self.block_manager.can_append(seq):
+            self.block_manager.append_slot(seq)
+            return
+        self.running.remove(seq)
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         # The engine schedules only with no step in flight, so every token of a running sequence is known here.
         assert not seq.num_pending, "preempting a sequence whose newest token is still on the device"

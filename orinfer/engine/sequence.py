@@ -67,6 +67,9 @@ class Sequence:
         self.output_text = ""          # detokenized completion, stop strings removed
         self.emitted_chars = 0         # how much of output_text has been streamed
         self.logprobs: list[TokenLogprob] = []
+        # Prompt log-probabilities (params.prompt_logprobs): one entry per prompt token computed so far, the first
+        # token's None (nothing predicts it). engine/prompt_logprobs.py fills it.
+        self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
         self.num_preemptions = 0
         # timings (time.perf_counter seconds)
         self.arrival_time = time.perf_counter()
@@ -76,6 +79,7 @@ class Sequence:
         self.prefill_seconds = 0.0
         self.detokenizer = None        # set by the engine
         self.mm = mm                   # images of the prompt (Qwen3-VL), None for text
+        self.thinking = None           # engine/thinking.py ThinkingBudget when the request has a thinking budget
         self.vision_seconds = 0.0      # time in the vision tower (again after a preemption's recompute)
 
     @property
@@ -93,6 +97,12 @@ class Sequence:
         """Whether its next step is a plain decode row: one token, past the prompt (an M-RoPE sequence then sits at
         index + delta on every axis; a last prompt token may not)."""
         return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether its prompt must be computed, not read from the prefix cache: its prompt log-probabilities come
+        from the prompt's own rows and are not all there yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_completion_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """Token sampling on the device for a batch of sequences, each with its own settings.
 
-Order (as HF's logits processors): repetition / presence / frequency penalties -> temperature -> top-k -> top-p ->
-min-p -> draw. Drawing uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
+Order (as HF's logits processors): logit bias -> repetition / presence / frequency penalties -> temperature -> top-k
+-> top-p -> min-p -> draw. Greedy rows take the argmax of the biased, penalised logits. Drawing uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
 p_i, needs no cumulative sum, and lets each seeded request draw its noise from its own generator, so its tokens do not
 depend on what else is in the batch.
 """
@@ -35,12 +35,17 @@ class SamplingBatch:
     use_presence_frequency: bool = True
     num_logprobs: int = 0              # top log-probabilities to return per row (0: only the sampled token's)
     want_logprobs: bool = False
+    # Logit bias, sparse: [B, K] token ids and the biases added to their logits (rows padded with id 0, bias 0).
+    # None when no row has one (the host knows: such steps pay nothing).
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @property
     def plain_argmax(self) -> bool:
-        """Whether `sample` reduces to argmax of the raw logits: greedy rows, no penalties, no log-probabilities."""
+        """Whether `sample` reduces to argmax of the raw logits: greedy rows, no bias, no penalties, no
+        log-probabilities."""
         return (self.all_greedy and not self.want_logprobs and not self.use_repetition_penalty
-                and not self.use_presence_frequency)
+                and not self.use_presence_frequency and self.bias_ids is None)
 
     @classmethod
     def greedy_only(cls) -> "SamplingBatch":
@@ -60,10 +65,21 @@ class SamplerOutput:
     # token_ids already on their way to pinned host memory, written by the device itself (the decode graphs'
     # argmax): valid once an event recorded after the step has passed. None: the ids are copied to the host.
     host_token_ids: torch.Tensor | None = None
+    # Prompt log-probabilities of the step's prompt rows (engine/prompt_logprobs.py): [R], [R, k], [R, k].
+    prompt_logprobs: torch.Tensor | None = None
+    prompt_top_logprobs: torch.Tensor | None = None
+    prompt_top_ids: torch.Tensor | None = None
 
 
 # Bound on penalised logits: far beyond any real logit, and still finite after the smallest temperature (1e-5).
 PENALISED_LOGIT_BOUND = 1e30
+
+
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Adds each row's logit bias (OpenAI's logit_bias) to its logits; a no-op without one."""
+    if batch.bias_ids is None:
+        return logits
+    return logits.scatter_add(1, batch.bias_ids, batch.bias_values.to(logits.dtype))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -131,7 +147,7 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits [B, V] fp32 -> chosen token ids [B] (and log-probabilities when asked for)."""
     raw = logits
-    logits = apply_penalties(logits, batch)
+    logits = apply_penalties(apply_logit_bias(logits, batch), batch)
     if batch.all_greedy:
         ids = logits.argmax(dim=-1)
     else:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: `build_app(llm, served_model_name, api_key=None, limits=ServerLimits())`.
 
-Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), GET /v1/models, GET and HEAD
-/health, GET /metrics, GET /openapi.json; no redirects (a trailing slash is a 404). Every request goes through
+Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), GET /v1/models and
+/v1/models/{id}, POST /tokenize and /detokenize (vLLM's, `tokenize`), GET /version, GET and HEAD /health,
+GET /metrics, GET /openapi.json; no redirects (a trailing slash is a 404). Every request goes through
 `guard.Guard` (request-head size, API key on every route but /health, HTTP metrics). Handlers read the body
 themselves (`request_body`: JSON content type in UTF-8, size limit, strict JSON without NaN), validate it with the
 pydantic models of `protocol`, render and tokenize the prompt (and decode images) in worker threads, then hand the
@@ -19,6 +20,7 @@ error object (`errors`); a 5xx means a bug or a dead engine.
     engine_loop.py    the engine thread                        request_group.py one request's side of it
     engine_process.py the engine thread in a child process
     reasoning.py      Qwen3 <think> split                      metrics.py       Prometheus /metrics
+    tokenize.py       /tokenize and /detokenize
     cli.py            `orinfer serve`, BackgroundServer       tools.py         tools, tool_choice (parsing: tool_calls/)
 """
 
@@ -31,14 +33,18 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from orinfer import __version__
 from orinfer.server.chat import chat
 from orinfer.server.completions import complete
 from orinfer.server.errors import add_error_handlers, engine_unavailable
 from orinfer.server.guard import Guard
 from orinfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                     CompletionResponse, ModelCard, ModelList)
+                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                     TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+                                     VersionResponse)
 from orinfer.server.request_body import read_json, validate_body
 from orinfer.server.state import ServerLimits, ServerState
+from orinfer.server.tokenize import detokenize, tokenize, tokenize_request_model
 
 __all__ = ["ServerLimits", "build_app"]
 
@@ -88,10 +94,34 @@ def _add_routes(app: FastAPI, srv: ServerState) -> None:
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card() -> ModelCard:
+        return ModelCard(id=srv.name, created=srv.created, max_model_len=srv.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        card = ModelCard(id=srv.name, created=srv.created, max_model_len=srv.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[card()]).model_dump()
+
+    # {model_id:path}: served names may hold slashes ("Qwen/Qwen3-8B").
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> dict[str, Any]:
+        srv.check_model(model_id)  # 404 model_not_found, in OpenAI's error shape
+        return card().model_dump()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> dict[str, Any]:
+        return {"version": __version__}
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        body = await read_json(request, srv.limits.max_body_bytes)
+        req = validate_body(tokenize_request_model(body), body)
+        return (await tokenize(srv, req)).model_dump()
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        body = await read_json(request, srv.limits.max_body_bytes)
+        req: DetokenizeRequest = validate_body(DetokenizeRequest, body)
+        return (await detokenize(srv, req)).model_dump()
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(request: Request) -> Response:
@@ -109,7 +139,8 @@ def _add_routes(app: FastAPI, srv: ServerState) -> None:
 def _document_bodies(app: FastAPI, srv: ServerState) -> None:
     """The handlers parse their bodies themselves (for strict JSON and clear errors); put the request schemas into
     /openapi.json anyway, with this server's model name and limits, so that clients and fuzzers see them."""
-    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+    bodies = {"/v1/chat/completions": [ChatCompletionRequest], "/v1/completions": [CompletionRequest],
+              "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest], "/detokenize": [DetokenizeRequest]}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -118,19 +149,24 @@ def _document_bodies(app: FastAPI, srv: ServerState) -> None:
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for path, model in bodies.items():
-            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            props = js["properties"]
-            props["model"] = {"anyOf": [{"type": "string", "enum": [srv.name]}, {"type": "null"}], "default": None}
-            props["n"]["anyOf"][0]["maximum"] = min(srv.limits.max_n, srv.limits.max_pending_sequences)
-            for key in ("max_tokens", "max_completion_tokens"):
-                if key in props and srv.limits.max_tokens is not None:
-                    props[key]["anyOf"][0]["maximum"] = srv.limits.max_tokens
-            components.update(js.pop("$defs", {}))
-            components[model.__name__] = js
+        for path, models in bodies.items():
+            refs = []
+            for model in models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                props = js["properties"]
+                props["model"] = {"anyOf": [{"type": "string", "enum": [srv.name]}, {"type": "null"}],
+                                  "default": None}
+                if "n" in props:
+                    props["n"]["anyOf"][0]["maximum"] = min(srv.limits.max_n, srv.limits.max_pending_sequences)
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if key in props and srv.limits.max_tokens is not None:
+                        props[key]["anyOf"][0]["maximum"] = srv.limits.max_tokens
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+                refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
+            body = refs[0] if len(refs) == 1 else {"anyOf": refs}
             schema["paths"][path]["post"]["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                "required": True, "content": {"application/json": {"schema": body}}}
         app.openapi_schema = schema
         return schema
 

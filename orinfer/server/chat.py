@@ -20,11 +20,11 @@ from orinfer.server.engine_loop import EngineDeadError, EngineStepError, Request
 from orinfer.server.errors import APIError, engine_error
 from orinfer.server.messages import chat_input
 from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
-                                     Usage)
+                                     TokenizeChatRequest, Usage)
 from orinfer.server.reasoning import ThinkState, initial_state
 from orinfer.server.request_body import template_kwargs
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
-                                      stream_chunk, usage)
+                                      stream_chunk, stream_usage_options, usage)
 from orinfer.server.state import ServerState
 from orinfer.server.tools import NO_TOOLS, ChatTools, chat_tools, finish_reason
 from orinfer.tool_calls import constrain_tool_choice
@@ -48,9 +48,12 @@ def _check_fields(srv: ServerState, req: ChatCompletionRequest) -> int:
     return n
 
 
-async def _render(srv: ServerState, req: ChatCompletionRequest, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None) -> str:
+async def render_prompt(srv: ServerState, req: ChatCompletionRequest | TokenizeChatRequest,
+                        messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """The prompt text of a chat request (in a worker thread) with `tools` in it; template errors are 400s."""
     kwargs, thinking = template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:  # a template variable, as vLLM passes it (chat_template_kwargs win)
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     try:
         return await asyncio.to_thread(srv.tokenizer.apply_chat_template, messages,
                                        add_generation_prompt=req.add_generation_prompt is not False,
@@ -63,7 +66,7 @@ async def _render(srv: ServerState, req: ChatCompletionRequest, messages: list[d
                        param="messages") from None
 
 
-def _text_length(content: Any) -> int:
+def text_length(content: Any) -> int:
     """Characters of a template message's content: a string, or parts whose text counts."""
     if isinstance(content, str):
         return len(content)
@@ -77,8 +80,8 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     tools = chat_tools(req, srv.tool_format)
     chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
     max_pixels = srv.images.check(len(chat_in.images), req.mm_processor_kwargs) if chat_in.images else None
-    srv.check_prompt_chars(sum(_text_length(m.get("content")) for m in chat_in.messages), "messages")
-    prompt = await _render(srv, req, chat_in.messages, tools.prompt_tools)
+    srv.check_prompt_chars(sum(text_length(m.get("content")) for m in chat_in.messages), "messages")
+    prompt = await render_prompt(srv, req, chat_in.messages, tools.prompt_tools)
     ids = await srv.tokenize(prompt, "messages")
     srv.check_prompt(ids, "messages")
     prompt_len = len(ids)
@@ -91,18 +94,20 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = srv.max_tokens(req.max_completion_tokens or req.max_tokens, prompt_len, param)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [constrain_tool_choice(srv.sampling(req, max_tokens, i, num_logprobs), tools.choice, tools.prompt_tools)
-              for i in range(n)]
+    params = [constrain_tool_choice(srv.sampling(req, max_tokens, i, num_logprobs,
+                                                 thinking_token_budget=req.thinking_token_budget),
+                                    tools.choice, tools.prompt_tools) for i in range(n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, [ids] * n, params, images=images, max_pixels=max_pixels)
     prompt_tokens = group.accepted.result()[0]  # as the engine counts it (visual tokens included)
     think = initial_state(prompt) if srv.reasoning else ThinkState.CONTENT
     created = int(time.time())
+    show_reasoning = req.include_reasoning is not False
     if req.stream:
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage, continuous = stream_usage_options(req)
         return AbortingStream(chat_stream(srv, group, request_id, created, n, prompt_tokens, think, include_usage,
-                                          bool(req.logprobs), tools), group.abort)
+                                          bool(req.logprobs), tools, include_reasoning=show_reasoning,
+                                          continuous_usage=continuous), group.abort)
     try:
         choices = await collect(request, group, n)
     except ClientGone:
@@ -116,7 +121,8 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
             res = tools.split("".join(c.text), think)
             calls = [call.to_openai() for call in res.calls]
             content = res.content if res.content or not calls else None  # OpenAI: null beside calls
-            message = ChatResponseMessage(content=content, reasoning_content=res.reasoning, tool_calls=calls)
+            reasoning = res.reasoning if show_reasoning else None
+            message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
             out.append(ChatChoice(index=i, message=message,
                                   logprobs=srv.chat_logprobs(c.logprobs) if req.logprobs else None,
                                   finish_reason=finish_reason(c.finish_reason, bool(calls))))
@@ -129,19 +135,24 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
 
 def chat_stream(srv: ServerState, group: RequestGroup, request_id: str, created: int, n: int, prompt_tokens: int,
                 think: ThinkState, include_usage: bool, want_logprobs: bool,
-                tools: ChatTools = NO_TOOLS) -> AsyncIterator[str]:
-    """The whole SSE stream of a streaming chat (`_chat_events`, then [DONE]; see `finish_stream`)."""
+                tools: ChatTools = NO_TOOLS, *, include_reasoning: bool = True,
+                continuous_usage: bool = False) -> AsyncIterator[str]:
+    """The whole SSE stream of a streaming chat (`_chat_events`, then [DONE]; see `finish_stream`).
+    `include_reasoning=False` drops reasoning_content deltas; `continuous_usage`: usage in every chunk."""
     return finish_stream(_chat_events(srv, group, request_id, created, n, prompt_tokens, think, include_usage,
-                                      want_logprobs, tools), group)
+                                      want_logprobs, tools, include_reasoning, continuous_usage), group)
 
 
 async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, created: int, n: int,
                        prompt_tokens: int, think: ThinkState, include_usage: bool,
-                       want_logprobs: bool, tools: ChatTools) -> AsyncIterator[str]:
+                       want_logprobs: bool, tools: ChatTools, include_reasoning: bool = True,
+                       continuous_usage: bool = False) -> AsyncIterator[str]:
     """The SSE events of a streaming chat: a role chunk per choice, then one chunk per update (updates already
     queued arrive merged, see RequestGroup.updates), a finish chunk per choice, the usage chunk. A tool call goes out
     as OpenAI's deltas: its index, id, type and name first, then fragments of its arguments."""
     def chunk(choices: list[dict[str, Any]], usage_obj: dict[str, int] | None = None) -> str:
+        if continuous_usage and usage_obj is None:
+            usage_obj = usage(prompt_tokens, sum(tokens), cached, n)
         return stream_chunk(request_id, "chat.completion.chunk", created, srv.name, choices, usage_obj, include_usage)
 
     parsers = [tools.parser(think) for _ in range(n)]
@@ -160,7 +171,7 @@ async def _chat_events(srv: ServerState, group: RequestGroup, request_id: str, c
         if up.finish_reason is not None:
             split += parser.finish()
         delta: dict[str, Any] = {}
-        if split.reasoning:
+        if split.reasoning and include_reasoning:
             delta["reasoning_content"] = split.reasoning
         if split.content:
             delta["content"] = split.content

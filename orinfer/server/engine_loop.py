@@ -42,6 +42,7 @@ class _Tracked:
     index: int
     seq: Sequence
     sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 class EngineLoop:
@@ -201,16 +202,20 @@ class EngineLoop:
             text = self.engine.take_delta(seq)
             lps = seq.logprobs[tracked.sent_logprobs:] if seq.logprobs else []
             tracked.sent_logprobs += len(lps)
+            prompt_lps = None
+            if (seq.params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs
+                    and len(seq.prompt_logprobs) == seq.num_prompt_tokens):
+                prompt_lps, tracked.sent_prompt_logprobs = list(seq.prompt_logprobs), True
             reason = seq.finish_reason if seq.is_finished else None
             if reason is not None:
                 del self._tracked[seq.request_id]
                 self.engine.release(seq.request_id)
                 self._observe(seq, reason)
-            elif not text and not lps:
+            elif not text and not lps and prompt_lps is None:
                 continue
             group = tracked.group
             update = SeqUpdate(tracked.index, text, lps, seq.num_completion_tokens, reason,
-                               seq.num_prompt_cached_tokens)
+                               seq.num_prompt_cached_tokens, prompt_lps)
             batches.setdefault(id(group.loop), (group.loop, []))[1].append((group, update))
         for loop, items in batches.values():
             try:

@@ -63,6 +63,19 @@ class LogprobFormatter:
                                              top_logprobs=top))
         return ChatLogprobs(content=entries)
 
+    def prompt(self, prompt_ids: list[int], entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+        """The completions API's lists for an echoed prompt (OpenAI's `echo` with `logprobs`): every prompt token,
+        from text offset 0, with its entry; the first token's log-probability and top are null (nothing predicts
+        it). `entries`: the engine's prompt log-probabilities (None: the prompt tokens with null entries)."""
+        known = [e for e in entries or [] if e is not None]
+        first = len(prompt_ids) - len(known)
+        out = self.completion(known, sum(len(self.token(t)[0]) for t in prompt_ids[:first]))
+        head = [self.token(t)[0] for t in prompt_ids[:first]]
+        offsets = [sum(len(h) for h in head[:i]) for i in range(first)]
+        return CompletionLogprobs(tokens=head + out.tokens, token_logprobs=[None] * first + out.token_logprobs,
+                                  top_logprobs=[None] * first + out.top_logprobs,
+                                  text_offset=offsets + out.text_offset)
+
     def completion(self, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         """The completions API's lists. Each `top_logprobs` entry holds the sampled token first, then the `logprobs`
         most likely ones (up to logprobs + 1 entries, as OpenAI documents and vLLM returns): with `logprobs: 0` it is

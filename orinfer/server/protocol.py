@@ -4,7 +4,8 @@ Requests are validated strictly as JSON types: a string is not a number, 1.5 is 
 Schema), a number is not a boolean, and NaN or Infinity are refused. Fields this server does not use are accepted
 and ignored, as vLLM does, so clients written for OpenAI keep working. vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output,
-chat_template_kwargs) and mm_processor_kwargs (max_pixels) are supported. Ranges that depend on the server's limits
+chat_template_kwargs, thinking_token_budget, include_reasoning), logit_bias and mm_processor_kwargs (max_pixels) are
+supported. Ranges that depend on the server's limits
 (n, max_tokens, stop strings, images) are checked by the handlers.
 
 Reading a body is `request_body`'s job; content parts become template messages in `messages`.
@@ -139,6 +140,12 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     chat_template: str | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # Reasoning controls: `reasoning_effort` becomes the template variable of that name (templates that read it, as
+    # Qwen3.8's, turn it into instructions); `include_reasoning: false` leaves reasoning_content out of the answer;
+    # `thinking_token_budget` caps the reasoning tokens (the engine then closes the thinking itself).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: bool | None = True
+    thinking_token_budget: int | None = Field(None, ge=0, le=I32_MAX)
 
 
 # --- completions -----------------------------------------------------------------------------------------------------
@@ -146,7 +153,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)   # 0: with echo, the prompt (and its logprobs) only, as vLLM allows
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1)
@@ -227,6 +234,49 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "orinfer"
     max_model_len: int | None = None
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's POST /tokenize with a prompt: its token ids."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's POST /tokenize with chat messages: the ids of the prompt the chat template renders from them (as
+    /v1/chat/completions would; image parts are refused)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 class ModelList(_Response):

@@ -20,28 +20,18 @@ returns. The rules (modern vLLM's `qwen3` parser, made prompt-aware and consiste
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+# The thinking rules (tags, the prompt's start state) are the engine's, so that the thinking token budget and this
+# split agree: orinfer/engine/thinking.py.
+from orinfer.engine.thinking import THINK_END, THINK_START, TURN_START, ThinkState, state_after_prompt
 
-
-class ThinkState(enum.Enum):
-    START = "start"          # nothing decided yet: waiting to see whether the output opens with <think>
-    THINKING = "thinking"    # inside <think>...
-    CONTENT = "content"      # the answer (after </think>, or the output never thought)
+__all__ = ["THINK_END", "THINK_START", "ReasoningParser", "Split", "ThinkState", "initial_state", "split_reasoning"]
 
 
 def initial_state(prompt: str) -> ThinkState:
     """Where the output starts, judged from the rendered prompt's last turn (after the last `<|im_start|>`)."""
-    tail = prompt[prompt.rfind("<|im_start|>") + 1:] if "<|im_start|>" in prompt else prompt
-    opened, closed = tail.rfind(THINK_START), tail.rfind(THINK_END)
-    if opened > closed:
-        return ThinkState.THINKING
-    if closed >= 0:
-        return ThinkState.CONTENT
-    return ThinkState.START
+    return state_after_prompt(prompt, TURN_START, THINK_START, THINK_END)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -38,11 +38,14 @@ class SeqUpdate:
     num_completion_tokens: int
     finish_reason: str | None           # "stop" | "length" | "abort" when the sequence ended
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    # Prompt log-probabilities (SamplingParams.prompt_logprobs), once, in the first update after they are complete.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def then(self, later: "SeqUpdate") -> "SeqUpdate":
         """This update followed by a later one of the same sequence, as one update."""
         return SeqUpdate(self.index, self.text + later.text, self.logprobs + later.logprobs,
-                         later.num_completion_tokens, later.finish_reason, later.num_cached_tokens)
+                         later.num_completion_tokens, later.finish_reason, later.num_cached_tokens,
+                         self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 class RequestGroup:

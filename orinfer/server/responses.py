@@ -26,6 +26,7 @@ class Choice:
         self.tokens = 0
         self.cached = 0                 # prompt tokens served from the prefix cache
         self.finish_reason: str | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class ClientGone(Exception):
@@ -51,6 +52,8 @@ async def collect(request: Request, group: RequestGroup, count: int) -> list[Cho
             c.tokens = up.num_completion_tokens
             c.cached = up.num_cached_tokens
             c.finish_reason = up.finish_reason or c.finish_reason
+            if up.prompt_logprobs is not None:
+                c.prompt_logprobs = up.prompt_logprobs
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -108,6 +111,14 @@ def stream_chunk(request_id: str, kind: str, created: int, model: str, choices: 
     if include_usage:
         obj["usage"] = usage_obj
     return sse(obj)
+
+
+def stream_usage_options(req: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streaming request's stream_options. As in vLLM, usage in every
+    chunk (continuous_usage_stats) needs include_usage too."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
 
 
 def usage(prompt: int, completion: int, cached: list[int] | None = None, n: int = 1) -> dict[str, Any]:

@@ -93,6 +93,7 @@ class ServerState:
         self.loop.metrics = self.metrics
         has_think = self.tokenizer is not None and self.tokenizer.token_to_id("<think>") is not None \
             and self.tokenizer.token_to_id("</think>") is not None
+        self.has_think_tags = has_think
         self.reasoning = has_think if reasoning is None else reasoning
         if tool_call_parser is None:
             tool_call_parser = "auto" if self.engine is None else self.engine.config.tool_call_parser
@@ -118,8 +119,8 @@ class ServerState:
         if n * num_prompts > lim.max_pending_sequences:  # could never be admitted, even by an idle server: not a 429
             raise APIError(400, f"{num_prompts} prompt(s) x n={n} is above this server's limit of "
                                 f"{lim.max_pending_sequences} pending sequences (--max-pending)", param="n")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > lim.max_stop:
             raise APIError(400, f"at most {lim.max_stop} stop strings are allowed", param="stop")
@@ -130,6 +131,22 @@ class ServerState:
             raise APIError(400, f"stop_token_ids: at most {lim.max_stop_token_ids} ids in 0..{self.vocab_size - 1}",
                            param="stop_token_ids")
         return n
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token id as a string -> bias in [-100, 100]) as the engine takes it."""
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if key.isascii() and key.isdigit() and len(key) < 20 else -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id in 0..{self.vocab_size - 1}",
+                               param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, f"logit_bias: the bias of token {key} is {value}; it must be in [-100, 100]",
+                               param="logit_bias")
+            out[token] = out.get(token, 0.0) + float(value)
+        return out
 
     def check_prompt(self, ids: list[int], param: str, length: int | None = None) -> None:
         """`length`: the prompt's length in the engine when it differs from len(ids) (images' visual tokens)."""
@@ -155,7 +172,10 @@ class ServerState:
                            code="context_length_exceeded")
         return requested
 
-    def sampling(self, req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None, *,
+                 prompt_logprobs: int | None = None, thinking_token_budget: int | None = None) -> SamplingParams:
+        if thinking_token_budget is not None and not self.has_think_tags:
+            raise APIError(400, "thinking_token_budget: this model has no <think> tokens", param="thinking_token_budget")
         seed = req.seed
         if seed is not None and choice:
             seed += choice                       # choice i of a seeded request uses seed + i (wrapping in int64)
@@ -172,7 +192,9 @@ class ServerState:
                 seed=seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=bool(req.ignore_eos), min_tokens=req.min_tokens or 0,
                 skip_special_tokens=req.skip_special_tokens is not False,
-                include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs)
+                include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs,
+                logit_bias=self.logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs,
+                thinking_token_budget=thinking_token_budget)
         except RequestError as exc:
             err = request_error(exc)
             if err.param is None and str(exc).startswith(("stop ", "stop_token_ids ")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Iterator, Sequence as Seq
@@ -19,6 +20,7 @@ from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
+from orinfer.thinking import initial_state
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +150,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
                                     tools=tools, **(chat_template_kwargs or {})) for c in conversations]
+        if params is not None and params.structured_outputs is not None and params.think_state is None:
+            # The constraint applies after </think>: each prompt says where its output starts.
+            per_prompt = [dataclasses.replace(params, think_state=initial_state(
+                p if isinstance(p, str) else p["prompt"]).value) for p in prompts]
+            return self.generate(prompts, per_prompt)
         return self.generate(prompts, params)
 
     def chat_prompt(self, messages: list[Message], **kwargs: Any) -> Prompt:

@@ -27,6 +27,7 @@ from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
+from orinfer.structured.constraint import bitmask_words
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,8 @@ class ModelRunner:
         need_history = any(p.repetition_penalty != 1.0 for p in params)
         need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs):
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs or constrained):
             return SamplingBatch.greedy_only()  # argmax needs no per-row settings on the device
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -297,7 +299,19 @@ class ModelRunner:
             use_min_p=any(p.min_p > 0 for p in params),
             use_repetition_penalty=need_history, use_presence_frequency=need_output,
             num_logprobs=num_logprobs, want_logprobs=want_logprobs,
+            constrained_rows=self._upload(constrained, torch.int64) if constrained else None,
+            token_bitmask=self._token_bitmask([seqs[i] for i in constrained]) if constrained else None,
         )
+
+    def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The allowed next tokens of constrained sequences, [len(seqs), ceil(V/32)] int32, computed on the host by
+        their matchers (each sequence's previous token is on the host: the engine keeps them out of lookahead)."""
+        words = bitmask_words(self.model_config.vocab_size)
+        pin = self.device.type == "cuda"
+        mask = torch.empty(len(seqs), words, dtype=torch.int32, pin_memory=pin)
+        for row, seq in zip(mask, seqs):
+            seq.constraint.fill_mask(row)
+        return mask.to(self.device, non_blocking=True) if pin else mask.to(self.device)
 
     def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))

@@ -3,9 +3,10 @@
 One incremental parser serves both modes, so a streamed answer joins up to exactly what the non-streaming one
 returns. The rules (modern vLLM's `qwen3` parser, made prompt-aware and consistent across modes):
 
-- The chat prompt sets the start state. A prompt whose assistant turn already opened `<think>` (Qwen3-*-Thinking-2507
-  templates) starts inside the reasoning. A prompt that already closed it (`enable_thinking=False` renders
-  `<think>\\n\\n</think>\\n\\n`) is all content: nothing is parsed. Otherwise the output decides.
+- The chat prompt sets the start state (`orinfer/thinking.py`, shared with the engine's structured outputs). A
+  prompt whose assistant turn already opened `<think>` (Qwen3-*-Thinking-2507 templates) starts inside the
+  reasoning. A prompt that already closed it (`enable_thinking=False` renders `<think>\\n\\n</think>\\n\\n`) is
+  all content: nothing is parsed. Otherwise the output decides.
 - Output that starts (after whitespace) with `<think>` is reasoning up to the first `</think>`; what follows is
   content. Output that does not start with `<think>` is all content, verbatim, even if a `</think>` shows up later
   (the model did not think; treating its answer as reasoning is how servers end up with empty answers).
@@ -20,28 +21,11 @@ returns. The rules (modern vLLM's `qwen3` parser, made prompt-aware and consiste
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from orinfer.thinking import THINK_END, THINK_START, ThinkState, initial_state
 
-
-class ThinkState(enum.Enum):
-    START = "start"          # nothing decided yet: waiting to see whether the output opens with <think>
-    THINKING = "thinking"    # inside <think>...
-    CONTENT = "content"      # the answer (after </think>, or the output never thought)
-
-
-def initial_state(prompt: str) -> ThinkState:
-    """Where the output starts, judged from the rendered prompt's last turn (after the last `<|im_start|>`)."""
-    tail = prompt[prompt.rfind("<|im_start|>") + 1:] if "<|im_start|>" in prompt else prompt
-    opened, closed = tail.rfind(THINK_START), tail.rfind(THINK_END)
-    if opened > closed:
-        return ThinkState.THINKING
-    if closed >= 0:
-        return ThinkState.CONTENT
-    return ThinkState.START
+__all__ = ["THINK_END", "THINK_START", "ReasoningParser", "Split", "ThinkState", "initial_state", "split_reasoning"]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

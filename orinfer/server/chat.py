@@ -22,6 +22,7 @@ from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatComp
                                      Usage)
 from orinfer.server.reasoning import ReasoningParser, Split, ThinkState, initial_state, split_reasoning
 from orinfer.server.request_body import template_kwargs
+from orinfer.server.structured import structured_outputs
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, usage)
 from orinfer.server.state import ServerState
@@ -35,9 +36,6 @@ def _check_fields(srv: ServerState, req: ChatCompletionRequest) -> int:
     if req.chat_template is not None:
         raise APIError(400, "custom chat templates are not accepted; the model's own template is used",
                        param="chat_template")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"response_format {fmt.get('type')!r} is not supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if srv.tokenizer is None:
@@ -70,6 +68,7 @@ def _text_length(content: Any) -> int:
 
 async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -> Response:
     n = _check_fields(srv, req)
+    spec = structured_outputs(req)
     chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
     max_pixels = srv.images.check(len(chat_in.images), req.mm_processor_kwargs) if chat_in.images else None
     srv.check_prompt_chars(sum(_text_length(m.get("content")) for m in chat_in.messages), "messages")
@@ -86,11 +85,11 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = srv.max_tokens(req.max_completion_tokens or req.max_tokens, prompt_len, param)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [srv.sampling(req, max_tokens, i, num_logprobs) for i in range(n)]
+    think = initial_state(prompt) if srv.reasoning else ThinkState.CONTENT
+    params = [srv.sampling(req, max_tokens, i, num_logprobs, spec, think.value) for i in range(n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, [ids] * n, params, images=images, max_pixels=max_pixels)
     prompt_tokens = group.accepted.result()[0]  # as the engine counts it (visual tokens included)
-    think = initial_state(prompt) if srv.reasoning else ThinkState.CONTENT
     created = int(time.time())
     if req.stream:
         opts = req.stream_options

@@ -10,6 +10,7 @@ from typing import Any
 
 from orinfer.engine.sequence import TokenLogprob
 from orinfer.errors import OrinferError, RequestError
+from orinfer.structured.params import StructuredOutputsParams
 from orinfer.multimodal.image_io import DEFAULT_MAX_IMAGE_PIXELS
 from orinfer.sampling_params import SamplingParams
 from orinfer.server.engine_loop import EngineDeadError, EngineLoop, RequestGroup
@@ -149,7 +150,11 @@ class ServerState:
                            code="context_length_exceeded")
         return requested
 
-    def sampling(self, req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None,
+                 structured_outputs: StructuredOutputsParams | None = None,
+                 think_state: str | None = None) -> SamplingParams:
+        """`structured_outputs`: the request's constraint (server/structured.py); `think_state`: where the output
+        starts relative to <think> (chat), so that the constraint applies to the answer only."""
         seed = req.seed
         if seed is not None and choice:
             seed += choice                       # choice i of a seeded request uses seed + i (wrapping in int64)
@@ -166,7 +171,8 @@ class ServerState:
                 seed=seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=bool(req.ignore_eos), min_tokens=req.min_tokens or 0,
                 skip_special_tokens=req.skip_special_tokens is not False,
-                include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs)
+                include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs,
+                structured_outputs=structured_outputs, think_state=think_state)
         except RequestError as exc:
             err = request_error(exc)
             if err.param is None and str(exc).startswith(("stop ", "stop_token_ids ")):

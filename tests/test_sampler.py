@@ -191,5 +191,6 @@ def test_masked_tokens_are_never_sampled_even_with_penalties_and_greedy():
 def test_mask_keeps_sampling_batch_off_plain_argmax():
     batch = SamplingBatch.greedy_only()
     assert batch.plain_argmax
-    batch.token_bitmask, batch.constrained_rows = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    batch.token_bitmask = torch.zeros(1, 1, dtype=torch.int32)
+    batch.constrained_rows = torch.zeros(1, dtype=torch.int64)
     assert not batch.plain_argmax

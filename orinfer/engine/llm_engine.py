@@ -9,13 +9,13 @@ chunks of running prompts) before it waits for the current one, so a step is usu
 Anything that needs the host to know every token first (a prompt to admit or continue, a preemption) drains it.
 
 Structured outputs (orinfer/structured/): a constrained sequence's mask for its next token depends on its previous
-token, which a lookahead step would not have on the host. So a lookahead step is not launched while a constrained
-sequence is decoding: such a batch runs one plain step at a time (the tokens reach the host, the matchers advance,
-the masks are built, then the next step is launched). A constrained prompt's first token may still be sampled in a
-lookahead step (its matcher has seen every token). The cost falls on the whole batch while a constrained sequence
-decodes: the host's per-step work (stop checks, detokenizing, the masks: ~0.1 ms a row for JSON on a 2-core CPU)
-is no longer hidden behind the device; CUDA graphs still replay the forward, and the sampler then runs after it
-rather than inside a greedy graph. Unconstrained rows get the same tokens as alone (their logits are untouched).
+token, which is still on the device when a lookahead step is launched. Such a step is launched in two parts: its
+forward is queued at once (so the device keeps running), and its sampler only after the host has waited for the
+previous step's tokens, advanced the matchers and built the masks (`ModelRunner.finish_sampling`). The cost: the
+device may idle between that forward and the sampler for the host's per-step work (stop checks, detokenizing, the
+masks: ~0.1 ms a row for JSON on a 2-core CPU), where an unconstrained batch hides it entirely; and the greedy
+decode graphs then leave the argmax to the sampler. Unconstrained rows in the batch get the same tokens as alone
+(their logits are untouched), and CUDA graphs still replay the forward.
 """
 
 from __future__ import annotations
@@ -219,10 +219,20 @@ class LLMEngine:
             if not plan:
                 return []
             current = self.in_flight = self._launch(plan)
+        self._finish_sampling(current)  # (only if a failure left it unsampled: it was launched as a lookahead)
         # (in_flight is replaced only once the next step is launched: if launching raises, `current` stays there
         # for the next call to collect, so no sequence keeps a pending token that nothing will resolve.)
         self.in_flight = self._launch_lookahead(current)
-        return self._resolve(current)
+        try:
+            return self._resolve(current)
+        finally:
+            # The next step's forward ran meanwhile; its constrained rows' matchers have now seen their tokens.
+            if self.in_flight is not None:
+                self._finish_sampling(self.in_flight)
+
+    def _finish_sampling(self, step: InFlightStep) -> None:
+        if step.deferred is not None:
+            step.sampled(self.runner.finish_sampling(step.deferred))
 
     def _launch(self, plan: StepPlan, after: InFlightStep | None = None, rows: list[int] | None = None
                 ) -> InFlightStep:
@@ -254,8 +264,6 @@ class LLMEngine:
         # row is skipped at resolve (its KV write goes to its own, freed blocks; later users are queued behind it).
         batch = [seq for seq in self.scheduler.running
                  if seq.num_uncomputed_tokens == 1 and not self._ends_by_length(seq)]
-        if any(seq.constraint is not None for seq in batch):
-            return None  # its mask needs its pending token on the host (module docstring)
         rows = current.rows_of(batch)
         if rows is None:
             return None

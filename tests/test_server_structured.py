@@ -102,3 +102,25 @@ def test_bad_constraints_are_400s(server, body, reason):
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": "Alice", "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
+
+
+def test_engine_in_a_child_process(tiny_dir, server):
+    """`orinfer serve` runs the engine in a child process: the constraint travels there (pickled), is compiled there,
+    and gives the answer of the engine in a thread; an uncompilable schema still comes back as a 400."""
+    import functools
+
+    from orinfer.args import EngineArgs
+    from orinfer.server.engine_process import EngineProcess
+
+    settings = EngineArgs(dtype="float32", device="cpu", progress=False, max_model_len=512)
+    process = EngineProcess(functools.partial(LLM, tiny_dir, settings), LLM.load_tokenizer(tiny_dir, settings))
+    body = {"model": "tiny", "prompt": "Alice was", "max_tokens": 30, "temperature": 1.0, "seed": 9,
+            "guided_json": SCHEMA}
+    with BackgroundServer(build_app(process, "tiny")) as remote:
+        got = httpx.post(remote.url + "/v1/completions", json=body, timeout=120)
+        bad = httpx.post(remote.url + "/v1/completions", timeout=60,
+                         json={**body, "guided_json": {"type": "nonsense"}})
+    want = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+    assert jsonschema_rs.validator_for(SCHEMA).is_valid(json.loads(got.json()["choices"][0]["text"]))
+    assert bad.status_code == 400 and "nonsense" in bad.json()["error"]["message"]

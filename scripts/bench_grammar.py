@@ -46,6 +46,7 @@ def instance() -> dict:
 
 
 def bench_llguidance(path: str, schema: dict, text: str) -> dict:
+    """Setup, compile and per-token mask times of llguidance (the library orinfer uses)."""
     import llguidance
     import llguidance.torch as lltorch
     import tokenizers
@@ -74,6 +75,7 @@ def bench_llguidance(path: str, schema: dict, text: str) -> dict:
 
 
 def bench_xgrammar(path: str, schema: dict, text: str) -> dict:
+    """The same for xgrammar (through transformers' tokenizer wrapper)."""
     import torch
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
@@ -102,11 +104,12 @@ def bench_xgrammar(path: str, schema: dict, text: str) -> dict:
                 mask_mean_us=statistics.mean(per) * 1e6, mask_max_us=max(per) * 1e6, tokens=len(ids))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tokenizer_json")
-    ap.add_argument("--lib", choices=["llguidance", "xgrammar", "both"], default="both")
-    args = ap.parse_args()
+    ap.add_argument("--lib", choices=["llguidance", "xgrammar", "both"], default="both",
+                    help="xgrammar must be importable for it (not a dependency of orinfer)")
+    args = ap.parse_args(argv)
     schema, text = tool_schema(), json.dumps(instance())
     libs = ["llguidance", "xgrammar"] if args.lib == "both" else [args.lib]
     for lib in libs:

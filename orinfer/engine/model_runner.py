@@ -377,6 +377,7 @@ class ModelRunner:
             return DeferredSample(logits, sampling, sampled)
         return sample(logits, sampling)
 
+    @torch.inference_mode()
     def finish_sampling(self, deferred: DeferredSample) -> SamplerOutput:
         """Samples a step whose forward was queued before its constrained rows' previous tokens reached the host:
         now that their matchers have advanced, their masks are built and the sampler is queued behind the forward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Iterator, Sequence as Seq
@@ -19,6 +20,7 @@ from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
+from orinfer.thinking import initial_state
 from orinfer.tool_calls import (answer_start, check_parser_for, check_tools, constrain_tool_choice, parse_chat_output,
                                 parse_tool_choice, resolve_format)
 from orinfer.tool_calls.history import template_messages
@@ -165,7 +167,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
                                     tools=prompt_tools, **(chat_template_kwargs or {})) for c in conversations]
-        outputs = self.generate(prompts, constrain_tool_choice(params, choice, prompt_tools))
+        params = constrain_tool_choice(params, choice, prompt_tools, tool_format)
+        per_prompt: SamplingParams | list[SamplingParams] | None = params
+        if params is not None and params.structured_outputs is not None and params.think_state is None:
+            # The constraint applies after </think>: each prompt says where its output starts.
+            per_prompt = [dataclasses.replace(params, think_state=initial_state(
+                p if isinstance(p, str) else p["prompt"]).value) for p in prompts]
+        outputs = self.generate(prompts, per_prompt)
         for out, prompt in zip(outputs, prompts):
             text = prompt if isinstance(prompt, str) else prompt["prompt"]
             res = parse_chat_output(out.text, answer_start(self.tokenizer, text),

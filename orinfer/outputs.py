@@ -65,4 +65,4 @@ class RequestOutput:
         return cls(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_text,
                    seq.completion_token_ids, seq.finish_reason, RequestMetrics.of(seq), list(seq.logprobs),
                    seq.num_prompt_cached_tokens,
-                   list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
+                   prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)

@@ -3,6 +3,11 @@
 Fields left as None take the model's defaults from generation_config.json (as vLLM does), then the neutral value
 (temperature 1, no top-k/top-p/min-p, no penalties). temperature 0 means greedy.
 
+`structured_outputs` constrains the output (a JSON schema, any JSON object, a regex, a choice of strings or a
+grammar; orinfer/structured/). With Qwen3 thinking, `think_state` says where the output starts relative to the
+<think> block (`orinfer.thinking.initial_state` of the rendered prompt; LLM.chat and the server set it): the
+constraint then applies only to the answer after </think>.
+
 The sampler holds these values in float32 (top_k in int64) tensors, so each is checked as that dtype holds it too: a
 value that overflows there, rounds onto an open bound (top_p=1e-300 is 0 in float32), or whose reciprocal the sampler
 cannot hold (repetition_penalty divides the logits) is refused like any other out-of-range value.
@@ -17,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orinfer.errors import RequestError
+from orinfer.structured.params import StructuredOutputsParams
+from orinfer.thinking import ThinkState
 
 # generation_config.json key -> SamplingParams field, for the defaults a checkpoint may set.
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -47,6 +54,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else, in [-100, 100]
     # Reasoning tokens (inside <think>) after which the engine closes the thinking itself (None: no budget).
     thinking_token_budget: int | None = None
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None  # a dict is converted
+    think_state: str | None = None          # "start" | "thinking" | "content" (None: content, no thinking)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +65,7 @@ class SamplingParams:
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
                                for k, v in self.logit_bias.items()}  # OpenAI sends ids as strings
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -86,6 +96,8 @@ class SamplingParams:
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers")
+        if self.think_state is not None and self.think_state not in {s.value for s in ThinkState}:
+            raise _bad("think_state", self.think_state, "must be one of " + ", ".join(s.value for s in ThinkState))
 
     def with_defaults(self, generation_config: dict[str, Any]) -> "SamplingParams":
         """A copy where unset fields take the checkpoint's generation_config values, then neutral ones."""

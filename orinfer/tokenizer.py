@@ -219,6 +219,10 @@ class Tokenizer:
         """Id of a vocabulary or added token given as its string form, or None if unknown."""
         return self._backend.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as HF tokenizer.json text (what the structured-output library builds its vocabulary from)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         """String form of a token id (byte-level symbols for BPE pieces), or None if out of range."""
         return self._backend.id_to_token(token_id)

@@ -125,3 +125,72 @@ def test_plain_argmax_only_for_greedy_rows_without_penalties_or_logprobs():
     for change in ({"want_logprobs": True}, {"use_repetition_penalty": True}, {"use_presence_frequency": True},
                    {"all_greedy": False}):
         assert not dataclasses.replace(greedy, **change).plain_argmax, change
+
+
+# --- structured-output masks --------------------------------------------------------------------------------------
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """Reference packing, one token at a time: bit i%32 of int32 word i//32 is token i."""
+    rows, vocab = allowed.shape
+    words = torch.zeros(rows, (vocab + 31) // 32, dtype=torch.int64)
+    for r in range(rows):
+        for t in range(vocab):
+            if allowed[r, t]:
+                words[r, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [5, 32, 70, 96])
+def test_token_bitmask_matches_reference(vocab):
+    from orinfer.layers.sampler import apply_token_bitmask, unpack_bitmask
+
+    gen = torch.Generator().manual_seed(vocab)
+    allowed = torch.rand(3, vocab, generator=gen) < 0.3
+    allowed[:, 0] = True
+    allowed[1, vocab - 1] = True  # the last id, bit 31 of a full word when vocab is a multiple of 32
+    packed = _pack(allowed)
+    assert torch.equal(unpack_bitmask(packed, vocab), allowed)
+    # A logits row wider than the mask (the model's vocabulary beyond the tokenizer's): the extra ids are refused.
+    assert not unpack_bitmask(packed, vocab + 40)[:, vocab:].any()
+    logits = torch.randn(5, vocab, generator=gen)
+    rows = torch.tensor([3, 0, 4])
+    out = apply_token_bitmask(logits, rows, packed)
+    expected = logits.clone()
+    for i, r in enumerate(rows.tolist()):
+        for t in range(vocab):
+            if not allowed[i, t]:
+                expected[r, t] = float("-inf")
+    assert torch.equal(out, expected)
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[2], logits[2])  # unconstrained rows untouched
+
+
+def test_masked_tokens_are_never_sampled_even_with_penalties_and_greedy():
+    vocab = 40
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    allowed = torch.zeros(4, vocab, dtype=torch.bool)
+    allowed[:, [3, 17, 33]] = True
+    temps = torch.tensor([0.0, 1.0, 1.0, 0.7])
+    history = torch.arange(vocab).repeat(4, 1)  # every token seen: the repetition penalty touches all of them
+    n = 500
+    seen = set()
+    for trial in range(n // 4):
+        batch = batch_of(4, temperature=temps, repetition_penalty=torch.full((4,), 1e-30), history=history,
+                         output_ids=history, frequency_penalty=torch.full((4,), -2.0), top_k=torch.full((4,), 30),
+                         generators=[torch.Generator().manual_seed(trial * 4 + i) for i in range(4)],
+                         constrained_rows=torch.arange(4), token_bitmask=_pack(allowed))
+        ids = sample(logits, batch).token_ids.tolist()
+        seen.update(ids)
+    assert seen <= {3, 17, 33}
+    # Greedy under the mask is the argmax over the allowed tokens.
+    greedy = sample(logits, batch_of(4, temperature=torch.zeros(4), constrained_rows=torch.arange(4),
+                                     token_bitmask=_pack(allowed))).token_ids
+    assert greedy.tolist() == logits[:, [3, 17, 33]].argmax(dim=1).apply_(lambda i: [3, 17, 33][i]).tolist()
+
+
+def test_mask_keeps_sampling_batch_off_plain_argmax():
+    batch = SamplingBatch.greedy_only()
+    assert batch.plain_argmax
+    batch.token_bitmask = torch.zeros(1, 1, dtype=torch.int32)
+    batch.constrained_rows = torch.zeros(1, dtype=torch.int64)
+    assert not batch.plain_argmax

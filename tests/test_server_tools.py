@@ -186,6 +186,32 @@ def test_tool_choice_values_parse_calls(clients, choice):
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", CALL_ARGS)]
 
 
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_tool_choice_required_and_named_are_enforced(clients, choice):
+    """"hello" makes the model answer in text; "required" and a named function constrain the answer to a call of the
+    tool, in the template's format, whose arguments follow its schema; one call with parallel_tool_calls false."""
+    plain = _ask(clients["json"], "hello", tools=TOOLS)
+    assert not plain.choices[0].message.tool_calls
+    for parallel in (True, False):
+        out = _ask(clients["json"], "hello", tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
+        calls = out.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "get_weather" for c in calls)
+        assert len(calls) == 1 or parallel
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            assert isinstance(args["city"], str) and set(args) <= {"city", "days"}
+            assert isinstance(args.get("days", 0), int)
+        _, content, s_calls, finish, _ = _streamed(clients["json"], "hello", tools=TOOLS, tool_choice=choice,
+                                                   parallel_tool_calls=parallel)
+        assert s_calls and all(d[0].function.name == "get_weather" for d in s_calls.values())
+
+
+def test_tool_choice_required_with_a_response_format_is_400(clients):
+    with pytest.raises(openai.BadRequestError) as err:
+        _ask(clients["json"], "hello", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert err.value.body["param"] == "tool_choice"
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),

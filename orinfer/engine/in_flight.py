@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from orinfer.engine.model_runner import DeferredSample
 from orinfer.engine.prompt_logprobs import PromptSpan
 from orinfer.engine.sequence import Sequence
 from orinfer.layers.sampler import SamplerOutput
@@ -38,10 +39,19 @@ class InFlightStep:
     """One launched step: the sequences that sample in it (row i samples for seqs[i]), those that ran prompt tokens
     in it, when it was launched, and its device outputs."""
 
-    def __init__(self, seqs: list[Sequence], prompt_seqs: list[Sequence], start: float, out: SamplerOutput,
-                 spans: list[PromptSpan] | None = None) -> None:
+    def __init__(self, seqs: list[Sequence], prompt_seqs: list[Sequence], start: float,
+                 out: SamplerOutput | DeferredSample, spans: list[PromptSpan] | None = None) -> None:
         self.seqs, self.prompt_seqs, self.start = seqs, prompt_seqs, start
         self.spans = spans or []             # the prompt log-probability entries this step computes
+        # A forward queued without its sampler (structured outputs: masks wait for the previous step's tokens);
+        # `sampled` finishes it. Until then no step may be launched behind this one.
+        self.deferred = out if isinstance(out, DeferredSample) else None
+        if self.deferred is None:
+            self.sampled(out)
+
+    def sampled(self, out: SamplerOutput) -> None:
+        """The step's sampler output, queued on the device: copies to the host start behind it."""
+        self.deferred = None
         self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
         host = {f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)
                 if f.name not in ("token_ids", "host_token_ids")}
@@ -61,6 +71,7 @@ class InFlightStep:
 
     def wait(self) -> HostSample:
         """Blocks until this step's outputs are on the host (not longer: later steps may still run)."""
+        assert self.deferred is None, "a step waits for its tokens before it was sampled"
         if self._event is not None:
             self._event.synchronize()
         h = self._host

@@ -7,6 +7,15 @@ Callers (LLM, the server) drive `step` in a loop.
 Lookahead (EngineArgs.async_scheduling, see in_flight.py): `step` launches the next step (decode rows and the next
 chunks of running prompts) before it waits for the current one, so a step is usually in flight between two calls.
 Anything that needs the host to know every token first (a prompt to admit or continue, a preemption) drains it.
+
+Structured outputs (orinfer/structured/): a constrained sequence's mask for its next token depends on its previous
+token, which is still on the device when a lookahead step is launched. Such a step is launched in two parts: its
+forward is queued at once (so the device keeps running), and its sampler only after the host has waited for the
+previous step's tokens, advanced the matchers and built the masks (`ModelRunner.finish_sampling`). The cost: the
+device may idle between that forward and the sampler for the host's per-step work (stop checks, detokenizing, the
+masks: ~0.1 ms a row for JSON on a 2-core CPU), where an unconstrained batch hides it entirely; and the greedy
+decode graphs then leave the argmax to the sampler. Unconstrained rows in the batch get the same tokens as alone
+(their logits are untouched), and CUDA graphs still replay the forward.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from orinfer.engine.thinking import ThinkingBudget, ThinkTokens
 from orinfer.errors import RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
+from orinfer.structured.constraint import SequenceConstraint
+from orinfer.structured.grammar import GrammarCompiler
+from orinfer.thinking import THINK_END, THINK_START, ThinkState
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +84,7 @@ class LLMEngine:
         self.in_flight: InFlightStep | None = None  # a launched step not yet processed (lookahead)
         self.num_lookahead_steps = 0                 # steps launched behind one still in flight
         self._request_ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request (tokenizer setup)
         # Whether image sources may be local paths / file:// URLs (a server serving remote clients turns this off).
         self.allow_local_files = True
 
@@ -136,7 +149,9 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.parts.device).manual_seed(params.seed)
+        constraint = self._constraint(params) if params.structured_outputs is not None else None
         seq = Sequence(request_id, ids, params, prompt=text, generator=generator, mm=mm)
+        seq.constraint = constraint
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.new_detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
         self._start_thinking_budget(seq)
@@ -169,6 +184,8 @@ class LLMEngine:
         closing = budget.tokens.closing[:max(0, room - at_admission)]
         for token in closing:
             seq.append_token(token)
+            if seq.constraint is not None and seq.constraint.think_state is not ThinkState.CONTENT:
+                seq.constraint.advance(token)  # up to </think>: the grammar starts with the answer, after it
             if seq.detokenizer is not None:
                 before = len(seq.output_text)
                 seq.output_text += seq.detokenizer.push(token)
@@ -177,6 +194,22 @@ class LLMEngine:
         if len(closing) < len(budget.tokens.closing) or seq.num_completion_tokens >= seq.params.max_tokens:
             return "length"
         return None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer (RequestError without a tokenizer)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured_outputs needs a tokenizer; this engine has none")
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.parts.model_config.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _constraint(self, params: SamplingParams) -> SequenceConstraint:
+        matcher = self.grammars.matcher(params.structured_outputs)
+        state = ThinkState(params.think_state) if params.think_state is not None else ThinkState.CONTENT
+        return SequenceConstraint(matcher, state, self.tokenizer.token_to_id(THINK_START),
+                                  self.tokenizer.token_to_id(THINK_END))
 
     def _encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -199,6 +232,7 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
+            seq.constraint = None
             self.scheduler.finish(seq)
 
     def release(self, request_id: str) -> None:
@@ -223,10 +257,20 @@ class LLMEngine:
             if not plan:
                 return []
             current = self.in_flight = self._launch(plan)
+        self._finish_sampling(current)  # (only if a failure left it unsampled: it was launched as a lookahead)
         # (in_flight is replaced only once the next step is launched: if launching raises, `current` stays there
         # for the next call to collect, so no sequence keeps a pending token that nothing will resolve.)
         self.in_flight = self._launch_lookahead(current)
-        return self._resolve(current)
+        try:
+            return self._resolve(current)
+        finally:
+            # The next step's forward ran meanwhile; its constrained rows' matchers have now seen their tokens.
+            if self.in_flight is not None:
+                self._finish_sampling(self.in_flight)
+
+    def _finish_sampling(self, step: InFlightStep) -> None:
+        if step.deferred is not None:
+            step.sampled(self.runner.finish_sampling(step.deferred))
 
     def _launch(self, plan: StepPlan, after: InFlightStep | None = None, rows: list[int] | None = None
                 ) -> InFlightStep:
@@ -325,9 +369,12 @@ class LLMEngine:
                 reason = "stop_str"  # the text already ends at the stop string (`_start_thinking_budget`)
             else:
                 reason = self._stop_reason(seq, token)
+                if reason is None and seq.constraint is not None and self._constraint_done(seq, token):
+                    reason = "stop"
                 if reason is None and seq.thinking is not None:
                     reason = self._count_thinking(seq, token)
             if reason is not None:
+                seq.constraint = None
                 seq.finish_reason = reason
                 seq.finish_time = now
                 if seq.detokenizer is not None and reason != "stop_str":
@@ -347,6 +394,14 @@ class LLMEngine:
         if reason is None:
             self.scheduler.extend(seq)
         return reason
+
+    @staticmethod
+    def _constraint_done(seq: Sequence, token: int) -> bool:
+        """Advances the sequence's matcher; True when the grammar is complete (nothing but EOS could follow) or,
+        which sampling under its mask rules out, refused the token."""
+        if not seq.constraint.advance(token):
+            return True
+        return seq.constraint.is_complete
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,11 +29,24 @@ from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
+from orinfer.structured.constraint import bitmask_words
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 LOGITS_ROW_BUCKET = 16  # eager steps compute logits for a multiple of this many rows on the GPU (`_logits`)
+
+
+@dataclass
+class DeferredSample:
+    """A queued forward whose sampling waits for structured-output masks (`ModelRunner.finish_sampling`). `logits`
+    (and `hidden`) may be a CUDA graph's output buffer: it must be sampled before the next step is queued."""
+
+    logits: torch.Tensor
+    sampling: SamplingBatch
+    seqs: list[Sequence]
+    hidden: torch.Tensor | None = None             # the step's hidden states, for its prompt log-probabilities
+    spans: list[PromptSpan] | None = None
 
 
 class ModelRunner:
@@ -271,15 +285,20 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def sampling_batch(self, seqs: list[Sequence], pending: torch.Tensor | None = None) -> SamplingBatch:
+    def sampling_batch(self, seqs: list[Sequence], pending: torch.Tensor | None = None,
+                       with_masks: bool = True) -> SamplingBatch:
         """The batch's sampling settings on the device. `pending` [B] (lookahead): each sequence's token still on the
-        device, appended to the token history the penalties read (they count ids; their order does not matter)."""
+        device, appended to the token history the penalties read (they count ids; their order does not matter).
+        `with_masks` False: the structured-output masks are left for `finish_sampling` (their matchers still wait
+        for a token)."""
         params = [s.params for s in seqs]
         need_history = any(p.repetition_penalty != 1.0 for p in params)
         need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
         want_logprobs = any(p.logprobs is not None for p in params)
         need_bias = any(p.logit_bias for p in params)
-        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs or need_bias):
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None] if with_masks else []
+        if all(p.greedy for p in params) and not (need_history or need_output or want_logprobs or need_bias
+                                                  or constrained):
             return SamplingBatch.greedy_only()  # argmax needs no per-row settings on the device
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -301,6 +320,8 @@ class ModelRunner:
             use_repetition_penalty=need_history, use_presence_frequency=need_output,
             num_logprobs=num_logprobs, want_logprobs=want_logprobs,
             **(self._logit_bias(params) if need_bias else {}),
+            constrained_rows=self._upload(constrained, torch.int64) if constrained else None,
+            token_bitmask=self._token_bitmask([seqs[i] for i in constrained]) if constrained else None,
         )
 
     def _logit_bias(self, params: list) -> dict[str, torch.Tensor]:
@@ -311,6 +332,16 @@ class ModelRunner:
         values = [[float(v) for _, v in r] + [0.0] * (width - len(r)) for r in rows]
         return {"bias_ids": self._upload(ids, torch.int64), "bias_values": self._upload(values, torch.float32)}
 
+    def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The allowed next tokens of constrained sequences, [len(seqs), ceil(V/32)] int32, computed on the host by
+        their matchers, which have seen every token of their sequences (`execute` defers the masks until they have)."""
+        words = bitmask_words(self.model_config.vocab_size)
+        pin = self.device.type == "cuda"
+        mask = torch.empty(len(seqs), words, dtype=torch.int32, pin_memory=pin)
+        for row, seq in zip(mask, seqs):
+            seq.constraint.fill_mask(row)
+        return mask.to(self.device, non_blocking=True) if pin else mask.to(self.device)
+
     def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
         padded = self._upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
@@ -320,13 +351,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev_ids: torch.Tensor | None = None, rows: list[int] | None = None,
-                spans: list[PromptSpan] | None = None) -> SamplerOutput:
+                spans: list[PromptSpan] | None = None) -> SamplerOutput | DeferredSample:
         """Queues one step; returns the samples of the plan's sampling sequences, on the device (nothing here waits
         for the device).
 
         Lookahead: the input id of decode row i (the first len(rows) sequences) is prev_ids[rows[i]], the previous
         step's sample, read on the device while that step may still be running (stream order makes it wait), never
-        through the host. `spans`: prompt log-probabilities to compute from this step's prompt rows."""
+        through the host. `spans`: prompt log-probabilities to compute from this step's prompt rows. A DeferredSample
+        comes back instead when a constrained row's previous token is still on the device: the engine samples it with
+        `finish_sampling` once that token has reached the host."""
         seqs = plan.seqs
         device_ids = None
         if prev_ids is not None and rows:
@@ -344,27 +377,44 @@ class ModelRunner:
         if device_ids is not None and len(sampled) > len(device_ids):
             pad = torch.full((len(sampled) - len(device_ids),), -1, dtype=device_ids.dtype, device=self.device)
             pending = torch.cat([device_ids, pad])
-        sampling = self.sampling_batch(sampled, pending=pending)
+        # A constrained row whose previous token is still on the device (lookahead) gets its mask later.
+        defer = any(seq.constraint is not None and seq.num_pending for seq in sampled)
+        sampling = self.sampling_batch(sampled, pending=pending, with_masks=not defer)
+        hidden = None
         if plan.is_decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, device_ids)
-            if sampling.plain_argmax:  # what `sample` would compute, done inside the graph
+            if sampling.plain_argmax and not defer:  # what `sample` would compute, done inside the graph
                 batch = len(seqs)
                 return SamplerOutput(token_ids=self.graphs.greedy_ids(batch),
                                      host_token_ids=self.graphs.greedy_host_ids(batch))
         else:
             hidden, sample_rows = self._run_forward(plan, device_ids)
             logits = self._logits(hidden, sample_rows)
-            return self._with_prompt_logprobs(sample(logits, sampling), hidden, spans)
-        return sample(logits, sampling)
+        if defer:
+            return DeferredSample(logits, sampling, sampled, hidden, spans)
+        return self._with_prompt_logprobs(sample(logits, sampling), hidden, spans)
 
-    def _with_prompt_logprobs(self, out: SamplerOutput, hidden: torch.Tensor,
+    def _with_prompt_logprobs(self, out: SamplerOutput, hidden: torch.Tensor | None,
                               spans: list[PromptSpan] | None) -> SamplerOutput:
         """`out` with the prompt log-probabilities of `spans`, from the step's hidden states (none: as is)."""
         if spans:
+            assert hidden is not None, "prompt rows always run the forward that returns hidden states"
             lps = compute_prompt_logprobs(hidden, spans, self._logits, self._upload)
             out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_top_ids = lps.logprobs, lps.top_logprobs, \
                 lps.top_ids
         return out
+
+    @torch.inference_mode()
+    def finish_sampling(self, deferred: DeferredSample) -> SamplerOutput:
+        """Samples a step whose forward was queued before its constrained rows' previous tokens reached the host:
+        now that their matchers have advanced, their masks are built and the sampler is queued behind the forward
+        (a row whose sequence finished or was aborted meanwhile has no constraint left: its sample is dropped)."""
+        sampling = deferred.sampling
+        constrained = [i for i, s in enumerate(deferred.seqs) if s.constraint is not None]
+        if constrained:
+            sampling.constrained_rows = self._upload(constrained, torch.int64)
+            sampling.token_bitmask = self._token_bitmask([deferred.seqs[i] for i in constrained])
+        return self._with_prompt_logprobs(sample(deferred.logits, sampling), deferred.hidden, deferred.spans)
 
     def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a step that is not decode-only: (hidden states [T, H], the sampling rows on the device).

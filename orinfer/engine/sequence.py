@@ -81,6 +81,8 @@ class Sequence:
         self.mm = mm                   # images of the prompt (Qwen3-VL), None for text
         self.thinking = None           # engine/thinking.py ThinkingBudget when the request has a thinking budget
         self.vision_seconds = 0.0      # time in the vision tower (again after a preemption's recompute)
+        # Structured outputs: orinfer.structured.constraint.SequenceConstraint (set by the engine; None once finished)
+        self.constraint = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """Qwen3 thinking as the engine sees it: where a sequence stands (before, inside or after its <think>...</think>),
 and the thinking token budget (SamplingParams.thinking_token_budget, EngineArgs.thinking_token_budget).
 
-The rules live here once, for text and token ids alike (`state_after_prompt`; the server's reasoning split takes its
-start state from the same function, on the rendered prompt's text):
+The rules are orinfer/thinking.py's, for text and token ids alike (`state_after_prompt`; the server's reasoning split
+takes its start state from the same function, on the rendered prompt's text):
 - The prompt's last turn (after its last turn marker, `<|im_start|>`) sets the start: a `<think>` opened after any
   `</think>` starts inside the reasoning (Qwen3-*-Thinking-2507 and Qwen3.5+ templates render `<think>\\n`); a closed
   one (`enable_thinking=False` renders `<think>\\n\\n</think>\\n\\n`) starts in the answer; otherwise the output
@@ -16,43 +16,14 @@ start state from the same function, on the rendered prompt's text):
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence as Seq
 
-TURN_START = "<|im_start|>"
-THINK_START = "<think>"
-THINK_END = "</think>"
+from orinfer.thinking import THINK_END, THINK_START, TURN_START, ThinkState, state_after_prompt
+
+__all__ = ["CLOSING_TEXT", "ThinkState", "ThinkTokens", "ThinkingBudget", "state_after_prompt"]
+
 CLOSING_TEXT = "\n</think>\n\n"   # what Qwen3's template writes between the reasoning and the answer
-
-
-class ThinkState(enum.Enum):
-    START = "start"          # nothing decided yet: waiting to see whether the output opens with <think>
-    THINKING = "thinking"    # inside <think>...
-    CONTENT = "content"      # the answer (after </think>, or the output never thought)
-
-
-def _last(items: str | Seq[Any], item: Any) -> int:
-    """Index of the last occurrence of `item` in `items` (a substring of a string, an element of a list); -1: none."""
-    if isinstance(items, str):
-        return items.rfind(item)
-    for i in range(len(items) - 1, -1, -1):
-        if items[i] == item:
-            return i
-    return -1
-
-
-def state_after_prompt(prompt: str | Seq[int], turn_start: Any, think_start: Any, think_end: Any) -> ThinkState:
-    """Where the output starts, from the prompt's last turn (text with the tags as strings, or token ids with the
-    tags' ids; `turn_start` None: the whole prompt is the turn)."""
-    turn = _last(prompt, turn_start) if turn_start is not None else -1
-    tail = prompt[turn + 1:] if turn >= 0 else prompt
-    opened, closed = _last(tail, think_start), _last(tail, think_end)
-    if opened > closed:
-        return ThinkState.THINKING
-    if closed >= 0:
-        return ThinkState.CONTENT
-    return ThinkState.START
 
 
 @dataclass(frozen=True)

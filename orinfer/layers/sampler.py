@@ -1,7 +1,9 @@
 """Token sampling on the device for a batch of sequences, each with its own settings.
 
-Order (as HF's logits processors): logit bias -> repetition / presence / frequency penalties -> temperature -> top-k
--> top-p -> min-p -> draw. Greedy rows take the argmax of the biased, penalised logits. Drawing uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
+Order (as HF's logits processors): logit bias -> the structured-output mask (disallowed tokens -> -inf, so every
+later step and greedy rows see only allowed tokens) -> repetition / presence / frequency penalties -> temperature ->
+top-k -> top-p -> min-p -> draw. Greedy rows take the argmax of the biased, masked, penalised logits. Drawing uses
+the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
 p_i, needs no cumulative sum, and lets each seeded request draw its noise from its own generator, so its tokens do not
 depend on what else is in the batch.
 """
@@ -39,13 +41,17 @@ class SamplingBatch:
     # None when no row has one (the host knows: such steps pay nothing).
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # Structured outputs: the rows under a constraint [C] int64 and their allowed tokens [C, ceil(V/32)] int32
+    # (bit i%32 of word i//32 is token i; built on the host by the matchers). None: no row is constrained.
+    constrained_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def plain_argmax(self) -> bool:
         """Whether `sample` reduces to argmax of the raw logits: greedy rows, no bias, no penalties, no
         log-probabilities."""
         return (self.all_greedy and not self.want_logprobs and not self.use_repetition_penalty
-                and not self.use_presence_frequency and self.bias_ids is None)
+                and not self.use_presence_frequency and self.bias_ids is None and self.token_bitmask is None)
 
     @classmethod
     def greedy_only(cls) -> "SamplingBatch":
@@ -82,6 +88,22 @@ def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits.scatter_add(1, batch.bias_ids, batch.bias_values.to(logits.dtype))
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[C, W] int32 token bitmask -> [C, vocab] bool, True where allowed (ids beyond W * 32 are not)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).to(torch.bool).reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed[:, :vocab]
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with the disallowed tokens of rows `rows` set to -inf; other rows untouched (bit for bit)."""
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
     if batch.history is not None and batch.use_repetition_penalty:
@@ -90,7 +112,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         # A penalty far from 1 (1e-38 is a valid float32) overflows to +-inf, and an inf logit makes the softmax NaN:
         # clamped, such tokens keep all (or none) of the probability, which is what the penalty asks for.
-        penalised = penalised.clamp(-PENALISED_LOGIT_BOUND, PENALISED_LOGIT_BOUND)
+        # (A logit already -inf, masked off by a structured-output constraint, stays -inf.)
+        penalised = torch.where(logits == float("-inf"), logits,
+                                penalised.clamp(-PENALISED_LOGIT_BOUND, PENALISED_LOGIT_BOUND))
         logits = torch.where(seen, penalised, logits)
     if batch.output_ids is not None and batch.use_presence_frequency:
         counts = _token_counts(batch.output_ids, vocab)
@@ -147,7 +171,10 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits [B, V] fp32 -> chosen token ids [B] (and log-probabilities when asked for)."""
     raw = logits
-    logits = apply_penalties(apply_logit_bias(logits, batch), batch)
+    logits = apply_logit_bias(logits, batch)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.constrained_rows, batch.token_bitmask)
+    logits = apply_penalties(logits, batch)
     if batch.all_greedy:
         ids = logits.argmax(dim=-1)
     else:

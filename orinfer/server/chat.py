@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from orinfer.engine.sequence import TokenLogprob
-from orinfer.errors import OrinferError
+from orinfer.errors import OrinferError, RequestError
 from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup
 from orinfer.server.errors import APIError, engine_error
 from orinfer.server.messages import chat_input
@@ -23,6 +23,7 @@ from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatComp
                                      TokenizeChatRequest, Usage)
 from orinfer.server.reasoning import ThinkState, initial_state
 from orinfer.server.request_body import template_kwargs
+from orinfer.server.structured import structured_outputs
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, stream_usage_options, usage)
 from orinfer.server.state import ServerState
@@ -38,9 +39,6 @@ def _check_fields(srv: ServerState, req: ChatCompletionRequest) -> int:
     if req.chat_template is not None:
         raise APIError(400, "custom chat templates are not accepted; the model's own template is used",
                        param="chat_template")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"response_format {fmt.get('type')!r} is not supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if srv.tokenizer is None:
@@ -78,6 +76,7 @@ def text_length(content: Any) -> int:
 async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -> Response:
     n = _check_fields(srv, req)
     tools = chat_tools(req, srv.tool_format)
+    spec = structured_outputs(req)
     chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
     max_pixels = srv.images.check(len(chat_in.images), req.mm_processor_kwargs) if chat_in.images else None
     srv.check_prompt_chars(sum(text_length(m.get("content")) for m in chat_in.messages), "messages")
@@ -94,13 +93,17 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = srv.max_tokens(req.max_completion_tokens or req.max_tokens, prompt_len, param)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [constrain_tool_choice(srv.sampling(req, max_tokens, i, num_logprobs,
-                                                 thinking_token_budget=req.thinking_token_budget),
-                                    tools.choice, tools.prompt_tools) for i in range(n)]
+    think = initial_state(prompt) if srv.reasoning else ThinkState.CONTENT
+    sampling = [srv.sampling(req, max_tokens, i, num_logprobs, thinking_token_budget=req.thinking_token_budget,
+                             structured_outputs=spec, think_state=think.value) for i in range(n)]
+    try:
+        params = [constrain_tool_choice(p, tools.choice, tools.prompt_tools, srv.tool_format, tools.max_calls is None)
+                  for p in sampling]
+    except RequestError as exc:  # the choice against the request's own constraint, or a tool the grammar cannot take
+        raise APIError(400, str(exc), param=getattr(exc, "param", None) or "tools") from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, [ids] * n, params, images=images, max_pixels=max_pixels)
     prompt_tokens = group.accepted.result()[0]  # as the engine counts it (visual tokens included)
-    think = initial_state(prompt) if srv.reasoning else ThinkState.CONTENT
     created = int(time.time())
     show_reasoning = req.include_reasoning is not False
     if req.stream:

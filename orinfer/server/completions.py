@@ -19,6 +19,7 @@ from orinfer.server.protocol import CompletionChoice, CompletionLogprobs, Comple
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, stream_usage_options, usage)
 from orinfer.server.state import ServerState
+from orinfer.server.structured import structured_outputs
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -49,6 +50,7 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
     srv.check_model(req.model)
     prompts = _prompt_list(req.prompt)
     n = _check_fields(srv, req, prompts)
+    spec = structured_outputs(req)
     ids_list, texts = [], []
     for k, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{k}"
@@ -69,7 +71,7 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
         for i in range(n):
             prompts_rep.append(ids)
             params.append(srv.sampling(req, max_tokens, i, req.logprobs,
-                                       prompt_logprobs=req.logprobs if req.echo else None))
+                                       prompt_logprobs=req.logprobs if req.echo else None, structured_outputs=spec))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, prompts_rep, params)
     created = int(time.time())

@@ -42,7 +42,7 @@ def engine_unavailable(reason: str) -> APIError:
 def request_error(exc: Exception) -> APIError:
     """A RequestError (or another OrinferError) from the engine as a 400 naming the field where it can."""
     message = str(exc)
-    match = re.match(r"invalid sampling parameter (\w+)=", message)
+    match = re.match(r"invalid sampling parameter (\w+)=", message) or re.match(r"(structured_outputs)\.", message)
     code = "context_length_exceeded" if "context length" in message or "KV cache" in message else None
     return APIError(400, message, param=match.group(1) if match else None, code=code)
 

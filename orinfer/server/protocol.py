@@ -89,6 +89,12 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Structured outputs (vLLM's object and its legacy fields; server/structured.py reads them)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # --- chat ------------------------------------------------------------------------------------------------------------

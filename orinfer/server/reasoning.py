@@ -3,9 +3,10 @@
 One incremental parser serves both modes, so a streamed answer joins up to exactly what the non-streaming one
 returns. The rules (modern vLLM's `qwen3` parser, made prompt-aware and consistent across modes):
 
-- The chat prompt sets the start state. A prompt whose assistant turn already opened `<think>` (Qwen3-*-Thinking-2507
-  templates) starts inside the reasoning. A prompt that already closed it (`enable_thinking=False` renders
-  `<think>\\n\\n</think>\\n\\n`) is all content: nothing is parsed. Otherwise the output decides.
+- The chat prompt sets the start state (`orinfer/thinking.py`, shared with the engine's structured outputs). A
+  prompt whose assistant turn already opened `<think>` (Qwen3-*-Thinking-2507 templates) starts inside the
+  reasoning. A prompt that already closed it (`enable_thinking=False` renders `<think>\\n\\n</think>\\n\\n`) is
+  all content: nothing is parsed. Otherwise the output decides.
 - Output that starts (after whitespace) with `<think>` is reasoning up to the first `</think>`; what follows is
   content. Output that does not start with `<think>` is all content, verbatim, even if a `</think>` shows up later
   (the model did not think; treating its answer as reasoning is how servers end up with empty answers).
@@ -22,16 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The thinking rules (tags, the prompt's start state) are the engine's, so that the thinking token budget and this
-# split agree: orinfer/engine/thinking.py.
-from orinfer.engine.thinking import THINK_END, THINK_START, TURN_START, ThinkState, state_after_prompt
+# The thinking rules (tags, the prompt's start state) are shared with the engine (structured outputs, the thinking
+# budget), so that they and this split agree: orinfer/thinking.py.
+from orinfer.thinking import THINK_END, THINK_START, ThinkState, initial_state
 
 __all__ = ["THINK_END", "THINK_START", "ReasoningParser", "Split", "ThinkState", "initial_state", "split_reasoning"]
-
-
-def initial_state(prompt: str) -> ThinkState:
-    """Where the output starts, judged from the rendered prompt's last turn (after the last `<|im_start|>`)."""
-    return state_after_prompt(prompt, TURN_START, THINK_START, THINK_END)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 from orinfer.engine.sequence import TokenLogprob
 from orinfer.errors import OrinferError, RequestError
+from orinfer.structured.params import StructuredOutputsParams
 from orinfer.multimodal.image_io import DEFAULT_MAX_IMAGE_PIXELS
 from orinfer.sampling_params import SamplingParams
 from orinfer.server.engine_loop import EngineDeadError, EngineLoop, RequestGroup
@@ -173,7 +174,11 @@ class ServerState:
         return requested
 
     def sampling(self, req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None, *,
-                 prompt_logprobs: int | None = None, thinking_token_budget: int | None = None) -> SamplingParams:
+                 prompt_logprobs: int | None = None, thinking_token_budget: int | None = None,
+                 structured_outputs: StructuredOutputsParams | None = None,
+                 think_state: str | None = None) -> SamplingParams:
+        """`structured_outputs`: the request's constraint (server/structured.py); `think_state`: where the output
+        starts relative to <think> (chat), so that the constraint applies to the answer only."""
         if thinking_token_budget is not None and not self.has_think_tags:
             raise APIError(400, "thinking_token_budget: this model has no <think> tokens", param="thinking_token_budget")
         seed = req.seed
@@ -194,7 +199,8 @@ class ServerState:
                 skip_special_tokens=req.skip_special_tokens is not False,
                 include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs,
                 logit_bias=self.logit_bias(req.logit_bias), prompt_logprobs=prompt_logprobs,
-                thinking_token_budget=thinking_token_budget)
+                thinking_token_budget=thinking_token_budget, structured_outputs=structured_outputs,
+                think_state=think_state)
         except RequestError as exc:
             err = request_error(exc)
             if err.param is None and str(exc).startswith(("stop ", "stop_token_ids ")):

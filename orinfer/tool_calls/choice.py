@@ -5,18 +5,19 @@ tool_choice, as OpenAI and vLLM take it:
 - "none": the tools are not put in the prompt and the output is not parsed for calls (allowed without tools);
 - "auto" (the default when tools are given): the model decides; its calls are parsed;
 - "required": the model must call one of the tools; {"type": "function", "function": {"name": N}}: it must call N
-  (one of the tools). Both need constrained decoding to be enforced (see `constrain_tool_choice`); until it plugs in,
-  they are validated and the output is parsed as with "auto".
+  (one of the tools). Both are enforced by constrained decoding (`constrain_tool_choice`).
 Anything else, and "auto"/"required"/a named function without tools, is a `ToolSpecError` naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from orinfer.errors import RequestError
 from orinfer.sampling_params import SamplingParams
+from orinfer.structured.tool_calls import tool_call_constraint
 
 MAX_TOOLS = 1024
 
@@ -105,12 +106,20 @@ def check_parser_for(choice: ToolChoice, tool_format: str | None) -> None:
                             "renders no tool calls, or tool_call_parser is 'none')", "tool_choice")
 
 
-def constrain_tool_choice(params: SamplingParams | None, choice: ToolChoice,
-                          tools: list[dict[str, Any]] | None) -> SamplingParams | None:
-    """The sampling params (None: the model's defaults) of a request with `choice`: THE place where constrained
-    decoding plugs in (the server and `LLM.chat` both call it).
+def constrain_tool_choice(params: SamplingParams | None, choice: ToolChoice, tools: list[dict[str, Any]] | None,
+                          tool_format: str | None, parallel: bool = True) -> SamplingParams | None:
+    """The sampling params (None: the model's defaults) of a request with `choice`: the one place where the choice
+    reaches sampling (the server and `LLM.chat` both call it).
 
-    "required" and a named function need the output constrained to a tool call (in the model's format, the named
-    function or any of `tools`); structured-output decoding provides that. Until it does, this returns `params`
-    unchanged: nothing is enforced, and the output is parsed as with "auto"."""
-    return params
+    "required" and a named function constrain the answer to tool call(s) in the model's format (`tool_format`, from
+    its chat template) through structured-output decoding (orinfer/structured/tool_calls.py): of any of `tools`, or
+    of the named one; one call when `parallel` is False. With thinking on, the reasoning before `</think>` stays
+    free. "auto" and "none" leave `params` as they are. A request that also asks for structured outputs of its own
+    is a ToolSpecError: the two constraints would contradict each other."""
+    if choice.mode not in ("required", "function"):
+        return params
+    if params is not None and params.structured_outputs is not None:
+        raise ToolSpecError(f"{choice.mode!r} constrains the answer to tool calls and cannot be combined with "
+                            "structured outputs (response_format, guided_*, structured_outputs)", "tool_choice")
+    constraint = tool_call_constraint(tool_format, tools or [], choice.name, parallel)
+    return dataclasses.replace(params or SamplingParams(), structured_outputs=constraint)

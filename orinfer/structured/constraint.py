@@ -1,0 +1,72 @@
+"""One sequence's constraint in the engine: its matcher, where it stands relative to <think>, its token masks.
+
+The grammar applies to the answer only: while the output is inside Qwen3's <think> block the mask allows every token
+(and the matcher does not see them); at the start, where the output may still open a <think> block, the mask is the
+grammar's plus `<think>` (rules in orinfer/thinking.py). The engine calls `fill_mask` before each sampling of the
+sequence (its previous token is on the host by then, see llm_engine.py) and `advance` with each accepted token.
+Preemption needs nothing here: a recomputed sequence keeps its output tokens, which the matcher has consumed
+already, so its next mask is the right one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import llguidance
+import torch
+
+from orinfer.thinking import ThinkState, next_state_for_token
+
+log = logging.getLogger(__name__)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a token bitmask over `vocab_size` ids (bit i%32 of word i//32 is token i)."""
+    return (vocab_size + 31) // 32
+
+
+class SequenceConstraint:
+    def __init__(self, matcher: llguidance.LLMatcher, think_state: ThinkState = ThinkState.CONTENT,
+                 think_start_id: int | None = None, think_end_id: int | None = None) -> None:
+        if think_state is not ThinkState.CONTENT and (think_start_id is None or think_end_id is None):
+            think_state = ThinkState.CONTENT  # a vocabulary without <think> tokens never thinks
+        self.matcher = matcher
+        self.think_state = think_state
+        self.think_start_id, self.think_end_id = think_start_id, think_end_id
+        self.num_consumed = 0  # tokens the matcher accepted (the answer's tokens so far)
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar is finished (its end reached with nothing more allowed, or EOS accepted)."""
+        return self.think_state is ThinkState.CONTENT and self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        """Writes the allowed next tokens into `row`, a contiguous int32 CPU tensor of `bitmask_words` words."""
+        if self.think_state is ThinkState.THINKING:
+            row.fill_(-1)
+            return
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.think_state is ThinkState.START:
+            word, bit = divmod(self.think_start_id, 32)
+            if word < row.numel():
+                # int32 words: bit 31 set is a negative value, so OR through a wrapped int.
+                value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
+                row[word] = value - (1 << 32) if value >= 1 << 31 else value
+            return
+
+    def advance(self, token: int) -> bool:
+        """Takes one generated token; False if the grammar refused it (the matcher is then in its error state)."""
+        before = self.think_state
+        self.think_state = next_state_for_token(before, token, self.think_start_id, self.think_end_id)
+        if before is ThinkState.THINKING or self.think_state is ThinkState.THINKING:
+            return True  # reasoning tokens (and the </think> that ends them) are not the grammar's
+        ok = self.matcher.consume_token(token)
+        if ok:
+            self.num_consumed += 1
+        else:
+            log.warning("structured outputs: token %d refused by the grammar: %s", token, self.matcher.get_error())
+        return ok

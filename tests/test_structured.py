@@ -1,0 +1,164 @@
+"""Structured outputs without a model: the request field, compiling with llguidance over the real Qwen3 vocabulary,
+the per-sequence constraint (masks, thinking)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orinfer.errors import RequestError
+from orinfer.sampling_params import SamplingParams
+from orinfer.structured.constraint import SequenceConstraint, bitmask_words
+from orinfer.structured.grammar import GrammarCompiler
+from orinfer.structured.params import StructuredOutputsParams
+from orinfer.thinking import ThinkState
+from orinfer.tokenizer import Tokenizer
+
+# The published Qwen3 tokenizer (151,669 ids; the model's logits are 151,936 wide) where this machine has it (the
+# shared folder beside the checkout), and always a tokenizer trained with Qwen's added tokens, as CI has.
+REAL_QWEN3 = Path(__file__).resolve().parents[2] / "shared" / "real-qwen" / "Qwen3-0.6B"
+TOKENIZERS = ["trained"] + (["qwen3"] if (REAL_QWEN3 / "tokenizer.json").is_file() else [])
+EXTRA_LOGITS = 267  # logits columns beyond the tokenizer's ids, as Qwen3's 151936 - 151669
+
+
+@pytest.fixture(scope="module", params=TOKENIZERS)
+def qwen3(request, tmp_path_factory):
+    if request.param == "qwen3":
+        return Tokenizer.from_dir(REAL_QWEN3)
+    from orinfer.tokenizer_train import bundled_corpus, train_tokenizer
+
+    return train_tokenizer([bundled_corpus()], 1024, tmp_path_factory.mktemp("tok"))
+
+
+def vocab_of(tok: Tokenizer) -> int:
+    return tok._backend.get_vocab_size() + EXTRA_LOGITS
+
+
+def eos_of(tok: Tokenizer) -> list[int]:
+    return [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]
+
+
+@pytest.fixture(scope="module")
+def compiler(qwen3):
+    return GrammarCompiler(qwen3.to_json(), vocab_of(qwen3), eos_of(qwen3))
+
+
+def allowed_ids(constraint: SequenceConstraint, vocab: int) -> set[int]:
+    row = torch.zeros(bitmask_words(vocab), dtype=torch.int32)
+    constraint.fill_mask(row)
+    bits = ((row[:, None].to(torch.int64) >> torch.arange(32)) & 1).reshape(-1)[:vocab]  # the padding bits: unused
+    return set(bits.nonzero().squeeze(1).tolist())
+
+
+def accepts(compiler: GrammarCompiler, tok: Tokenizer, spec: dict, text: str, end: bool = True) -> bool:
+    """Whether the constraint takes `text` (tokenized as the model would write it) and, if `end`, can stop there."""
+    c = SequenceConstraint(compiler.matcher(StructuredOutputsParams(**spec)))
+    for t in tok.encode(text):
+        if t not in allowed_ids(c, compiler.vocab_size) or not c.advance(t):
+            return False
+    return not end or c.matcher.is_accepting()
+
+
+# --- the request field -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, message", [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["x"]}, "exactly one of"),
+    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+    ({"json": [1, 2]}, "structured_outputs.json must be a JSON schema"),
+    ({"json_object": 1}, "structured_outputs.json_object must be true"),
+    ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+    ({"choice": ["a", 3]}, "structured_outputs.choice must be a non-empty list"),
+    ({"grammar": 5}, "structured_outputs.grammar must be a non-empty string"),
+    ({"schema": {}}, "unknown field(s) schema"),
+])
+def test_bad_specs_name_the_field(value, message):
+    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams(structured_outputs=value)
+
+
+def test_think_state_is_checked():
+    with pytest.raises(RequestError, match="think_state"):
+        SamplingParams(think_state="maybe")
+
+
+def test_cache_key_is_canonical():
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
+    b = StructuredOutputsParams(json='{"properties": {"a": {"type": "string"}}, "type": "object"}')
+    assert a.cache_key() == b.cache_key()
+    assert a.cache_key() != StructuredOutputsParams(json_object=True).cache_key()
+
+
+# --- compiling -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, reason", [
+    ({"json": {"type": "nonsense"}}, "nonsense"),
+    ({"json": {"type": "string", "pattern": "("}}, "unclosed group"),
+    ({"regex": "a(b"}, "unclosed group"),
+    ({"grammar": "start: foo\n"}, "foo"),
+])
+def test_uncompilable_constraints_give_the_library_reason(compiler, spec, reason):
+    with pytest.raises(RequestError, match=reason) as info:
+        compiler.matcher(StructuredOutputsParams(**spec))
+    assert f"structured_outputs.{next(iter(spec))}" in str(info.value)
+
+
+def test_compiled_grammars_are_cached(compiler):
+    spec = StructuredOutputsParams(regex="[0-9]{3}")
+    first = compiler.matcher(spec)
+    before = len(compiler._cache)
+    second = compiler.matcher(StructuredOutputsParams(regex="[0-9]{3}"))
+    assert len(compiler._cache) == before and first is not second   # one template, a fresh copy each time
+    assert first.consume_token(compiler.tokenizer.tokenize_str("1")[0])
+    fresh = SequenceConstraint(compiler.matcher(spec))
+    assert allowed_ids(SequenceConstraint(second), compiler.vocab_size) == allowed_ids(fresh, compiler.vocab_size)
+
+
+def test_json_schema_accepts_valid_and_refuses_invalid(compiler, qwen3):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    spec = {"json": schema}
+    assert accepts(compiler, qwen3, spec, json.dumps({"city": "Paris", "days": 3}))
+    assert not accepts(compiler, qwen3, spec, json.dumps({"city": "Paris", "days": "3"}))
+    assert not accepts(compiler, qwen3, spec, json.dumps({"city": "Paris"}))
+    assert not accepts(compiler, qwen3, spec, json.dumps({"city": "Paris", "days": 3}, indent=2))  # fixed layout
+
+
+def test_eos_only_where_the_grammar_can_end_and_no_ids_beyond_the_tokenizer(compiler, qwen3):
+    c = SequenceConstraint(compiler.matcher(StructuredOutputsParams(regex="[0-9]{2,3}")))
+    eos = eos_of(qwen3)
+    assert not set(eos) & allowed_ids(c, compiler.vocab_size)
+    for t in qwen3.encode("12"):
+        c.advance(t)
+    ids = allowed_ids(c, compiler.vocab_size)
+    assert set(eos) <= ids and max(ids) < qwen3._backend.get_vocab_size()
+    assert not c.is_complete
+    for t in qwen3.encode("3"):
+        c.advance(t)
+    assert c.is_complete  # three digits: nothing more can follow
+    choice = SequenceConstraint(compiler.matcher(StructuredOutputsParams(choice=["yes", "no"])))
+    assert all(qwen3.decode([t]) in ("yes", "no", "y", "n", "ye") for t in allowed_ids(choice, compiler.vocab_size))
+
+
+def test_thinking_is_free_and_the_answer_constrained(compiler, qwen3):
+    start, end = qwen3.token_to_id("<think>"), qwen3.token_to_id("</think>")
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    grammar_first = allowed_ids(SequenceConstraint(compiler.matcher(spec)), compiler.vocab_size)
+    # START: the grammar's tokens plus <think>.
+    c = SequenceConstraint(compiler.matcher(spec), ThinkState.START, start, end)
+    assert allowed_ids(c, compiler.vocab_size) == grammar_first | {start}
+    c.advance(start)
+    assert c.think_state is ThinkState.THINKING and len(allowed_ids(c, compiler.vocab_size)) == compiler.vocab_size
+    for t in qwen3.encode("Let me think: maybe."):
+        assert c.advance(t)
+    assert c.advance(end) and c.think_state is ThinkState.CONTENT
+    assert allowed_ids(c, compiler.vocab_size) == grammar_first
+    # START without <think>: the first token is already the answer's.
+    d = SequenceConstraint(compiler.matcher(spec), ThinkState.START, start, end)
+    first, *rest = qwen3.encode("no")
+    assert d.advance(first) and d.think_state is ThinkState.CONTENT
+    assert all(d.advance(t) for t in rest) and d.is_complete

@@ -1,6 +1,6 @@
 """Compiles structured-output constraints into llguidance matchers, once per constraint.
 
-llguidance was chosen over xgrammar by measurement (benchmarks/NOTES.md, `scripts/bench_grammar.py`, Qwen3's
+llguidance was chosen over xgrammar by measurement (benchmarks/NOTES.md run 274, Qwen3's
 151k-token vocabulary on a 2-core CPU): a 20-field tool-like JSON schema compiles in ~2 ms (xgrammar: ~1.1 s),
 a mask takes ~0.12 ms per token (xgrammar: ~0.21 ms), and its wheel has no dependencies (xgrammar's requires
 transformers, torch and triton). The tokenizer setup (~2 s for 151k tokens) is paid once per engine, at the first

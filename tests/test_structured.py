@@ -11,7 +11,7 @@ import torch
 
 from orinfer.errors import RequestError
 from orinfer.sampling_params import SamplingParams
-from orinfer.structured.constraint import SequenceConstraint, bitmask_words
+from orinfer.structured.constraint import SequenceConstraint, bitmask_words, fill_masks
 from orinfer.structured.grammar import GrammarCompiler
 from orinfer.structured.params import StructuredOutputsParams
 from orinfer.thinking import ThinkState
@@ -162,3 +162,28 @@ def test_thinking_is_free_and_the_answer_constrained(compiler, qwen3):
     first, *rest = qwen3.encode("no")
     assert d.advance(first) and d.think_state is ThinkState.CONTENT
     assert all(d.advance(t) for t in rest) and d.is_complete
+
+
+def test_masks_filled_together_equal_masks_filled_one_by_one(compiler, qwen3):
+    """`fill_masks` (llguidance's thread pool) gives each row what `fill_mask` gives it alone: grammar rows at
+    different points of their grammars, a row that may still open <think> and a row inside the reasoning."""
+    think_start, think_end = qwen3.token_to_id("<think>"), qwen3.token_to_id("</think>")
+
+    def make(spec: dict, prefix: str, state: ThinkState = ThinkState.CONTENT) -> SequenceConstraint:
+        c = SequenceConstraint(compiler.matcher(StructuredOutputsParams(**spec)), state, think_start, think_end)
+        for t in qwen3.encode(prefix):
+            assert c.advance(t)
+        return c
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    constraints = [make({"json": schema}, ""), make({"json": schema}, '{"a": 12'), make({"regex": "[0-9]+x"}, "12"),
+                   make({"choice": ["yes", "no"]}, "", ThinkState.START),
+                   make({"choice": ["yes", "no"]}, "", ThinkState.THINKING)]
+    words = bitmask_words(compiler.vocab_size)
+    together = torch.zeros(len(constraints), words, dtype=torch.int32)
+    fill_masks(constraints, together)
+    for row, c in zip(together, constraints):
+        alone = torch.zeros(words, dtype=torch.int32)
+        c.fill_mask(alone)
+        assert torch.equal(row, alone)
+    assert not torch.equal(together[0], together[1]) and bool((together[4] == -1).all())

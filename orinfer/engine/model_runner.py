@@ -29,7 +29,7 @@ from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
-from orinfer.structured.constraint import bitmask_words
+from orinfer.structured.constraint import bitmask_words, fill_masks
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +338,7 @@ class ModelRunner:
         words = bitmask_words(self.model_config.vocab_size)
         pin = self.device.type == "cuda"
         mask = torch.empty(len(seqs), words, dtype=torch.int32, pin_memory=pin)
-        for row, seq in zip(mask, seqs):
-            seq.constraint.fill_mask(row)
+        fill_masks([seq.constraint for seq in seqs], mask)
         return mask.to(self.device, non_blocking=True) if pin else mask.to(self.device)
 
     def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,12 +44,19 @@ class SequenceConstraint:
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
-    def fill_mask(self, row: torch.Tensor) -> None:
-        """Writes the allowed next tokens into `row`, a contiguous int32 CPU tensor of `bitmask_words` words."""
+    @property
+    def uses_grammar_mask(self) -> bool:
+        """Whether the next mask is the grammar's (not inside the reasoning, where every token is allowed)."""
+        return self.think_state is not ThinkState.THINKING
+
+    def fill_mask(self, row: torch.Tensor, grammar_done: bool = False) -> None:
+        """Writes the allowed next tokens into `row`, a contiguous int32 CPU tensor of `bitmask_words` words.
+        `grammar_done`: the matcher's mask is in `row` already (`fill_masks`); only the <think> bit is added."""
         if self.think_state is ThinkState.THINKING:
             row.fill_(-1)
             return
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if not grammar_done:
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self.think_state is ThinkState.START:
             word, bit = divmod(self.think_start_id, 32)
             if word < row.numel():
@@ -70,3 +77,21 @@ class SequenceConstraint:
         else:
             log.warning("structured outputs: token %d refused by the grammar: %s", token, self.matcher.get_error())
         return ok
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(constraints: list[SequenceConstraint], mask: torch.Tensor) -> None:
+    """Row i of `mask` ([len(constraints), bitmask_words] contiguous int32, CPU) gets constraints[i]'s allowed
+    tokens. The grammar masks are computed together on llguidance's thread pool, outside the interpreter lock: one
+    at a time, a batch of 64 JSON rows kept the host ~4 ms per step while the device waited (NOTES run 277)."""
+    global _executor
+    rows = [(c.matcher, i) for i, c in enumerate(constraints) if c.uses_grammar_mask]
+    parallel = len(rows) > 1
+    if parallel:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr(rows, mask.data_ptr(), mask.shape[1] * mask.element_size(), mask.shape[0])
+    for row, constraint in zip(mask, constraints):
+        constraint.fill_mask(row, grammar_done=parallel and constraint.uses_grammar_mask)

@@ -190,8 +190,8 @@ def test_penalty_history_holds_the_pending_token(on, monkeypatch):
     calls = []
     real = runner.sampling_batch
 
-    def spy(seqs, pending=None):
-        batch = real(seqs, pending)
+    def spy(seqs, pending=None, **kwargs):
+        batch = real(seqs, pending, **kwargs)
         calls.append(([list(s.token_ids) for s in seqs], pending is not None, batch.history.clone()))
         return batch
 

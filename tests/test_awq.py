@@ -251,6 +251,7 @@ def _triton_llm(path):
     return LLM.from_parts(parts, EngineArgs(block_size=4, num_kv_blocks=64))
 
 
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 @needs_kernels
 def test_triton_backend_runs_the_awq_model_like_the_torch_backend(tmp_path, monkeypatch):
     """The model through the Triton op table (AWQ GEMM for prefill, fused AWQ gate/up + GEMV for decode) gives the

@@ -215,6 +215,7 @@ def test_abort_keeps_the_computed_prefix_cached(model):
     assert llm.generate(SYSTEM + [1], GREEDY)[0].num_cached_tokens == 12
 
 
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_triton_backend_reads_a_cached_prefix_like_the_torch_backend(model):
     """The triton op table (the interpreter without a GPU) on a hit: its prefill attends through the extend kernel."""
     from orinfer.engine.llm_engine import EngineParts

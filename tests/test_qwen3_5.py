@@ -191,6 +191,7 @@ def test_moe_variants_are_named_as_such():
         ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B")
 
 
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_the_triton_ops_give_hf_tokens(pair):
     """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts, recurrent decode rows),
     gated norm and partial-rotary QK-norm kernels inside the whole model."""

@@ -144,6 +144,7 @@ def test_preemption_recomputes_the_image_prompt(model_dir):
     assert manager.num_free_blocks == 14 and len(manager.free_state_slots) == manager.num_state_slots
 
 
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="no CUDA and no TRITON_INTERPRET")
 def test_triton_ops_give_hf_tokens(model_dir):

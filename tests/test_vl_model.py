@@ -211,6 +211,7 @@ def test_chunks_and_prefix_cache_keep_two_same_size_images_apart(vl_pair, tmp_pa
     assert [o.num_cached_tokens for o in outs] == [0, 4, 4 * ((len(outs[0].prompt_token_ids) - 1) // 4)]
 
 
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="no CUDA and no TRITON_INTERPRET")
 def test_triton_backend_greedy_matches_torch(vl_pair, tmp_path):

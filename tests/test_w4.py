@@ -139,6 +139,7 @@ def test_w4_gemv_int_group_sizes(g, k, gated):
     torch.testing.assert_close(got.double(), _ref(x, awq, g, None, gated), **tol(torch.bfloat16, 3))
 
 
+@pytest.mark.slow  # ~30 s in Triton's CPU interpreter; CI's slow tier and the GPU run it
 @needs_kernels
 @kernel_test
 def test_w4_gemv_int_many_steps():

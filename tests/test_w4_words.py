@@ -146,6 +146,7 @@ def test_words_fit_one_row_of_16_bit_values_in_chunks_of_128():
     assert not WW.words_fit(torch.zeros(1, 4160, dtype=torch.bfloat16), 64)
 
 
+@pytest.mark.slow  # ~30 s in Triton's CPU interpreter; CI's slow tier and the GPU run it
 @needs_kernels
 @kernel_test
 @pytest.mark.parametrize("fused_ffn", [True, False])

@@ -36,6 +36,7 @@ def api_schema(fuzz_server):
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+@pytest.mark.slow  # ~40 examples per route over 12 routes (~30 s): CI's slow tier
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=list(HealthCheck))

@@ -133,6 +133,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # SASS of several kernels through ptxas on the CPU (~5-8 s each): CI's slow tier
 def test_gemv_int_sass_is_dp2a_without_spills():
     for name, got in _compile_in_child(_SASS_OF_CUBIN + _COMPILE_GEMV_INT).items():
         ops = _opcodes(got["sass"])
@@ -183,6 +184,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # SASS of several kernels through ptxas on the CPU (~5-8 s each): CI's slow tier
 def test_words_kernels_sass():
     got = _compile_in_child(_SASS_OF_CUBIN + _COMPILE_WORDS)
     for name in ("words", "norm"):

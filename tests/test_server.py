@@ -22,7 +22,7 @@ from orinfer.server.app import ServerLimits, build_app  # noqa: E402
 from orinfer.server.chat import chat_stream  # noqa: E402
 from orinfer.server.cli import BackgroundServer  # noqa: E402
 from orinfer.server.engine_loop import SeqUpdate  # noqa: E402
-from orinfer.server.reasoning import ReasoningParser, ThinkState, initial_state, split_reasoning  # noqa: E402
+from orinfer.reasoning import ReasoningParser, ThinkState, initial_state, split_reasoning  # noqa: E402
 
 ALICE = "Alice was beginning to get very"
 MAX_TOKENS_CAP = 64

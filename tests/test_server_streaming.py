@@ -21,7 +21,7 @@ from orinfer.server.app import build_app  # noqa: E402
 from orinfer.server.chat import chat_stream  # noqa: E402
 from orinfer.server.cli import BackgroundServer  # noqa: E402
 from orinfer.server.engine_loop import EngineStepError, RequestGroup, SeqUpdate  # noqa: E402
-from orinfer.server.reasoning import ThinkState  # noqa: E402
+from orinfer.reasoning import ThinkState  # noqa: E402
 
 
 def _group(n: int) -> RequestGroup:

@@ -21,7 +21,7 @@ from orinfer.server.app import build_app  # noqa: E402
 from orinfer.server.chat import chat_stream  # noqa: E402
 from orinfer.server.cli import BackgroundServer  # noqa: E402
 from orinfer.server.engine_loop import SeqUpdate  # noqa: E402
-from orinfer.server.reasoning import ThinkState  # noqa: E402
+from orinfer.reasoning import ThinkState  # noqa: E402
 from orinfer.server.tools import ChatTools  # noqa: E402
 from orinfer.tool_calls import ToolChoice  # noqa: E402
 from tool_model import (ANSWER_TO_RESULT, CALL_ARGS, JSON_CALL, TOOLS, make_tool_models,  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from orinfer import LLM, EngineArgs, RequestError, SamplingParams
 from orinfer.engine.thinking import CLOSING_TEXT, ThinkState, ThinkTokens, state_after_prompt
-from orinfer.server.reasoning import initial_state
+from orinfer.reasoning import initial_state
 
 MAX = 24
 

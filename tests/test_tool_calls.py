@@ -14,7 +14,7 @@ from tokenizers.models import BPE
 
 from orinfer.args import EngineArgs
 from orinfer.errors import ConfigError
-from orinfer.server.reasoning import ThinkState
+from orinfer.reasoning import ThinkState
 from orinfer.tokenizer import Tokenizer, builtin_chat_template
 from orinfer.tool_calls import (ChatOutputParser, ToolCallParser, ToolSpecError, check_parser_for, check_tools,
                                 detect_format, parse_chat_output, parse_tool_calls, parse_tool_choice, resolve_format)

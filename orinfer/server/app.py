@@ -19,7 +19,7 @@ error object (`errors`); a 5xx means a bug or a dead engine.
     errors.py         APIError and the error handlers          guard.py         API key, head size, HTTP metrics
     engine_loop.py    the engine thread                        request_group.py one request's side of it
     engine_process.py the engine thread in a child process
-    reasoning.py      Qwen3 <think> split                      metrics.py       Prometheus /metrics
+    metrics.py        Prometheus /metrics                      (the <think> split: orinfer/reasoning.py)
     tokenize.py       /tokenize and /detokenize
     cli.py            `orinfer serve`, BackgroundServer       tools.py         tools, tool_choice (parsing: tool_calls/)
 """

@@ -21,7 +21,7 @@ from orinfer.server.errors import APIError, engine_error
 from orinfer.server.messages import chat_input
 from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                      TokenizeChatRequest, Usage)
-from orinfer.server.reasoning import ThinkState, initial_state
+from orinfer.reasoning import ThinkState, initial_state
 from orinfer.server.request_body import template_kwargs
 from orinfer.server.structured import structured_outputs
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,

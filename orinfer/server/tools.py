@@ -9,7 +9,7 @@ from typing import Any
 
 from orinfer.server.errors import APIError
 from orinfer.server.protocol import ChatCompletionRequest
-from orinfer.server.reasoning import ThinkState
+from orinfer.reasoning import ThinkState
 from orinfer.tool_calls import (ChatOutputParser, ChatResult, ToolChoice, ToolSpecError, check_parser_for,
                                 check_tools, parse_chat_output, parse_tool_choice)
 

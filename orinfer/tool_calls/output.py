@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orinfer.server.reasoning import ReasoningParser, Split, ThinkState, initial_state
+from orinfer.reasoning import ReasoningParser, Split, ThinkState, initial_state
 from orinfer.tool_calls.parser import Parsed, ToolCallParser
 from orinfer.tool_calls.types import ToolCall, ToolCallDelta, join_deltas
 
@@ -43,7 +43,7 @@ class ChatResult:
 
 
 class ChatOutputParser:
-    """Feed text pieces (`feed`), then `finish`. `think`: where the output starts (see orinfer/server/reasoning.py;
+    """Feed text pieces (`feed`), then `finish`. `think`: where the output starts (see orinfer/reasoning.py;
     CONTENT: no reasoning split). `parse_calls`: look for tool calls (with `tools` for the XML format's types)."""
 
     def __init__(self, think: ThinkState, parse_calls: bool, tools: list[dict[str, Any]] | None = None,

@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from orinfer.server.reasoning import _partial_suffix  # the same hold-back rule as the <think> tags
+from orinfer.reasoning import partial_suffix  # the same hold-back rule as the <think> tags
 from orinfer.tool_calls.types import ToolCall, ToolCallDelta, join_deltas, new_call_id
 from orinfer.tool_calls.values import convert_value
 
@@ -172,7 +172,7 @@ class ToolCallParser:
     def _step_text(self, out: Parsed) -> bool:
         start = self._buf.find(OPEN)
         if start < 0:
-            keep = _partial_suffix(self._buf, OPEN)
+            keep = partial_suffix(self._buf, OPEN)
             self._content(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             return False

@@ -30,7 +30,7 @@ from orinfer.thinking import THINK_END, THINK_START, ThinkState, initial_state
 __all__ = ["THINK_END", "THINK_START", "ReasoningParser", "Split", "ThinkState", "initial_state", "split_reasoning"]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (text that might become the tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -83,7 +83,7 @@ class ReasoningParser:
             if self.state is ThinkState.THINKING:
                 end = self._buf.find(THINK_END)
                 if end < 0:
-                    keep = _partial_suffix(self._buf, THINK_END)
+                    keep = partial_suffix(self._buf, THINK_END)
                     out.reasoning += self._reasoning(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out

@@ -19,6 +19,7 @@ from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_
 from orinfer.kernels.fp8_block import fp8_block_linear_ref
 from orinfer.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref
 from orinfer.kernels.gptq import gptq_linear_ref
+from orinfer.kernels.moe import fused_moe_ref, moe_route_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
 from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
@@ -114,6 +115,10 @@ class Ops:
     causal_conv1d: Callable = causal_conv1d_ref
     gated_delta_rule: Callable = gated_delta_rule_ref
     gated_rms_norm: Callable = gated_rms_norm_ref
+    # Mixture of experts (kernels/moe.py documents both): moe_route(router_logits, top_k, renormalize) -> (weights,
+    # ids); fused_moe(x, w13, w2, weights, ids) -> the routed experts' weighted sum.
+    moe_route: Callable = moe_route_ref
+    fused_moe: Callable = fused_moe_ref
 
 
 TORCH_OPS = Ops(

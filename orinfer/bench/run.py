@@ -46,6 +46,12 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
                         "longer than it are left out; the report says what was capped")
     p.add_argument("--image-size", default=None, metavar="WxH",
                    help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="also measure decode with speculative decoding of this method at forced acceptance rates "
+                        "(random weights: accepted drafts are chosen at random) against plain decoding, batch sizes "
+                        "of --spec-batch-sizes")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    p.add_argument("--spec-batch-sizes", default="1,8")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     # The engine settings a benchmark may vary; the workload sets the batching limits and the KV-cache size.
     add_engine_args(p, only=BENCH_ENGINE_SETTINGS, defaults={"dtype": "bfloat16"})
@@ -161,6 +167,15 @@ def run_from_args(args: argparse.Namespace) -> int:
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
     }
+    if args.speculative:
+        from orinfer.bench.spec_bench import bench_speculation
+        from orinfer.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+        result["speculation"] = {"method": spec.method, "k": spec.num_speculative_tokens, "rows": bench_speculation(
+            llm, cfg, spec, [int(x) for x in args.spec_batch_sizes.split(",") if x], args.decode_tokens,
+            args.decode_prompt_len)}
+        name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
     if b1:
         b1["GBps"] = b1["tok_s"] * per_token / 1e9
         b1["pct_roofline"] = 100 * b1["tok_s"] * per_token / read
@@ -217,6 +232,12 @@ def markdown(r: dict) -> str:
     lines.extend(["", "Peak GPU memory: torch.cuda.max_memory_allocated from the model build to the end of orinfer's "
                   "runs (reset after the ceilings)."])
     lines.extend(f"Note: {note}." for note in o.get("notes", ()))
+    if "speculation" in r:
+        from orinfer.bench.spec_bench import speculation_markdown
+        from orinfer.spec_decode.config import SpeculativeConfig
+
+        s = r["speculation"]
+        lines.extend(speculation_markdown(SpeculativeConfig(s["method"], s["k"]), s["rows"]))
     if "vision" in r:
         from orinfer.bench.vision_bench import vision_markdown
         lines.extend(vision_markdown(r["vision"]))

@@ -29,6 +29,7 @@ from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
+from orinfer.spec_decode.verify import DraftLayout, verify_drafts
 from orinfer.structured.constraint import bitmask_words, fill_masks
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class ModelRunner:
         patches of the largest image a request may bring; the GPU memory probe encodes one that large (models with
         `warmup_images`), so the KV cache leaves room for the vision tower."""
         self.model, self.model_config, self.config = model, model_config, engine_config
+        # Speculative decoding for benchmarks on random weights: drafts accepted with this probability, not by the
+        # target's distribution (spec_decode/config.py). None: exact verification.
+        self.forced_acceptance: float | None = None
         self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
@@ -286,11 +290,12 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     def sampling_batch(self, seqs: list[Sequence], pending: torch.Tensor | None = None,
-                       with_masks: bool = True) -> SamplingBatch:
+                       with_masks: bool = True, drafts: list[list[int]] | None = None) -> SamplingBatch:
         """The batch's sampling settings on the device. `pending` [B] (lookahead): each sequence's token still on the
         device, appended to the token history the penalties read (they count ids; their order does not matter).
         `with_masks` False: the structured-output masks are left for `finish_sampling` (their matchers still wait
-        for a token)."""
+        for a token). `drafts` (a verify step: `seqs` has one entry per logits row): the draft tokens before each row,
+        which the penalties count as generated."""
         params = [s.params for s in seqs]
         need_history = any(p.repetition_penalty != 1.0 for p in params)
         need_output = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
@@ -311,8 +316,10 @@ class ModelRunner:
             repetition_penalty=column("repetition_penalty", torch.float32),
             presence_penalty=column("presence_penalty", torch.float32),
             frequency_penalty=column("frequency_penalty", torch.float32),
-            history=self._padded([s.token_ids for s in seqs], pending) if need_history else None,
-            output_ids=self._padded([s.completion_token_ids for s in seqs], pending) if need_output else None,
+            history=self._padded([s.token_ids + d for s, d in zip(seqs, drafts)] if drafts else
+                                 [s.token_ids for s in seqs], pending) if need_history else None,
+            output_ids=self._padded([s.completion_token_ids + d for s, d in zip(seqs, drafts)] if drafts else
+                                    [s.completion_token_ids for s in seqs], pending) if need_output else None,
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in params),
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
@@ -366,6 +373,8 @@ class ModelRunner:
             same = rows == list(range(len(prev_ids)))  # the steady state: the same batch again
             device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
         sampled = plan.sampled
+        if plan.has_drafts:
+            return self._verify(plan)
         if not sampled:  # prompt chunks only: K/V to write, nothing to sample
             hidden, _ = self._run_forward(plan, device_ids)
             return self._with_prompt_logprobs(
@@ -392,6 +401,22 @@ class ModelRunner:
         if defer:
             return DeferredSample(logits, sampling, sampled, hidden, spans)
         return self._with_prompt_logprobs(sample(logits, sampling), hidden, spans)
+
+    def _verify(self, plan: StepPlan) -> SamplerOutput:
+        """A step whose decode rows verify draft tokens (speculative decoding, spec_decode/verify.py): every sampling
+        sequence gets logits after its newest token and after each of its drafts. Such steps are never lookahead
+        steps: every input id is on the host."""
+        hidden, sample_rows = self._run_forward(plan, None)
+        logits = self._logits(hidden, sample_rows)
+        sampled = plan.sampled
+        drafts = [seq.draft_token_ids for seq in sampled]
+        row_seqs = [seq for seq, d in zip(sampled, drafts) for _ in range(len(d) + 1)]
+        row_drafts = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        sampling = self.sampling_batch(row_seqs, drafts=row_drafts)
+        width = max(1, max(len(d) for d in drafts))
+        layout = DraftLayout([len(d) for d in drafts],
+                             self._upload([d + [0] * (width - len(d)) for d in drafts], torch.int64))
+        return verify_drafts(logits, layout, sampling, [seq.generator for seq in sampled], self.forced_acceptance)
 
     def _with_prompt_logprobs(self, out: SamplerOutput, hidden: torch.Tensor | None,
                               spans: list[PromptSpan] | None) -> SamplerOutput:

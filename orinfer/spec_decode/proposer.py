@@ -1,0 +1,44 @@
+"""Draft proposers: each gives a decoding sequence up to k tokens for the next step to verify."""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+from orinfer.engine.sequence import Sequence
+from orinfer.errors import ConfigError
+from orinfer.spec_decode.config import SpeculativeConfig
+from orinfer.spec_decode.ngram import TokenArrays, ngram_draft
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k draft tokens to follow `seq`'s tokens (all known on the host)."""
+
+    def keep_only(self, running: Iterable[Sequence]) -> None:
+        """Drops what the proposer keeps for sequences no longer running."""
+
+
+class NgramProposer:
+    """Prompt lookup over the sequence's own tokens (spec_decode/ngram.py)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.arrays = TokenArrays()
+        # Forced acceptance (benchmarks on random weights): a lookup that finds nothing still drafts k tokens (the
+        # newest one repeated), so that every step verifies k drafts, as on text where the lookup keeps matching.
+        self.always_draft = config.forced_acceptance is not None
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        draft = ngram_draft(self.arrays.of(seq.seq_id, seq.token_ids), k, self.min_n, self.max_n)
+        if not draft and self.always_draft:
+            draft = [seq.last_token_id] * k
+        return draft
+
+    def keep_only(self, running: Iterable[Sequence]) -> None:
+        self.arrays.keep_only({seq.seq_id for seq in running})
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ConfigError(f"speculative_config: method {config.method!r} is not supported yet (ngram is)")

@@ -155,3 +155,26 @@ def test_synthetic_quantized_weights_are_valid_checkpoints(quant):
         _args("--quant", quant, "--backend", "torch", "--kv-tokens", "512"), cfg, torch.float32)["engine_config"])
     out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_speculative_runs_size_the_engine_and_report_against_plain_decoding():
+    from orinfer.bench.spec_bench import bench_speculation, speculation_markdown
+    from orinfer.spec_decode.config import SpeculativeConfig
+
+    args = _args("--backend", "torch", "--batch-sizes", "1", "--speculative", "ngram", "--spec-batch-sizes", "1,3",
+                 "--num-speculative-tokens", "2", "--decode-tokens", "6", "--decode-prompt-len", "12")
+    cfg = _tiny_awq_config()
+    cfg.quantization = None
+    plan = bench_plan(args, cfg, torch.float32)
+    assert plan["engine_config"].max_num_seqs == 3 and plan["batch_sizes"] == [1]
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
+    spec = SpeculativeConfig("ngram", 2)
+    rows = bench_speculation(llm, cfg, spec, [1, 3], 6, 12, acceptances=(0.0, 1.0))
+    assert list(rows) == [1, 3] and list(rows[3]) == ["plain", "forced 0", "forced 1", "real"]
+    assert rows[3]["plain"]["speedup"] == 1.0 and rows[3]["plain"]["acceptance_rate"] is None
+    # Forced 1: every step verifies 2 drafts and accepts both (the lookup's misses draft the newest token twice).
+    assert rows[3]["forced 1"]["acceptance_rate"] == 1.0 and rows[3]["forced 1"]["tokens_per_verify"] == 3.0
+    assert rows[1]["forced 0"]["acceptance_rate"] == 0.0
+    assert llm.engine.spec is None  # the bench leaves plain decoding on
+    table = "\n".join(speculation_markdown(spec, rows))
+    assert "| 3 | forced 1 |" in table and "ngram, k = 2" in table

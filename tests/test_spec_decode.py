@@ -250,3 +250,14 @@ def test_large_batches_do_not_speculate(tiny_dir, plain):
     assert _seen(got) == _seen(_generate(plain, PROMPTS, params))
     # Three sequences decode together until the first finishes: none of them drafts meanwhile.
     assert all(o.metrics.num_draft_tokens == 0 for o in got)
+
+
+def test_proposals_that_find_nothing_back_off_and_keep_the_lookahead(tiny_dir, plain):
+    """min_n = max_n = 6: the lookup rarely matches, so tries back off (1, 2, 4 ... steps) and the steps between them
+    are launched as lookahead steps; the output stays plain decoding's."""
+    rare = _llm(tiny_dir, dict(NGRAM, prompt_lookup_min=6, prompt_lookup_max=6))
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    before = rare.engine.num_lookahead_steps
+    got = _generate(rare, PROMPTS[2], params)
+    assert _seen(got) == _seen(_generate(plain, PROMPTS[2], params))
+    assert rare.engine.num_lookahead_steps - before >= 30

@@ -83,17 +83,20 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
         prompt_lens, batch_sizes = fit["prompt_lens"], fit["batch_sizes"]
         plan.update(kv_tokens=fit["kv_tokens"], notes=fit["notes"])
         kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
+    # The engine (sequences, KV cache) must also hold the speculative runs' batches.
+    engine_batches = batch_sizes + ([int(x) for x in args.spec_batch_sizes.split(",") if x]
+                                    if getattr(args, "speculative", None) else [])
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
-        kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
+        kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(engine_batches) * (seq_tokens + 32)
         kv_budget = {}
     engine_config = engine_args_from_namespace(
-        args, max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
+        args, max_num_seqs=max(engine_batches), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
         block_size=block_size, **kv_budget)
     if args.kv_tokens is None:
         # Hybrid models: the linear-attention state pools (a slot per sequence, the graphs' scratch slot and the
         # prefix cache's snapshots) come out of the same budget.
-        slots = max(batch_sizes) + 1 + engine_config.state_snapshots(cfg.is_hybrid)
+        slots = max(engine_batches) + 1 + engine_config.state_snapshots(cfg.is_hybrid)
         kv_bytes += slots * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
         engine_config = engine_config.replace(kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20))
     plan["engine_config"] = engine_config

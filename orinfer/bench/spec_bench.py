@@ -16,7 +16,7 @@ from orinfer.llm import LLM
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
 
-ACCEPTANCES = (0.0, 0.5, 0.7, 0.9, 1.0)
+ACCEPTANCES = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 
 
 def _decode(llm: LLM, cfg: ModelConfig, batch: int, decode_tokens: int, prompt_len: int, seed: int) -> dict:

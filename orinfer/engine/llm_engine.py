@@ -50,6 +50,9 @@ from orinfer.thinking import THINK_END, THINK_START, ThinkState
 
 log = logging.getLogger(__name__)
 
+# Speculative decoding: the most steps between two proposals after proposals that found nothing (`_propose_drafts`).
+MAX_SPEC_PAUSE = 16
+
 
 @dataclass
 class EngineParts:
@@ -121,6 +124,10 @@ class LLMEngine:
         length checks. `max_pixels` caps the resized image size for this request (default: preprocessor config).
         """
         params = (params or SamplingParams()).with_defaults(self.generation_config)
+        if not self.has_unfinished():
+            # An idle engine starts speculating afresh: a seeded request then repeats its output (its draws follow
+            # which steps verify drafts).
+            self._spec_misses = self._spec_pause = 0
         text, ids = self._encode(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -256,6 +263,8 @@ class LLMEngine:
         The step is the one left in flight by the previous call, if any, else a newly scheduled one. Before waiting
         for its tokens, the next decode step is launched behind it when that is safe (`_launch_lookahead`). A step
         that only ran prompt chunks returns no sequence."""
+        if self._spec_pause:
+            self._spec_pause -= 1
         current = self.in_flight
         if current is None:
             self._propose_drafts()
@@ -349,7 +358,9 @@ class LLMEngine:
         settings on one engine)."""
         self.spec = spec
         self.proposer = make_proposer(spec) if spec is not None else None
+        self._spec_misses = self._spec_pause = 0  # proposals in a row that found nothing; steps until the next try
         self.runner.forced_acceptance = spec.forced_acceptance if spec is not None else None
+        self.runner.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         if self.runner.forced_acceptance is not None:
             log.warning("speculative decoding with forced acceptance %.2f: drafts are accepted at random, the output "
                         "is meaningless (benchmarks only)", self.runner.forced_acceptance)
@@ -358,9 +369,11 @@ class LLMEngine:
         return [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
 
     def _speculates(self) -> bool:
-        """Whether the next step would verify drafts: speculation is on and few enough sequences decode (past
-        SpeculativeConfig.max_batch verifying costs more than it saves, and steps keep the lookahead)."""
-        return self.proposer is not None and 0 < len(self._decoders()) <= self.spec.max_batch
+        """Whether the next step would verify drafts: speculation is on, not paused after proposals that found
+        nothing, and few enough sequences decode (past SpeculativeConfig.max_batch verifying costs more than it saves).
+        Otherwise steps keep the lookahead."""
+        return (self.proposer is not None and self._spec_pause == 0
+                and 0 < len(self._decoders()) <= self.spec.max_batch)
 
     def _propose_drafts(self) -> None:
         """Gives each decoding sequence that may speculate its draft tokens for the next step: at most k, no more than
@@ -381,6 +394,13 @@ class LLMEngine:
                 seq.draft_token_ids = self.proposer.propose(seq, room)
                 budget -= len(seq.draft_token_ids)
         self.proposer.keep_only(self.scheduler.running)
+        # Nothing to draft (an n-gram lookup that matches nothing): each try costs a step without lookahead, so the
+        # next tries wait 1, 2, 4 ... up to MAX_SPEC_PAUSE steps, which then run with lookahead again.
+        if any(seq.draft_token_ids for seq in decoders):
+            self._spec_misses = 0
+        else:
+            self._spec_misses += 1
+            self._spec_pause = min(2 ** (self._spec_misses - 1), MAX_SPEC_PAUSE)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""

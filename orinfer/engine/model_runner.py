@@ -61,6 +61,9 @@ class ModelRunner:
         # Speculative decoding for benchmarks on random weights: drafts accepted with this probability, not by the
         # target's distribution (spec_decode/config.py). None: exact verification.
         self.forced_acceptance: float | None = None
+        # Drafts per sequence at most (0: no speculation): verify steps pad their draft table to it, so a seeded
+        # request draws the same amount of randomness per step whatever else is in the batch.
+        self.num_speculative_tokens = 0
         self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
@@ -413,7 +416,7 @@ class ModelRunner:
         row_seqs = [seq for seq, d in zip(sampled, drafts) for _ in range(len(d) + 1)]
         row_drafts = [d[:j] for d in drafts for j in range(len(d) + 1)]
         sampling = self.sampling_batch(row_seqs, drafts=row_drafts)
-        width = max(1, max(len(d) for d in drafts))
+        width = max(1, self.num_speculative_tokens, max(len(d) for d in drafts))
         layout = DraftLayout([len(d) for d in drafts],
                              self._upload([d + [0] * (width - len(d)) for d in drafts], torch.int64))
         return verify_drafts(logits, layout, sampling, [seq.generator for seq in sampled], self.forced_acceptance)

@@ -11,7 +11,7 @@ import torch
 
 from orinfer.args import EngineArgs
 from orinfer.config import VL_ARCHITECTURE, ModelConfig, resolve_dtype
-from orinfer.engine.llm_engine import EngineParts, LLMEngine
+from orinfer.engine.llm_engine import DraftParts, EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import get_ops
@@ -20,6 +20,7 @@ from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
+from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.thinking import initial_state
 from orinfer.tool_calls import (answer_start, check_parser_for, check_tools, constrain_tool_choice, parse_chat_output,
                                 parse_tool_choice, resolve_format)
@@ -31,6 +32,25 @@ log = logging.getLogger(__name__)
 # orinfer/prompt_inputs.py).
 Prompt = str | Seq[int] | dict[str, Any]
 Message = dict[str, Any]
+
+
+def _load_draft(args: EngineArgs, target: ModelConfig, ops: Any, weight_dtype: torch.dtype, act_dtype: torch.dtype,
+                device: torch.device) -> DraftParts | None:
+    """The draft model of `speculative_config` (method draft_model), loaded like the target; None for other methods.
+    It must share the target's vocabulary and be a plain decoder (no linear-attention state to roll back)."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_dir = Path(spec.model)
+    config = ModelConfig.from_hf(draft_dir)
+    if config.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative_config: the draft model's vocabulary ({config.vocab_size}) is not the "
+                          f"target's ({target.vocab_size}); use a model of the same tokenizer")
+    if config.is_hybrid or config.is_multimodal:
+        raise ConfigError(f"speculative_config: the draft model must be a text-only decoder without linear attention "
+                          f"(e.g. Qwen3-0.6B), not {config.architecture}")
+    model = load_hf_model(draft_dir, ops, weight_dtype, act_dtype, device, config, progress=args.progress)
+    return DraftParts(model, config)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -82,7 +102,8 @@ class LLM:
             pre_dequantize_model(net, act_dtype)
         image_processor = _image_processor(home, args.max_pixels) if model_config.is_multimodal else None
         parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype, ops=ops,
-                            image_processor=image_processor)
+                            image_processor=image_processor,
+                            draft=_load_draft(args, model_config, ops, weight_dtype, act_dtype, dev))
         self.engine = LLMEngine(parts, args)
         self.tokenizer = tok
         self.device = dev

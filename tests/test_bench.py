@@ -162,19 +162,36 @@ def test_speculative_runs_size_the_engine_and_report_against_plain_decoding():
     from orinfer.spec_decode.config import SpeculativeConfig
 
     args = _args("--backend", "torch", "--batch-sizes", "1", "--speculative", "ngram", "--spec-batch-sizes", "1,3",
-                 "--num-speculative-tokens", "2", "--decode-tokens", "6", "--decode-prompt-len", "12")
+                 "--num-speculative-tokens", "2", "--decode-tokens", "7", "--decode-prompt-len", "12")
     cfg = _tiny_awq_config()
     cfg.quantization = None
     plan = bench_plan(args, cfg, torch.float32)
     assert plan["engine_config"].max_num_seqs == 3 and plan["batch_sizes"] == [1]
     llm = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
     spec = SpeculativeConfig("ngram", 2)
-    rows = bench_speculation(llm, cfg, spec, [1, 3], 6, 12, acceptances=(0.0, 1.0))
+    rows = bench_speculation(llm, cfg, spec, [1, 3], 7, 12, acceptances=(0.0, 1.0))
     assert list(rows) == [1, 3] and list(rows[3]) == ["plain", "forced 0", "forced 1", "real"]
     assert rows[3]["plain"]["speedup"] == 1.0 and rows[3]["plain"]["acceptance_rate"] is None
-    # Forced 1: every step verifies 2 drafts and accepts both (the lookup's misses draft the newest token twice).
+    # Forced 1: the prompt's token, then two steps that verify 2 drafts each and accept both (the lookup's misses
+    # draft the newest token twice).
     assert rows[3]["forced 1"]["acceptance_rate"] == 1.0 and rows[3]["forced 1"]["tokens_per_verify"] == 3.0
     assert rows[1]["forced 0"]["acceptance_rate"] == 0.0
     assert llm.engine.spec is None  # the bench leaves plain decoding on
     table = "\n".join(speculation_markdown(spec, rows))
     assert "| 3 | forced 1 |" in table and "ngram, k = 2" in table
+
+
+def test_draft_model_speculation_on_random_weights():
+    from orinfer.bench.spec_bench import bench_speculation
+    from orinfer.spec_decode.config import SpeculativeConfig
+
+    cfg = _tiny_awq_config()
+    cfg.quantization = None
+    args = _args("--backend", "torch", "--batch-sizes", "2", "--decode-tokens", "7", "--decode-prompt-len", "9")
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, bench_plan(args, cfg, torch.float32)["engine_config"],
+                              draft=cfg)
+    spec = SpeculativeConfig("draft_model", 2, model="random")
+    rows = bench_speculation(llm, cfg, spec, [2], 7, 9, acceptances=(1.0,))
+    assert rows[2]["forced 1"]["tokens_per_verify"] == 3.0 and rows[2]["forced 1"]["acceptance_rate"] == 1.0
+    # The same random weights draft for themselves: real acceptance is complete as well.
+    assert rows[2]["real"]["acceptance_rate"] is None or rows[2]["real"]["acceptance_rate"] > 0.0

@@ -32,3 +32,14 @@ def test_ngram_greedy_matches_plain_with_graphs(tiny_dir):
     assert blocks.num_free_blocks == blocks.num_blocks
     seeded = SamplingParams(temperature=0.8, max_tokens=64, seed=5, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(PROMPTS, seeded)] == [o.token_ids for o in spec.generate(PROMPTS, seeded)]
+
+
+def test_draft_model_proposes_through_decode_graph_replays(tiny_dir):
+    """The tiny model drafting for itself: its graphs replay k steps per proposal; every draft is accepted."""
+    plain = engine(tiny_dir, None)
+    spec = engine(tiny_dir, {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3})
+    assert spec.engine.draft.runner.graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
+    want, got = plain.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in got] == [(30, 30)] * 3

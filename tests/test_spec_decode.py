@@ -261,3 +261,62 @@ def test_proposals_that_find_nothing_back_off_and_keep_the_lookahead(tiny_dir, p
     got = _generate(rare, PROMPTS[2], params)
     assert _seen(got) == _seen(_generate(plain, PROMPTS[2], params))
     assert rare.engine.num_lookahead_steps - before >= 30
+
+
+# --- draft model ---------------------------------------------------------------------------------------------------
+
+def _draft(tiny_dir, model_dir, k: int = 3, **kwargs) -> LLM:
+    return _llm(tiny_dir, {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with noise on its MLPs: a draft that agrees with it often, not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("perturbed")
+    for f in tiny_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    weights = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, w in weights.items():
+        if "mlp" in name:
+            w += 0.5 * w.std() * torch.randn(w.shape, generator=gen)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_model_as_its_own_draft_accepts_everything(tiny_dir, plain):
+    params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
+    got = _generate(_draft(tiny_dir, tiny_dir), PROMPTS, params)
+    assert _seen(got) == _seen(_generate(plain, PROMPTS, params))
+    # 1 token from the prompt step, then 10 verify steps of 3 drafts + 1: all accepted (the last one's tokens end
+    # the sequence, by length).
+    assert [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in got] == [(30, 30)] * 3
+
+
+def test_another_draft_model_keeps_greedy_output(tiny_dir, perturbed_dir, plain):
+    params = SamplingParams(temperature=0.0, max_tokens=60, logprobs=2, ignore_eos=True)
+    want = _generate(plain, PROMPTS, params)
+    drafted = _draft(tiny_dir, perturbed_dir, k=4)
+    got = _generate(drafted, PROMPTS, params)
+    assert _seen(got) == _seen(want)
+    _assert_same_logprobs(got, want)
+    accepted = sum(o.metrics.num_accepted_tokens for o in got)
+    assert 0 < accepted < sum(o.metrics.num_draft_tokens for o in got)
+    tight = _draft(tiny_dir, perturbed_dir, k=4, num_kv_blocks=9)
+    squeezed = _generate(tight, PROMPTS, params)
+    assert _seen(squeezed) == _seen(want) and sum(o.metrics.num_preemptions for o in squeezed) > 0
+    seeded = SamplingParams(temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
+    assert _seen(_generate(drafted, PROMPTS, seeded)) == _seen(_generate(drafted, PROMPTS, seeded))
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_dir, tmp_path):
+    from hf_models import build_hf_model, save_hf_model
+
+    save_hf_model(build_hf_model("qwen3-mha-tied", vocab_size=97), tmp_path)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        _draft(tiny_dir, tmp_path)

@@ -80,10 +80,12 @@ def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes
 
 
 def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, args: EngineArgs,
-                        tokenizer: Any | None = None) -> LLM:
+                        tokenizer: Any | None = None, draft: ModelConfig | None = None) -> LLM:
     """An LLM over random weights of `cfg`'s shapes in `dtype` on `device` (no tokenizer unless one is given:
     token-id prompts only), with `args`' backend and engine settings. `args.pre_dequant` (AWQ configs): dense copies
-    of the random packed weights for prefill, as `LLM(pre_dequant=True)`."""
+    of the random packed weights for prefill, as `LLM(pre_dequant=True)`. `draft`: also a random draft model of
+    these shapes, for speculative decoding (method draft_model)."""
+    from orinfer.engine.llm_engine import DraftParts
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
 
@@ -93,7 +95,8 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
         from orinfer.layers.awq_linear import pre_dequantize_model
 
         pre_dequantize_model(model, dtype)
-    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, ops=ops)
+    draft_parts = None if draft is None else DraftParts(random_model(draft, ops, dtype, dtype, device), draft)
+    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, ops=ops, draft=draft_parts)
     return LLM.from_parts(parts, args)
 
 

@@ -46,11 +46,13 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
                         "longer than it are left out; the report says what was capped")
     p.add_argument("--image-size", default=None, metavar="WxH",
                    help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
-    p.add_argument("--speculative", choices=["ngram"], default=None,
+    p.add_argument("--speculative", choices=["ngram", "draft_model"], default=None,
                    help="also measure decode with speculative decoding of this method at forced acceptance rates "
                         "(random weights: accepted drafts are chosen at random) against plain decoding, batch sizes "
                         "of --spec-batch-sizes")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    p.add_argument("--draft-synthetic", default="qwen3-0.6b", metavar="PRESET",
+                   help="--speculative draft_model: random weights of this preset's shapes draft (default qwen3-0.6b)")
     p.add_argument("--spec-batch-sizes", default="1,8")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     # The engine settings a benchmark may vary; the workload sets the batching limits and the KV-cache size.
@@ -154,7 +156,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         llm = LLM(args.model, engine_config.replace(device="cuda"))
     else:
-        llm = build_synthetic_llm(cfg, dtype, device, engine_config)
+        draft = preset(args.draft_synthetic) if args.speculative == "draft_model" else None
+        llm = build_synthetic_llm(cfg, dtype, device, engine_config, draft=draft)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
@@ -174,8 +177,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from orinfer.bench.spec_bench import bench_speculation
         from orinfer.spec_decode.config import SpeculativeConfig
 
-        spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens)
-        result["speculation"] = {"method": spec.method, "k": spec.num_speculative_tokens, "rows": bench_speculation(
+        spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
+                                 model=args.draft_synthetic if args.speculative == "draft_model" else None)
+        result["speculation"] = {"method": spec.method, "k": spec.num_speculative_tokens, "draft": spec.model,
+                                 "rows": bench_speculation(
             llm, cfg, spec, [int(x) for x in args.spec_batch_sizes.split(",") if x], args.decode_tokens,
             args.decode_prompt_len)}
         name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
@@ -240,7 +245,7 @@ def markdown(r: dict) -> str:
         from orinfer.spec_decode.config import SpeculativeConfig
 
         s = r["speculation"]
-        lines.extend(speculation_markdown(SpeculativeConfig(s["method"], s["k"]), s["rows"]))
+        lines.extend(speculation_markdown(SpeculativeConfig(s["method"], s["k"], model=s.get("draft")), s["rows"]))
     if "vision" in r:
         from orinfer.bench.vision_bench import vision_markdown
         lines.extend(vision_markdown(r["vision"]))

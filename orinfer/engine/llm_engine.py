@@ -33,16 +33,17 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
-from orinfer.engine.model_runner import ModelRunner
+from orinfer.engine.model_runner import ModelRunner, kv_bytes_per_block
 from orinfer.engine.multimodal import prepare_images
 from orinfer.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from orinfer.engine.scheduler import Scheduler, StepPlan, attention_keys_per_token
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.engine.thinking import ThinkingBudget, ThinkTokens
-from orinfer.errors import RequestError
+from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
+from orinfer.spec_decode.draft_model import DraftModelProposer
 from orinfer.spec_decode.proposer import make_proposer
 from orinfer.structured.constraint import SequenceConstraint
 from orinfer.structured.grammar import GrammarCompiler
@@ -52,6 +53,14 @@ log = logging.getLogger(__name__)
 
 # Speculative decoding: the most steps between two proposals after proposals that found nothing (`_propose_drafts`).
 MAX_SPEC_PAUSE = 16
+
+
+@dataclass
+class DraftParts:
+    """A draft model for speculative decoding (method draft_model): same tokenizer as the target, built like it."""
+
+    model: nn.Module
+    model_config: ModelConfig
 
 
 @dataclass
@@ -66,6 +75,7 @@ class EngineParts:
     act_dtype: torch.dtype
     ops: Ops | None = None                # the backend the model was built with (its CUDA-graph hooks); None: eager
     image_processor: Any | None = None    # orinfer.multimodal.ImageProcessor for vision-language models
+    draft: DraftParts | None = None       # the draft model of speculative decoding (method draft_model)
 
 
 class LLMEngine:
@@ -77,12 +87,21 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         self.think_tokens = ThinkTokens.of(self.tokenizer)  # None: the model does not think (no budget applies)
+        hooks = parts.ops.graph_hooks if parts.ops is not None else None
+        draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
+                                                                       parts.act_dtype)
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
-                                  graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
-                                  vision_warmup_patches=self._largest_image_patches())
+                                  graph_hooks=hooks, vision_warmup_patches=self._largest_image_patches(),
+                                  extra_bytes_per_block=draft_bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_state_slots=self.runner.state.num_slots,
                                           num_state_snapshots=self.runner.state.num_snapshots)
+        self.draft = None  # the draft-model proposer: the draft's runner, its KV pool on the target's block ids
+        if parts.draft is not None:
+            draft_runner = ModelRunner(parts.draft.model, parts.draft.model_config,
+                                       config.replace(num_kv_blocks=self.runner.num_blocks), parts.device,
+                                       parts.act_dtype, self.max_model_len, graph_hooks=hooks)
+            self.draft = DraftModelProposer(draft_runner, self.block_manager, 1, config.max_num_batched_tokens)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
@@ -356,8 +375,11 @@ class LLMEngine:
     def set_speculation(self, spec: SpeculativeConfig | None) -> None:
         """Turns speculative decoding on with `spec`, or off (None), from the next step on (the benchmark compares
         settings on one engine)."""
+        if spec is not None and self.parts.model_config.is_hybrid:
+            raise ConfigError("speculative decoding does not support hybrid models (Qwen3.5 family) yet: their "
+                              "linear-attention state cannot be rolled back past rejected draft tokens")
         self.spec = spec
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = make_proposer(spec, self.draft) if spec is not None else None
         self._spec_misses = self._spec_pause = 0  # proposals in a row that found nothing; steps until the next try
         self.runner.forced_acceptance = spec.forced_acceptance if spec is not None else None
         self.runner.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -384,6 +406,7 @@ class LLMEngine:
             return
         decoders = self._decoders()
         budget = self.config.max_num_batched_tokens - len(decoders)
+        eligible, rooms = [], []
         for seq in decoders:
             if seq.constraint is not None or seq.thinking is not None or seq.num_pending:
                 continue
@@ -391,8 +414,12 @@ class LLMEngine:
                        seq.params.max_tokens - seq.num_completion_tokens - 1,
                        self.max_model_len - len(seq.token_ids) - 1)
             if room > 0:
-                seq.draft_token_ids = self.proposer.propose(seq, room)
-                budget -= len(seq.draft_token_ids)
+                eligible.append(seq)
+                rooms.append(room)
+                budget -= room
+        if eligible:
+            for seq, draft in zip(eligible, self.proposer.propose_batch(eligible, rooms)):
+                seq.draft_token_ids = draft
         self.proposer.keep_only(self.scheduler.running)
         # Nothing to draft (an n-gram lookup that matches nothing): each try costs a step without lookahead, so the
         # next tries wait 1, 2, 4 ... up to MAX_SPEC_PAUSE steps, which then run with lookahead again.
@@ -425,6 +452,7 @@ class LLMEngine:
         the token after them, taken in order until one ends the sequence)."""
         for i, seq in live:
             tokens = sample.tokens_of(i)
+            drafted = len(seq.draft_token_ids)  # (a sequence that finishes below drops its drafts)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             for position, token in enumerate(tokens):
@@ -435,12 +463,11 @@ class LLMEngine:
                 if self._process_token(seq, token, sample, i, position, now):
                     break
             if sample.num_accepted is not None:
-                self._end_verify(seq, sample.num_accepted[i])
+                self._end_verify(seq, drafted, sample.num_accepted[i])
 
-    def _end_verify(self, seq: Sequence, num_accepted: int) -> None:
+    def _end_verify(self, seq: Sequence, drafted: int, num_accepted: int) -> None:
         """After a verify step: the K/V of the rejected drafts is dropped (the next step overwrites it), and so are
         the blocks that only they used; the acceptance counts grow."""
-        drafted = len(seq.draft_token_ids)
         seq.draft_token_ids = []
         if drafted:
             seq.num_draft_tokens += drafted
@@ -448,6 +475,7 @@ class LLMEngine:
             seq.num_verify_steps += 1
         if not seq.is_finished:
             seq.num_computed_tokens = len(seq.token_ids) - 1
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
             self.block_manager.trim(seq)
 
     def _process_token(self, seq: Sequence, token: int, sample: HostSample, row: int, position: int,

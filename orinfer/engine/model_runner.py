@@ -50,13 +50,22 @@ class DeferredSample:
     spans: list[PromptSpan] | None = None
 
 
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV-cache block of `cfg`'s full-attention layers (K and V)."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return 2 * cfg.num_kv_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, engine_config: EngineArgs,
                  device: torch.device, kv_dtype: torch.dtype, max_model_len: int,
-                 graph_hooks: GraphHooks | None = None, vision_warmup_patches: int = 0) -> None:
+                 graph_hooks: GraphHooks | None = None, vision_warmup_patches: int = 0,
+                 extra_bytes_per_block: int = 0) -> None:
         """`graph_hooks`: the backend's CUDA-graph hooks (None: decode runs eagerly). `vision_warmup_patches`:
         patches of the largest image a request may bring; the GPU memory probe encodes one that large (models with
-        `warmup_images`), so the KV cache leaves room for the vision tower."""
+        `warmup_images`), so the KV cache leaves room for the vision tower. `extra_bytes_per_block`: what another
+        pool indexed by the same block ids takes per block (a draft model's KV cache), planned from the same budget."""
+        self.extra_bytes_per_block = extra_bytes_per_block
         self.model, self.model_config, self.config = model, model_config, engine_config
         # Speculative decoding for benchmarks on random weights: drafts accepted with this probability, not by the
         # target's distribution (spec_decode/config.py). None: exact verification.
@@ -96,9 +105,7 @@ class ModelRunner:
     # --- KV cache ---------------------------------------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_kv_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
 
     def _plan_num_blocks(self) -> int:
@@ -113,7 +120,7 @@ class ModelRunner:
         else:
             budget = CPU_DEFAULT_KV_BYTES
         budget -= self.state.bytes  # the state pools come out of the same budget
-        blocks = min(useful, budget // self.bytes_per_block())
+        blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "
                                "or raise gpu_memory_utilization")
@@ -448,16 +455,24 @@ class ModelRunner:
         Replayed from a mixed-step graph when one fits and no row needs images; else eager. `device_ids`: the input
         ids of the first rows (lookahead decode rows), on the device."""
         inputs = step_inputs(plan, self.block_size)
-        if self.step_graphs is not None and self.step_graphs.fits(inputs) and not self._needs_images(plan):
+        if not self._needs_images(plan):
+            return self.forward_inputs(inputs, device_ids)
+        input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)
+        if device_ids is not None:
+            input_ids[:len(device_ids)] = device_ids
+        return self.model(input_ids, positions, meta, self.prepare_multimodal(plan)), sample_rows
+
+    def forward_inputs(self, inputs: StepInputs, device_ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a text-only flat batch: (hidden states [T, H], its sampling rows on the device), replayed
+        from a mixed-step graph when one fits. `device_ids`: the input ids of its first rows, on the device."""
+        if self.step_graphs is not None and self.step_graphs.fits(inputs):
             hidden = self.step_graphs.run(inputs, device_ids)
             return hidden, self._upload(inputs.sample_rows, torch.int64)
         input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)
         if device_ids is not None:
             input_ids[:len(device_ids)] = device_ids
-        mm = self.prepare_multimodal(plan)
-        if mm is None:
-            return self.model(input_ids, positions, meta), sample_rows
-        return self.model(input_ids, positions, meta, mm), sample_rows
+        return self.model(input_ids, positions, meta), sample_rows
 
     def _needs_images(self, plan: StepPlan) -> bool:
         """Whether the step runs prompt rows of a sequence with images (`prepare_multimodal` then has work)."""

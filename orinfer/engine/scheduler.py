@@ -261,6 +261,7 @@ class Scheduler:
         assert not seq.num_pending, "preempting a sequence whose newest token is still on the device"
         seq.status = SequenceStatus.WAITING
         seq.draft_token_ids = []
+        seq.num_draft_computed = 0  # its blocks go: so does the draft model's K/V in them
         seq.num_preemptions += 1
         seq.num_computed_tokens = 0
         self.block_manager.free(seq)

@@ -89,6 +89,7 @@ class Sequence:
         self.num_draft_tokens = 0        # drafted and verified so far
         self.num_accepted_tokens = 0     # of which the target accepted
         self.num_verify_steps = 0        # steps that verified drafts
+        self.num_draft_computed = 0      # leading tokens whose K/V a draft model's cache holds (draft_model method)
 
     @property
     def num_tokens(self) -> int:

@@ -51,7 +51,9 @@ from orinfer.thinking import THINK_END, THINK_START, ThinkState
 
 log = logging.getLogger(__name__)
 
-# Speculative decoding: the most steps between two proposals after proposals that found nothing (`_propose_drafts`).
+# Speculative decoding: tries in a row that do not pay before speculation pauses, and the longest pause in steps
+# (`_speculation_paid`).
+SPEC_MISSES_BEFORE_PAUSE = 2
 MAX_SPEC_PAUSE = 16
 
 
@@ -380,7 +382,7 @@ class LLMEngine:
                               "linear-attention state cannot be rolled back past rejected draft tokens")
         self.spec = spec
         self.proposer = make_proposer(spec, self.draft) if spec is not None else None
-        self._spec_misses = self._spec_pause = 0  # proposals in a row that found nothing; steps until the next try
+        self._spec_misses = self._spec_pause = 0  # tries in a row that did not pay; steps until the next try
         self.runner.forced_acceptance = spec.forced_acceptance if spec is not None else None
         self.runner.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         if self.runner.forced_acceptance is not None:
@@ -421,13 +423,20 @@ class LLMEngine:
             for seq, draft in zip(eligible, self.proposer.propose_batch(eligible, rooms)):
                 seq.draft_token_ids = draft
         self.proposer.keep_only(self.scheduler.running)
-        # Nothing to draft (an n-gram lookup that matches nothing): each try costs a step without lookahead, so the
-        # next tries wait 1, 2, 4 ... up to MAX_SPEC_PAUSE steps, which then run with lookahead again.
-        if any(seq.draft_token_ids for seq in decoders):
+        if not any(seq.draft_token_ids for seq in decoders):
+            self._speculation_paid(False)
+
+    def _speculation_paid(self, paid: bool) -> None:
+        """Records whether a try at speculating paid: drafts were found and some were accepted. A try that does not
+        pay costs a step (a verify step, or one without lookahead), so after SPEC_MISSES_BEFORE_PAUSE such tries in a
+        row the next ones wait 1, 2, 4 ... up to MAX_SPEC_PAUSE steps, which run as plain steps with lookahead (an
+        n-gram lookup that matches nothing, a draft model that the target keeps contradicting)."""
+        if paid:
             self._spec_misses = 0
-        else:
-            self._spec_misses += 1
-            self._spec_pause = min(2 ** (self._spec_misses - 1), MAX_SPEC_PAUSE)
+            return
+        self._spec_misses += 1
+        if self._spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
+            self._spec_pause = min(2 ** (self._spec_misses - SPEC_MISSES_BEFORE_PAUSE), MAX_SPEC_PAUSE)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""
@@ -464,6 +473,8 @@ class LLMEngine:
                     break
             if sample.num_accepted is not None:
                 self._end_verify(seq, drafted, sample.num_accepted[i])
+        if sample.num_accepted is not None and self.spec is not None:
+            self._speculation_paid(any(sample.num_accepted[i] for i, _ in live))
 
     def _end_verify(self, seq: Sequence, drafted: int, num_accepted: int) -> None:
         """After a verify step: the K/V of the rejected drafts is dropped (the next step overwrites it), and so are

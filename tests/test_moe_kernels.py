@@ -148,27 +148,23 @@ DECODE_DOT_SPLIT = MoeConfig("decode", 16, Tile(32, 16, 4, 1), Tile(64, 64, 4, 1
 
 
 @pytest.mark.parametrize("tokens,n_experts,top_k,mode,cfg,hidden,inter", [
+    # grouped GEMMs (None: the default grouped config)
     (1, 4, 1, "random", GROUPED_16, 72, 40), (3, 8, 2, "random", GROUPED_32, 64, 32),
     (17, 60, 2, "skip", GROUPED_16, 72, 40), (100, 8, 2, "random", GROUPED_32, 72, 40),
     (100, 4, 1, "same", GROUPED_64, 64, 32), (17, 8, 8, "same", None, 72, 40),
     pytest.param(17, 60, 8, "skip", GROUPED_32, 72, 40, marks=slow),
     pytest.param(100, 60, 8, "random", GROUPED_64, 72, 40, marks=slow),
-    pytest.param(100, 8, 2, "same", GROUPED_16, 64, 32, marks=slow)])
-def test_fused_moe_grouped(tokens, n_experts, top_k, mode, cfg, hidden, inter):
-    """Grouped GEMMs in fp32 (None: the default grouped config) against the fp64 reference."""
-    check_fused(tokens, n_experts, top_k, hidden, inter, (torch.float32, torch.float32), cfg, mode)
-
-
-@pytest.mark.parametrize("tokens,n_experts,top_k,mode,cfg,hidden,inter", [
+    pytest.param(100, 8, 2, "same", GROUPED_16, 64, 32, marks=slow),
+    # the decode path: one token on the FMA loop, up to 16 on dots; "same": the first pair of each expert runs it
+    # for every token that chose it
     (1, 8, 2, "random", DECODE_FMA, 72, 40), (1, 60, 8, "random", DECODE_FMA_SPLIT, 64, 32),
     (1, 4, 1, "random", DECODE_DOT, 72, 40), (3, 8, 2, "same", DECODE_DOT, 64, 32),
     (3, 60, 2, "skip", DECODE_DOT_SPLIT, 72, 40), (16, 4, 2, "random", DECODE_DOT_SPLIT, 64, 32),
     pytest.param(3, 60, 8, "skip", DECODE_DOT_SPLIT, 72, 40, marks=slow),
     pytest.param(8, 8, 8, "same", DECODE_DOT, 72, 40, marks=slow),
     pytest.param(1, 60, 8, "random", DECODE_FMA_SPLIT, 72, 40, marks=slow)])
-def test_fused_moe_decode(tokens, n_experts, top_k, mode, cfg, hidden, inter):
-    """The decode path in fp32: one token on the FMA loop, up to 16 on dots; "same": the first pair of each expert
-    runs it for every token that chose it."""
+def test_fused_moe(tokens, n_experts, top_k, mode, cfg, hidden, inter):
+    """Each path in fp32 against the fp64 reference."""
     check_fused(tokens, n_experts, top_k, hidden, inter, (torch.float32, torch.float32), cfg, mode)
 
 

@@ -14,7 +14,7 @@ Table files (`moe_configs/<GPU>_E<E>_H<H>_I<I>_k<k>_<dtype>.json`, GPU = torch.c
 characters other than letters, digits, '-', '.' made '_'; dtype = the weights', bfloat16 or float16):
 
     {"device": "NVIDIA H200", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "dtype": "bfloat16",
-     "configs": {"1": {"path": "decode", "block_m": 1, "up": [4, 512, 4, 1], "down": [2, 256, 2, 1], "split": 1,
+     "configs": {"1": {"path": "decode", "block_m": 1, "up": [4, 512, 4, 1], "down": [2, 1024, 4, 1], "split": 1,
                        "us": 61.2},
                  "64": {"path": "grouped", "block_m": 16, "up": [64, 64, 4, 3], "down": [64, 64, 4, 3], ...}, ...}}
 
@@ -65,7 +65,9 @@ def default_config(tokens: int, experts: int, top_k: int, wide: bool) -> MoeConf
     if tokens == 1:
         if wide:
             return MoeConfig("decode", 1, Tile(4, 128, 4, 1), Tile(4, 128, 4, 1))
-        return MoeConfig("decode", 1, Tile(4, 512, 4, 1), Tile(2, 256, 2, 1))
+        # FMA loops are not pipelined: latency is hidden by occupancy, so each program loads 4-8 KB per step and
+        # there are about as many programs as fit on the GPU at once (8 experts of Qwen3-30B-A3B: 1536 and 1024).
+        return MoeConfig("decode", 1, Tile(4, 512, 4, 1), Tile(2, 1024, 4, 1))
     if tokens <= 8:
         split = -(-tokens * top_k // 8)                           # about 8 pairs per program
         if wide:

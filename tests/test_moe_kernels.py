@@ -77,6 +77,7 @@ slow = pytest.mark.slow
 @pytest.mark.parametrize("tokens,n_experts,top_k,dtype,renormalize", [
     (1, 4, 1, torch.float32, True), (3, 8, 2, torch.bfloat16, True), (17, 60, 8, torch.float16, False),
     (100, 128, 8, torch.bfloat16, True), (3, 512, 16, torch.float32, True), (17, 8, 8, torch.float32, False),
+    (5, 512, 10, torch.bfloat16, True),
     pytest.param(100, 512, 16, torch.bfloat16, False, marks=slow), pytest.param(100, 60, 8, torch.float32, True,
                                                                                 marks=slow)])
 def test_moe_route(tokens, n_experts, top_k, dtype, renormalize):
@@ -160,6 +161,7 @@ DECODE_DOT_SPLIT = MoeConfig("decode", 16, Tile(32, 16, 4, 1), Tile(64, 64, 4, 1
     (1, 8, 2, "random", DECODE_FMA, 72, 40), (1, 60, 8, "random", DECODE_FMA_SPLIT, 64, 32),
     (1, 4, 1, "random", DECODE_DOT, 72, 40), (3, 8, 2, "same", DECODE_DOT, 64, 32),
     (3, 60, 2, "skip", DECODE_DOT_SPLIT, 72, 40), (16, 4, 2, "random", DECODE_DOT_SPLIT, 64, 32),
+    (3, 12, 3, "random", DECODE_DOT, 64, 32), (5, 12, 3, "random", GROUPED_16, 64, 32),    # k not a power of 2
     pytest.param(3, 60, 8, "skip", DECODE_DOT_SPLIT, 72, 40, marks=slow),
     pytest.param(8, 8, 8, "same", DECODE_DOT, 72, 40, marks=slow),
     pytest.param(1, 60, 8, "random", DECODE_FMA_SPLIT, 72, 40, marks=slow)])

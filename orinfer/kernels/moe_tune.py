@@ -12,8 +12,9 @@ candidate of each stage is timed alone and the fastest sum wins:
 Timing: `triton.testing.do_bench` (median; the L2 is flushed before each call, so the weights come from HBM as they do
 in a decode step). A candidate that does not compile or fit (shared memory, registers) is skipped. The table goes
 to orinfer/kernels/moe_configs/ (or --out), named and laid out as `kernels/moe_config.py` documents; each entry
-keeps its measured microseconds ("us") and the defaults' ("default_us") for comparison. Without --quick a full
-preset takes a few minutes (most of it compiling).
+keeps its measured microseconds ("us") and the defaults' ("default_us") for comparison. A table that exists already
+keeps its entries for the token counts not tuned again, so a preset can be tuned in parts (--tokens 1,2,4,8,16, then
+the rest). Without --quick a full preset takes several minutes (much of it compiling).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
         log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / table_name(name, experts, hidden, inter, top_k, dtype)
+    if path.is_file():                          # entries of other token counts (an earlier run) are kept
+        configs = {**json.loads(path.read_text())["configs"], **configs}
+    configs = dict(sorted(configs.items(), key=lambda item: int(item[0])))
     table = {"device": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
              "dtype": str(dtype).removeprefix("torch."), "configs": configs}
     path.write_text(json.dumps(table, indent=1) + "\n")

@@ -55,7 +55,7 @@ for x, w in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf1
                     "PAIRS_PER_SPLIT": "i32"}
             out[name + "-decode-down"] = build(moe_decode._decode_down_kernel, down, common | dict(
                 BLOCK_N=cfg.down.block_n, BLOCK_K=cfg.down.block_k, EVEN_K=I % cfg.down.block_k == 0,
-                SPLIT=cfg.split), *cfg.down[2:])
+                PARTIAL=cfg.split > 1), *cfg.down[2:])
         else:
             args = {"a_ptr": f"*{x}", "w_ptr": f"*{w}", "out_ptr": f"*{x}", "sorted_ptr": "*i32",
                     "block_expert_ptr": "*i32", "num_blocks": "i32", "A_ROWS": "i32", "N_OUT": "i32", "K": "i32",

@@ -271,24 +271,27 @@ def test_gpu_fused_moe_skewed_routing(dtype, tokens, mode):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_every_tuning_candidate_is_correct(dtype):
-    """Whatever config the tuner writes into a table computes the reference (Qwen3-30B-A3B's expert shape)."""
+def test_gpu_every_tuning_candidate_is_correct():
+    """Whatever tile the tuner writes into a table computes the reference (bf16, Qwen3-30B-A3B's expert shape); the
+    splits and row blocks cycle over the tiles, so each kernel variant compiles once."""
     n_experts, hidden, inter, top_k = QWEN3_30B
-    cases = [(1, MoeConfig("decode", 1, up, down, s)) for up, down in zip(moe_tune.FMA_UP, moe_tune.FMA_DOWN)
-             for s in moe_tune.SPLITS_FMA]
-    cases += [(8, MoeConfig("decode", 16, t, t, s)) for t in moe_tune.DOT_DECODE for s in moe_tune.SPLITS_DOT]
-    cases += [(256, MoeConfig("grouped", bm, t, t)) for bm in moe_config.GROUPED_BLOCK_M for t in moe_tune.GROUPED]
-    x = {t: randn(t, hidden, dtype=dtype) for t in (1, 8, 256)}
-    route = {t: routing(t, n_experts, top_k) for t in (1, 8, 256)}
-    w13, w2 = experts(n_experts, hidden, inter, dtype)
-    ref = {t: fused_moe_ref(x[t].double(), w13.double(), w2.double(), *route[t]) for t in (1, 8, 256)}
+    t = moe_tune
+    cases = [(1, MoeConfig("decode", 1, up, down, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
+             for i, (up, down) in enumerate(zip(t.FMA_UP, t.FMA_DOWN))]
+    cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
+              for i, tile in enumerate(t.DOT_DECODE)]
+    block_m = moe_config.GROUPED_BLOCK_M
+    cases += [(256, MoeConfig("grouped", block_m[i % len(block_m)], tile, tile)) for i, tile in enumerate(t.GROUPED)]
+    w13, w2 = experts(n_experts, hidden, inter, torch.bfloat16)
+    inputs = {n: (randn(n, hidden, dtype=torch.bfloat16), *routing(n, n_experts, top_k)) for n in (1, 8, 256)}
+    refs = {n: fused_moe_ref(x.double(), w13.double(), w2.double(), w, i) for n, (x, w, i) in inputs.items()}
     for tokens, cfg in cases:
+        x, weights, ids = inputs[tokens]
         try:
-            got = fused_moe(x[tokens], w13, w2, *route[tokens], config=cfg)
+            got = fused_moe(x, w13, w2, weights, ids, config=cfg)
         except OutOfResources:  # a tile that does not fit this GPU (the tuner skips it too)
             continue
-        torch.testing.assert_close(got.double(), ref[tokens], **tol(dtype, 2), msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(got.double(), refs[tokens], **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
 
 
 @gpu

@@ -129,7 +129,7 @@ def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, I, H, stride_xt, stride_w
 def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, H, I, stride_hm, stride_we, stride_wn,
                         stride_om, PAIRS_PER_SPLIT, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                         PDL: tl.constexpr):
     if PDL:
         gdc_wait()
@@ -151,10 +151,10 @@ def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, H, I, stride
         gdc_launch_dependents()
     offs_t = tl.arange(0, BLOCK_T)
     mask = (offs_t < T)[None, :] & (offs_n < H)[:, None]
-    if SPLIT == 1:
-        tl.store(out_ptr + offs_t[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    if PARTIAL:                                                  # split: fp32 partial sums [SPLIT, T, H]
         tl.store(out_ptr + (s * T + offs_t)[None, :] * stride_om + offs_n[:, None], acc, mask=mask)
+    else:
+        tl.store(out_ptr + offs_t[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _meta(tokens: int, top_k: int, block_m: int, tile: Tile, k: int, x: torch.Tensor, w: torch.Tensor) -> dict:
@@ -190,7 +190,7 @@ def decode_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, t
         out = torch.empty(split * tokens, hidden, dtype=torch.float32, device=h.device)
     _decode_down_kernel[(triton.cdiv(hidden, tile.block_n), split)](
         h, w2, topk_weights, topk_ids, out, tokens, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), per_split, SPLIT=split, **_meta(tokens, top_k, block_m, tile, inter, h, w2))
+        out.stride(0), per_split, PARTIAL=split > 1, **_meta(tokens, top_k, block_m, tile, inter, h, w2))
     return out if split == 1 else moe_sum(out, None, tokens, split, 1, tokens, h.dtype)
 
 

@@ -186,9 +186,13 @@ def test_unsupported_fields_are_named(edit, message):
         ModelConfig.from_dict(raw)
 
 
-def test_moe_variants_are_named_as_such():
+def test_unsupported_moe_families_are_named_as_such():
+    """Qwen3.5's MoE variants load (test_moe_models.py); another family's MoE is refused as one."""
+    assert ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B").is_moe
+    raw = json.loads((REAL / "Qwen3.5-35B-A3B" / "config.json").read_text())
+    raw["architectures"] = ["Qwen2MoeForCausalLM"]
     with pytest.raises(ConfigError, match="mixture-of-experts"):
-        ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B")
+        ModelConfig.from_dict(raw)
 
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from orinfer.bench.ceilings import measure_ceilings
-from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, decode_bytes_per_token,
-                                        kv_plan, pre_dequant_bytes, weight_bytes)
+from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, kv_plan,
+                                        pre_dequant_bytes, weight_bytes)
+from orinfer.bench.roofline import decode_bytes_per_step, routed_expert_bytes
 from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
 from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
 from orinfer.fp8_config import FP8Config
@@ -149,9 +150,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
-    per_token = decode_bytes_per_token(cfg, wbytes, args.decode_prompt_len + args.decode_tokens // 2, dtype.itemsize)
+    context, experts = args.decode_prompt_len + args.decode_tokens // 2, routed_expert_bytes(model)
+    per_token = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, 1, experts)
     read = result["ceilings"]["read_GBps"] * 1e9
-    b1 = timings["decode"].get(1)
     result["orinfer"] = {
         **timings, "weights_GiB": wbytes / 2**30, "bytes_per_decode_token": per_token,
         "roofline_tok_s": read / per_token,
@@ -161,9 +162,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
     }
-    if b1:
-        b1["GBps"] = b1["tok_s"] * per_token / 1e9
-        b1["pct_roofline"] = 100 * b1["tok_s"] * per_token / read
+    for batch, row in timings["decode"].items():
+        # A step of `batch` rows reads the dense weights once, the routed experts its tokens hit, each row's KV.
+        step_bytes = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, batch, experts)
+        row["GBps"] = step_bytes / row["step_ms"] * 1e3 / 1e9
+        row["pct_roofline"] = 100 * row["GBps"] * 1e9 / read
     for length, row in timings["prefill"].items():
         row["mfu_pct"] = 100 * row["tflops"] / result["ceilings"]["matmul_TFLOPs"]
     del llm, model

@@ -61,6 +61,18 @@ def save_hf_model(model, path: Path) -> Path:
     return path
 
 
+def rewrite_checkpoint(path: Path, out: Path, transform) -> Path:
+    """A copy of the one-file checkpoint in `path` at `out`, its tensors passed through `transform(dict) -> dict`."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for item in path.iterdir():
+        if item.suffix != ".safetensors":
+            (out / item.name).write_bytes(item.read_bytes())
+    save_file(transform(load_file(str(path / "model.safetensors"))), str(out / "model.safetensors"))
+    return out
+
+
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """Greedy continuation by full recomputation (no cache tricks): the plainest possible reference."""
     ids = list(prompt)
@@ -172,13 +184,21 @@ def build_hf_qwen3_5(kind: str, seed: int = 0, vision: bool = False):
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
     text = qwen3_5_text_config(kind, vocab_size=300 if vision else 211)
+    classes = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if vision else Qwen3_5ForCausalLM
+    return _hf_qwen3_5_family(text, seed, classes)
+
+
+def _hf_qwen3_5_family(text, seed: int, classes):
+    """The causal LM `classes` of a Qwen3.5-family text config, or with (config class, model class) the
+    ConditionalGeneration model with the tiny vision tower; every parameter randomized."""
     torch.manual_seed(seed)
-    if not vision:
-        return randomize_parameters(Qwen3_5ForCausalLM(text).eval(), seed)
-    config = Qwen3_5Config(text_config=text.to_dict(), vision_config=QWEN3_5_TINY_VISION,
-                           tie_word_embeddings=text.tie_word_embeddings, **VL_IDS)
+    if not isinstance(classes, tuple):
+        return randomize_parameters(classes(text).eval(), seed)
+    config_cls, model_cls = classes
+    config = config_cls(text_config=text.to_dict(), vision_config=QWEN3_5_TINY_VISION,
+                        tie_word_embeddings=text.tie_word_embeddings, **VL_IDS)
     config._attn_implementation = "eager"
-    return randomize_parameters(Qwen3_5ForConditionalGeneration(config).eval(), seed)
+    return randomize_parameters(model_cls(config).eval(), seed)
 
 
 # --- mixture of experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-VL-MoE) ------------------------------------------------------
@@ -223,13 +243,8 @@ def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False):
         dense.pop(key, None)
     text = Qwen3_5MoeTextConfig(**dense, moe_intermediate_size=24, shared_expert_intermediate_size=40, **spec)
     text._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    if not vision:
-        return randomize_parameters(Qwen3_5MoeForCausalLM(text).eval(), seed)
-    config = Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=QWEN3_5_TINY_VISION,
-                              tie_word_embeddings=text.tie_word_embeddings, **VL_IDS)
-    config._attn_implementation = "eager"
-    return randomize_parameters(Qwen3_5MoeForConditionalGeneration(config).eval(), seed)
+    classes = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if vision else Qwen3_5MoeForCausalLM
+    return _hf_qwen3_5_family(text, seed, classes)
 
 
 def build_hf_vl_moe(seed: int = 0):

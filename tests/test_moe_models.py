@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from hf_models import (QWEN3_5_MOE_CONFIGS, QWEN3_MOE_CONFIGS, build_hf_qwen3_5_moe, build_hf_qwen3_moe, hf_greedy,
                        rewrite_checkpoint, save_hf_model)
-from orinfer import SamplingParams
+from orinfer import LLM, SamplingParams
 from orinfer.errors import WeightsError
 from orinfer.layers.moe import SparseMoE, per_expert_tensors
 from test_hf_parity import paged_logits
@@ -162,3 +162,51 @@ def test_an_moe_mtp_head_is_loaded_with_its_experts(tmp_path_factory, tmp_path):
     assert isinstance(mtp.layers[0].mlp, SparseMoE) and mtp.layers[0].mlp.shared_expert is not None
     with pytest.raises(WeightsError, match="MTP head"):
         engine(_with_mtp(path, tmp_path / "partial", drop=2))
+
+
+def test_the_backends_decode_hooks_skip_the_sparse_layers_mlp(qwen3_moe):
+    """The triton backend's norm feeding (layers/decode_hooks.py) hands a norm's output to the linear that reads it:
+    a dense layer's MLP input norm feeds gate_up_proj; a sparse layer's feeds no single linear."""
+    from orinfer.config import ModelConfig
+    from orinfer.layers.decode_hooks import install_decode_hooks
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.models.registry import build_model
+
+    _, path = qwen3_moe
+    model = build_model(ModelConfig.from_hf(path), TORCH_OPS, torch.float32, torch.float32, torch.device("meta"))
+    install_decode_hooks(model)
+    dense, sparse = model.layers[1], model.layers[0]
+    assert not isinstance(dense.mlp, SparseMoE) and isinstance(sparse.mlp, SparseMoE)
+    assert dense.post_attention_layernorm.consumer == [dense.mlp.gate_up_proj]
+    assert sparse.post_attention_layernorm.consumer == []
+    assert sparse.input_layernorm.consumer == [sparse.self_attn.qkv_proj]
+
+
+def test_quantizing_an_moe_checkpoint_is_refused(qwen3_moe, tmp_path):
+    from orinfer.errors import ConfigError
+    from orinfer.quant.checkpoint import quantize_checkpoint
+
+    _, path = qwen3_moe
+    with pytest.raises(ConfigError, match="AWQ weights are not yet supported for MoE experts"):
+        quantize_checkpoint(path, tmp_path / "awq", method="rtn", group_size=16, progress=False)
+
+
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter (1-2 minutes); CI's slow tier and the GPU run it
+def test_the_triton_ops_give_hf_tokens(pair):
+    """The triton op table (Triton's interpreter without a GPU) around the experts: its attention, norms and
+    (Qwen3.5) delta-rule kernels, and whatever its moe_route / fused_moe entries are, give HF's tokens."""
+    from orinfer.args import EngineArgs
+    from orinfer.config import ModelConfig
+    from orinfer.engine.llm_engine import EngineParts
+    from orinfer.layers.triton_ops import triton_ops
+    from orinfer.loader import load_hf_model
+
+    _, path, want = pair
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig.from_hf(path)
+    ops = triton_ops()
+    net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
+    llm = LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
+                         EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], params)] == [tokens[:8] for tokens in want[:2]]

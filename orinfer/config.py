@@ -220,12 +220,11 @@ class ModelConfig:
             raise ConfigError(f"{source}: {arch} needs a 'text_config' object")
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: text_config must be a JSON object")
-        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        moe = moe_fields(text, arch, source) if arch in MOE_ARCHITECTURES and "num_hidden_layers" in text else {}
+        if moe and not needs_dense_mlp(moe, int(text["num_hidden_layers"])):
+            required = tuple(k for k in required if k != "intermediate_size")  # no dense MLP (Qwen3.5-MoE's config)
         missing = [k for k in required if k not in text]
-        moe = moe_fields(text, arch, source) if arch in MOE_ARCHITECTURES and not missing else {}
-        # Qwen3.5-MoE has no dense MLP (HF's config has no intermediate_size); the others need it for dense layers.
-        if "intermediate_size" not in text and (not moe or needs_dense_mlp(moe, int(text["num_hidden_layers"]))):
-            missing.append("intermediate_size")
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         heads = int(text["num_attention_heads"])

@@ -192,6 +192,7 @@ def test_quantizing_an_moe_checkpoint_is_refused(qwen3_moe, tmp_path):
 
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (1-2 minutes); CI's slow tier and the GPU run it
+@pytest.mark.parametrize("pair", ["qwen3moe-e16-top4-dense1", "qwen3.5moe-e6-top2"], indirect=True)
 def test_the_triton_ops_give_hf_tokens(pair):
     """The triton op table (Triton's interpreter without a GPU) around the experts: its attention, norms and
     (Qwen3.5) delta-rule kernels, and whatever its moe_route / fused_moe entries are, give HF's tokens."""

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed against the device's ceilings")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b")
+    src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b, "
+                                          "qwen3.5-27b, qwen3-30b-a3b (MoE), qwen3.5-35b-a3b (MoE), ...")
     src.add_argument("-m", "--model", help="a local HF model directory")
     p.add_argument("--prompt-lens", default="512,2048")
     p.add_argument("--batch-sizes", default="1,8,32,64")

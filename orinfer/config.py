@@ -18,8 +18,8 @@ import torch
 from orinfer.errors import ConfigError
 from orinfer.hybrid_config import hybrid_fields, hybrid_hf_dict
 from orinfer.moe_config import (HYBRID_MOE_ARCHITECTURES, MOE_ARCHITECTURES, QWEN3_5_MOE_ARCHITECTURE,
-                                QWEN3_5_MOE_VL_ARCHITECTURE, QWEN3_MOE_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE,
-                                check_moe_weights, moe_fields, moe_hf_dict, needs_dense_mlp, sparse_layer)
+                                QWEN3_MOE_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE, check_moe_weights, moe_fields,
+                                moe_hf_dict, needs_dense_mlp, sparse_layer)
 from orinfer.quant_config import AnyQuantConfig, QuantConfig, parse_quantization_config
 from orinfer.vl_config import QWEN3_5_VL_ARCHITECTURE, VL_ARCHITECTURE, VL_ARCHITECTURES, vl_fields
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from hf_models import (QWEN3_5_MOE_CONFIGS, QWEN3_MOE_CONFIGS, build_hf_qwen3_5_moe, build_hf_qwen3_moe, hf_greedy,
                        rewrite_checkpoint, save_hf_model)
-from orinfer import LLM, SamplingParams
+from orinfer import SamplingParams
 from orinfer.errors import WeightsError
 from orinfer.layers.moe import SparseMoE, per_expert_tensors
 from test_hf_parity import paged_logits
-from test_qwen3_5 import _with_mtp, engine
+from test_qwen3_5 import _with_mtp, engine, triton_llm
 
 pytest.importorskip("transformers")
 
@@ -196,18 +196,6 @@ def test_quantizing_an_moe_checkpoint_is_refused(qwen3_moe, tmp_path):
 def test_the_triton_ops_give_hf_tokens(pair):
     """The triton op table (Triton's interpreter without a GPU) around the experts: its attention, norms and
     (Qwen3.5) delta-rule kernels, and whatever its moe_route / fused_moe entries are, give HF's tokens."""
-    from orinfer.args import EngineArgs
-    from orinfer.config import ModelConfig
-    from orinfer.engine.llm_engine import EngineParts
-    from orinfer.layers.triton_ops import triton_ops
-    from orinfer.loader import load_hf_model
-
     _, path, want = pair
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = ModelConfig.from_hf(path)
-    ops = triton_ops()
-    net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
-    llm = LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
-                         EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(PROMPTS[:2], params)] == [tokens[:8] for tokens in want[:2]]
+    assert [o.token_ids for o in triton_llm(path).generate(PROMPTS[:2], params)] == [tokens[:8] for tokens in want[:2]]

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from orinfer.args import EngineArgs
-from orinfer.config import VL_ARCHITECTURE, ModelConfig, resolve_dtype
+from orinfer.config import QWEN3_VL_MOE_ARCHITECTURE, VL_ARCHITECTURE, ModelConfig, resolve_dtype
 from orinfer.engine.llm_engine import DraftParts, EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
@@ -27,6 +27,9 @@ from orinfer.tool_calls import (answer_start, check_parser_for, check_tools, con
 from orinfer.tool_calls.history import template_messages
 
 log = logging.getLogger(__name__)
+
+# Checkpoints that get orinfer's Qwen3-VL chat template when their tokenizer has none (`_load_tokenizer`).
+_QWEN3_VL_TEMPLATE = (VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE)
 
 # A string, token ids, or {"prompt"/"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}} (see
 # orinfer/prompt_inputs.py).
@@ -91,7 +94,7 @@ class LLM:
         weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
         home = _home(model_dir, args, seed_bin)
-        tok = _load_tokenizer(args.tokenizer, home, model_config.architecture == VL_ARCHITECTURE)
+        tok = _load_tokenizer(args.tokenizer, home, model_config.architecture in _QWEN3_VL_TEMPLATE)
         if seed_bin:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
@@ -119,7 +122,7 @@ class LLM:
         seed_bin = is_seed_bin(model_dir)
         model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
         return _load_tokenizer(args.tokenizer, _home(model_dir, args, seed_bin),
-                               model_config.architecture == VL_ARCHITECTURE)
+                               model_config.architecture in _QWEN3_VL_TEMPLATE)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, args: EngineArgs | None = None) -> "LLM":

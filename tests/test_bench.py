@@ -195,3 +195,34 @@ def test_draft_model_speculation_on_random_weights():
     assert rows[2]["forced 1"]["tokens_per_verify"] == 3.0 and rows[2]["forced 1"]["acceptance_rate"] == 1.0
     # The same random weights draft for themselves: real acceptance is complete as well.
     assert rows[2]["real"]["acceptance_rate"] is None or rows[2]["real"]["acceptance_rate"] > 0.0
+
+
+def test_decode_bytes_count_the_experts_a_batch_hits():
+    """A decode step reads the dense weights once, each row's KV cache (and linear-attention state), and of each
+    sparse layer's routed experts the E (1 - (1 - k/E)^B) a batch of B is expected to hit: k at batch 1 (so the
+    active parameters but the embedding table), all of them at large batch."""
+    from orinfer.bench.roofline import decode_bytes_per_step, expected_experts_hit, prefill_flops
+
+    assert expected_experts_hit(128, 8, 1) == pytest.approx(8)
+    assert expected_experts_hit(128, 8, 16) == pytest.approx(128 * (1 - (120 / 128) ** 16))
+    assert expected_experts_hit(128, 8, 512) == pytest.approx(128)
+    assert expected_experts_hit(0, 0, 8) == 0
+    for name in ("qwen3-30b-a3b", "qwen3.5-35b-a3b"):
+        cfg = preset(name)
+        weights, embed = 2 * cfg.num_parameters(), 2 * cfg.vocab_size * cfg.hidden_size
+        state = 2 * cfg.state_bytes_per_sequence(2) if cfg.is_hybrid else 0
+        step = lambda batch, context=0: decode_bytes_per_step(cfg, weights, context, 2, batch)  # noqa: E731
+        assert step(1) == 2 * cfg.num_parameters(active=True) - embed + state
+        assert step(1024) == pytest.approx(weights - embed + 1024 * state, rel=1e-9)
+        routed = 2 * cfg.num_sparse_layers * cfg.expert_parameters
+        hit = expected_experts_hit(cfg.num_experts, cfg.num_experts_per_tok, 8)
+        assert step(8) == pytest.approx(step(1) + routed * (hit - cfg.num_experts_per_tok) + 7 * state, abs=1)
+        kv = 2 * cfg.num_kv_layers * 1000 * cfg.kv_size * 2
+        assert step(8, 1000) - step(8) == 8 * kv
+        assert decode_bytes_per_step(cfg, weights, 0, 2, 1, expert_bytes=routed * cfg.num_experts) == step(1)
+        if not cfg.is_hybrid:  # (the delta rule adds FLOPs of no weight)
+            # One token's prefill multiplies by the active weights (but the embedding table) once: 2 FLOPs each.
+            assert prefill_flops(cfg, 1) == pytest.approx(2 * cfg.num_parameters(active=True) - embed, rel=1e-3)
+    dense = preset("qwen3-8b")
+    assert decode_bytes_per_step(dense, 10**10, 100, 2, 4) == (
+        10**10 - 2 * dense.vocab_size * dense.hidden_size + 4 * 2 * 36 * 100 * dense.kv_size * 2)

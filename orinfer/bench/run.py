@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from orinfer.bench.ceilings import measure_ceilings
-from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, decode_bytes_per_token,
-                                        kv_plan, pre_dequant_bytes, weight_bytes)
+from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, kv_plan,
+                                        pre_dequant_bytes, weight_bytes)
+from orinfer.bench.roofline import decode_bytes_per_step, routed_expert_bytes
 from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
 from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
 from orinfer.fp8_config import FP8Config
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed against the device's ceilings")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b")
+    src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b, "
+                                          "qwen3.5-27b, qwen3-30b-a3b (MoE), qwen3.5-35b-a3b (MoE), ...")
     src.add_argument("-m", "--model", help="a local HF model directory")
     p.add_argument("--prompt-lens", default="512,2048")
     p.add_argument("--batch-sizes", default="1,8,32,64")
@@ -161,9 +163,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
-    per_token = decode_bytes_per_token(cfg, wbytes, args.decode_prompt_len + args.decode_tokens // 2, dtype.itemsize)
+    context, experts = args.decode_prompt_len + args.decode_tokens // 2, routed_expert_bytes(model)
+    per_token = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, 1, experts)
     read = result["ceilings"]["read_GBps"] * 1e9
-    b1 = timings["decode"].get(1)
     result["orinfer"] = {
         **timings, "weights_GiB": wbytes / 2**30, "bytes_per_decode_token": per_token,
         "roofline_tok_s": read / per_token,
@@ -184,9 +186,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             llm, cfg, spec, [int(x) for x in args.spec_batch_sizes.split(",") if x], args.decode_tokens,
             args.decode_prompt_len)}
         name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
-    if b1:
-        b1["GBps"] = b1["tok_s"] * per_token / 1e9
-        b1["pct_roofline"] = 100 * b1["tok_s"] * per_token / read
+    for batch, row in timings["decode"].items():
+        # A step of `batch` rows reads the dense weights once, the routed experts its tokens hit, each row's KV.
+        step_bytes = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, batch, experts)
+        row["GBps"] = step_bytes / row["step_ms"] * 1e3 / 1e9
+        row["pct_roofline"] = 100 * row["GBps"] * 1e9 / read
     for length, row in timings["prefill"].items():
         row["mfu_pct"] = 100 * row["tflops"] / result["ceilings"]["matmul_TFLOPs"]
     del llm, model

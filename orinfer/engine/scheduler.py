@@ -45,7 +45,9 @@ def attention_keys_per_token(cfg: ModelConfig) -> float:
     """The context length at which one token's attention (QK and PV over that many keys, all layers) takes as long
     as its projections and MLP: their FLOPs' ratio times ATTENTION_FLOP_EFFICIENCY (~12k keys for Qwen3-8B)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    linear = 2 * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    # The MLP a token runs: an average layer's (in an MoE model, its router, top_k experts and shared expert).
+    mlp = sum(cfg.mlp_parameters(index, active=True) for index in range(cfg.num_hidden_layers)) / cfg.num_hidden_layers
+    linear = 2 * (cfg.hidden_size * (2 * q + 2 * kv) + mlp)
     attention_per_key = 4 * q
     return linear / attention_per_key * ATTENTION_FLOP_EFFICIENCY
 

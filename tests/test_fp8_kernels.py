@@ -327,3 +327,16 @@ def test_gpu_fp8_model_triton_matches_torch_backend(tmp_path, cuda_graph):
     for batch in (prompts[:1], prompts):
         got = [o.token_ids for o in tri.generate(batch, params)]
         assert got == [o.token_ids for o in ref.generate(batch, params)]
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp8_kernel_bench_runs(monkeypatch):
+    """`python -m orinfer.bench.fp8_kernels` end to end on small shapes (its sections, its sweep, the markdown)."""
+    from orinfer.bench import fp8_kernels
+
+    monkeypatch.setattr(fp8_kernels, "SHAPES", {"o": (512, 256), "gate_up": (1024, 256)})
+    rows = fp8_kernels.run_fp8_bench(iters=2, sweep=True)
+    assert {r["section"] for r in rows} == {"ceiling", "decode", "M=64", "prefill"}
+    assert all(r["us"] > 0 for r in rows if r.get("us") is not None)
+    assert "| decode | gate_up |" in fp8_kernels.markdown(rows)

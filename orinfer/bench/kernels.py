@@ -5,7 +5,8 @@ Every row reports the median time (CUDA events around the op alone, after warm-u
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
 minimum, the achieved GB/s and its share of the device's read bandwidth measured in the same run (a reduction over
 a 4 GiB buffer). Attention prefill rows add TFLOP/s. Run: `python -m orinfer.bench.kernels` (needs a CUDA device;
-importing this module does not).
+importing this module does not). The FP8 block-wise kernels against these bf16 ones:
+`python -m orinfer.bench.fp8_kernels`.
 """
 
 from __future__ import annotations

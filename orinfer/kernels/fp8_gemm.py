@@ -29,7 +29,7 @@ from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
 from orinfer.kernels.fp8_mm import sm_count
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.splitk import auto_split, counters, split_count, splitk_publish, splitk_release, splitk_total
+from orinfer.kernels.splitk import counters, plan, splitk_publish, splitk_release, splitk_total
 from orinfer.kernels.w4_gemv import _round_to
 
 
@@ -108,17 +108,19 @@ class Fp8GemmConfig(NamedTuple):
     block_k: int         # clipped to the largest power of two dividing bk
     num_warps: int
     num_stages: int
-    split_k: int = 1     # 0: `splitk.auto_split`
+    split_k: int = 1     # 0: `splitk.plan`'s choice
 
 
-# Prefill: 128 x 128 tiles over two warpgroups (acc and the step's dot result 64 + 64 registers a thread; 128 x 256
-# spills), 32 KB of operands per stage, 4 stages. Small M (the W8A8 alternative for decode batches): 64-row tiles and
-# split-K. Candidates for `orinfer.bench.fp8_kernels --sweep`.
+# Prefill: 128 x 128 tiles over two warpgroups (acc and the step's dot result 64 + 64 registers a thread, 165 in all;
+# 128 x 256, or 128 x 128 on one warpgroup, spill), 32 KB of operands per stage, 4 stages. The loop is 153 SASS
+# instructions a thread per K step, 64 of them the FFMAs that promote the step's dot (Triton waits for each wgmma
+# before them, so they do not overlap the tensor cores; a one-step software pipeline in the source did not change
+# that: Triton still waits at the end of the iteration). Small M (the W8A8 alternative for decode batches): 64-row
+# tiles and split-K. Candidates for `orinfer.bench.fp8_kernels --sweep`.
 PREFILL = Fp8GemmConfig(128, 128, 128, 8, 4)
 SMALL_M = Fp8GemmConfig(64, 128, 128, 4, 4, 0)
-CANDIDATES = [Fp8GemmConfig(*c) for c in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 128, 128, 4, 4),
-                                          (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 256, 128, 8, 3),
-                                          (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0)]]
+CANDIDATES = [Fp8GemmConfig(*c) for c in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
+                                          (64, 128, 128, 4, 4), (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0)]]
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -149,7 +151,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     block_k = min(cfg.block_k, bk & -bk)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     steps = triton.cdiv(k, block_k)
-    split, per_split = split_count(cfg.split_k or auto_split(tiles, steps, sm_count(xq.device)), steps)
+    split, per_split = plan(tiles, steps, cfg.split_k, sm_count(xq.device))
     ws = torch.empty(split, 1, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)
     _fp8_gemm_kernel[(tiles, split)](

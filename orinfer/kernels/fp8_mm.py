@@ -40,7 +40,7 @@ import triton.language as tl
 from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.splitk import auto_split, counters, split_count, splitk_publish, splitk_release, splitk_total
+from orinfer.kernels.splitk import counters, plan, splitk_publish, splitk_release, splitk_total
 from orinfer.kernels.w4_gemv import _epilogue
 
 A16_BF16, A16_FP16, PLAIN = 0, 1, 2
@@ -190,13 +190,14 @@ class Fp8MmConfig(NamedTuple):
     block_k: int         # K per step (clipped to the largest power of two dividing bk)
     num_warps: int
     num_stages: int
-    split_k: int = 0     # 0: `splitk.auto_split` (>= 2 programs per SM); 1: no split
+    split_k: int = 0     # 0: `splitk.plan`'s choice (>= 2 programs per SM); 1: no split
 
 
-# Reasoned from the bf16 DOT GEMV's measured tiles (`gemv.FEW_ROWS`: 64 x 256 bf16 = 32 KB per stage, 4 stages) at
-# half the bytes per weight: 64 rows x 128 inputs (one scale block) = 8 KB per stage, 6 stages, and split-K for 2
-# programs per SM; 64 rows of x: 128 weight rows per tile over two warpgroups (acc 32 registers a thread).
-# `orinfer.bench.fp8_kernels --sweep` times the candidates on the device.
+# No candidate spills registers for 16-bit x (ptxas, sm_90; 64 x 128 tiles of 64 rows on 4 warps and the 128-row
+# tile gated do). Reasoned from the bf16 DOT GEMV's measured tiles (`gemv.FEW_ROWS`: 64 x 256 bf16 = 32 KB per stage,
+# 4 stages) at half the bytes per weight: 64 rows x 128 inputs (one scale block) = 8 KB per stage, 6 stages, and
+# split-K for 2 programs per SM; 64 rows of x: 128 weight rows per tile over two warpgroups (acc 32 registers a
+# thread). `orinfer.bench.fp8_kernels --sweep` times the candidates on the device.
 DECODE_16 = Fp8MmConfig(16, 64, 128, 4, 6)
 DECODE_32 = Fp8MmConfig(32, 64, 128, 4, 5)
 DECODE_64 = Fp8MmConfig(64, 128, 128, 8, 4)
@@ -204,8 +205,7 @@ DECODE_128 = Fp8MmConfig(128, 128, 128, 8, 3)
 CANDIDATES = [Fp8MmConfig(*c) for c in [(16, 64, 128, 4, 6), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4),
                                         (16, 64, 64, 4, 8), (16, 128, 128, 8, 4), (16, 64, 128, 4, 6, 1),
                                         (16, 64, 128, 4, 6, 8), (32, 64, 128, 4, 5), (32, 128, 128, 8, 4),
-                                        (64, 128, 128, 8, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3),
-                                        (64, 128, 128, 8, 4, 1), (128, 128, 128, 8, 3)]]
+                                        (64, 128, 128, 8, 4), (64, 64, 128, 4, 4), (64, 128, 128, 8, 4, 1)]]
 
 
 def decode_config(rows: int) -> Fp8MmConfig:
@@ -246,9 +246,11 @@ def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_siz
     mode = PLAIN if x.dtype == torch.float32 or interpreting() else A16_FP16 if x.dtype == torch.float16 else A16_BF16
     cfg = cfg or decode_config(m)
     block_k = min(cfg.block_k, bk & -bk)
+    if mode == PLAIN and not interpreting():
+        block_k = min(block_k, 32)     # exact fp32 dots are FMA loops: larger tiles spill (ptxas, sm_90)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_out, cfg.block_n)
     steps = triton.cdiv(k, block_k)
-    split, per_split = split_count(cfg.split_k or auto_split(tiles, steps, sm_count(x.device)), steps)
+    split, per_split = plan(tiles, steps, cfg.split_k, sm_count(x.device))
     ws = torch.empty(split, 2 if gated else 1, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else out
     # One scale row for a whole tile (Qwen's shapes): a scalar load per step instead of one per row.
     row_uniform = row_block is None and bn % cfg.block_n == 0 and (not gated or n_out % bn == 0)

@@ -80,7 +80,7 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     if PREFILL not in ("auto", "scaled_mm") or tuple(block_size) != (128, 128) or row_block is not None:
         return False
     n, k = weight.shape
-    if n % 16 or k % 16 or not scale.is_contiguous() or not x.is_cuda:
+    if n % 128 or k % 128 or not scale.is_contiguous() or not x.is_cuda:   # whole blocks only: Qwen's shapes
         return False
     if PREFILL == "scaled_mm":
         return True

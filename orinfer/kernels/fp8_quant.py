@@ -10,9 +10,9 @@ transposed view, stride(0) == 1): a GEMM tile of rows reads its scales contiguou
 torch._scaled_mm's block-wise (1x128) scales take. M_pad = M rounded up to 4 (cuBLASLt wants 16-byte aligned scale
 columns); padding rows are zeros with scale 1. The Triton GEMM takes the first M rows' views (`s[:M]`).
 
-Kernel: grid (M_pad / 4, cdiv(Kb, GROUPS)); a program quantizes GROUPS groups (2048 inputs) of 4 rows: reads
-16 KB of bf16, writes 8 KB + 4 * 4 * GROUPS. Bandwidth-bound: Qwen3-8B's 2048 x 4096 prefill input is 16 MB read + 8 MB written
-(~6 us on an H200).
+Kernel: grid (M_pad / 4, cdiv(Kb, GROUPS)); a program quantizes GROUPS groups (2048 inputs) of 4 rows: reads 16 KB
+of bf16, writes 8 KB + 4 * 4 * GROUPS. Bandwidth-bound: Qwen3-8B's 2048 x 4096 prefill input is 16 MB read + 8 MB
+written (~6 us on an H200).
 """
 
 from __future__ import annotations

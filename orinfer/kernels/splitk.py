@@ -34,18 +34,18 @@ def counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def split_count(split_k: int, steps: int) -> tuple[int, int]:
-    """(splits, K steps per split) for at most `split_k` splits of `steps` steps, with no empty split."""
+def plan(tiles: int, steps: int, split_k: int, sms: int, min_steps: int = 4) -> tuple[int, int]:
+    """(splits, K steps per split) for `tiles` output tiles of `steps` K steps: `split_k` splits at most (0: a power of
+    two giving at least ~2 programs per SM, each with at least `min_steps` steps), no empty split, and none when
+    there are more tiles than counters."""
+    if split_k == 0:
+        split_k = 1
+        while tiles * split_k < 2 * sms and steps // (split_k * 2) >= min_steps:
+            split_k *= 2
+    if tiles > MAX_TILES:
+        split_k = 1
     per_split = triton.cdiv(steps, max(1, min(split_k, steps)))
     return triton.cdiv(steps, per_split), per_split
-
-
-def auto_split(tiles: int, steps: int, sms: int, min_steps: int = 4) -> int:
-    """A power-of-two split giving at least ~2 programs per SM, each with at least `min_steps` K steps."""
-    split = 1
-    while tiles * split < 2 * sms and steps // (split * 2) >= min_steps:
-        split *= 2
-    return split
 
 
 @triton.jit

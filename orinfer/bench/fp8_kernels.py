@@ -17,7 +17,6 @@ back (no launch gaps), the median of `--iters` replays is divided by the calls. 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Callable
 
@@ -25,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from orinfer.bench.kernels import HIDDEN, INTER, VOCAB, read_bandwidth_gbps
+from orinfer.bench.kernels import markdown as kernel_table
+from orinfer.bench.kernels import report
 
 SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
           "lm_head": (VOCAB, HIDDEN)}
@@ -163,14 +164,8 @@ def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) ->
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| section | op | shape | impl | us | GB/s | % read BW | TFLOP/s | FP8 speedup vs bf16 | config |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        num = (lambda key, fmt: format(r[key], fmt) if r.get(key) is not None else "")
-        lines.append(f"| {r['section']} | {r['op']} | {r['shape']} | {r['impl']} | {num('us', '.1f')} "
-                     f"| {num('GBps', '.0f')} | {num('pct_read_bw', '.1f')} | {num('TFLOPs', '.0f')} "
-                     f"| {num('speedup', '.2f')} | {r.get('config', '')} |")
-    return "\n".join(lines)
+    """The rows as a markdown table: `bench.kernels.markdown`'s, the section before each op."""
+    return kernel_table([r | {"op": f"{r['section']}: {r['op']}"} for r in rows], speedup="FP8 speedup vs bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,12 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the FP8 kernel benchmark needs a CUDA device")
         return 1
     rows = run_fp8_bench(args.device, args.iters, args.sweep)
-    name = torch.cuda.get_device_name(torch.device(args.device))
-    print(f"# FP8 block-wise kernels vs bf16 on {name} (Qwen3-8B shapes, torch {torch.__version__})\n")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "rows": rows}, f, indent=1, default=str)
+    report(rows, markdown(rows), f"FP8 block-wise kernels vs bf16 on {{device}} (Qwen3-8B shapes, torch "
+           f"{torch.__version__})", args.device, args.json, torch=torch.__version__)
     return 0
 
 

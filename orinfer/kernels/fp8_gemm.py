@@ -30,7 +30,7 @@ from orinfer.kernels.fp8_mm import sm_count
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import counters, plan, splitk_publish, splitk_release, splitk_total
-from orinfer.kernels.w4_gemv import _round_to
+from orinfer.kernels.tiles import grouped_tile, store_tile, tile_rows
 
 
 @triton.jit
@@ -41,17 +41,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py
         gdc_wait()
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    band = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % band_m
-    pid_n = (pid % band) // band_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.minimum(offs_m, M - 1)                    # rows past M / N re-read the last one and are not stored
-    rn = tl.minimum(offs_n, N - 1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, rm, rn = tile_rows(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + offs_k[None, :]     # x [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]     # W^T [BLOCK_K, BLOCK_N], K-major
@@ -86,20 +77,12 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr
         gdc_launch_dependents()
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT > 1:
-        if splitk_publish(acc, ws_ptr, cnt_ptr, pid, 0, offs_m, offs_n, mask, M, N, SPLIT, 1):
+        if splitk_publish(acc, ws_ptr, cnt_ptr, tl.program_id(0), 0, offs_m, offs_n, mask, M, N, SPLIT, 1):
             acc = splitk_total(ws_ptr, 0, offs_m, offs_n, mask, M, N, SPLIT, 1)
-            _store(out_ptr, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, CLAMP16)
-            splitk_release(cnt_ptr, pid)
+            store_tile(out_ptr, acc, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, False, CLAMP16)
+            splitk_release(cnt_ptr, tl.program_id(0))
     else:
-        _store(out_ptr, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, CLAMP16)
-
-
-@triton.jit
-def _store(out_ptr, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS: tl.constexpr, CLAMP16: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             _round_to(acc, out_ptr.dtype.element_ty, CLAMP16), mask=mask)
+        store_tile(out_ptr, acc, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, False, CLAMP16)
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -131,7 +114,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     check_device(xq)
     m, kb = x_scale.shape
     k = xq.shape[-1]
-    check_fp8_weight(weight, scale, block_size, row_block, k)
+    n = check_fp8_weight(weight, scale, block_size, row_block, k, bias)
     bn, bk = block_size
     if xq.dim() != 2 or xq.dtype != FP8_DTYPE or xq.shape[0] < m or xq.stride(1) != 1 or bk % 32:
         raise ValueError(f"fp8_gemm takes a row-major float8_e4m3fn x [>= {m}, K] and bk % 32 == 0, got "
@@ -141,9 +124,6 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
                          f"{tuple(x_scale.shape)} {tuple(x_scale.stride())} {x_scale.dtype}")
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype must be fp32, fp16 or bf16, got {out_dtype}")
-    n = weight.shape[0]
-    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {n} outputs")
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out

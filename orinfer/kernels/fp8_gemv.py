@@ -35,7 +35,7 @@ import triton.language as tl
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.w4_gemv import _epilogue
+from orinfer.kernels.tiles import epilogue
 
 VEC = 16  # FP8 weights per thread per load: 16 bytes, one LDG.128
 
@@ -129,13 +129,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stri
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + offs_n, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=offs_n < N_OUT)
+    tl.store(out_ptr + offs_n, epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=offs_n < N_OUT)
 
 
 def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-                     row_block: torch.Tensor | None, k: int) -> None:
-    """Raises ValueError unless weight [N, k] is row-major float8_e4m3fn and scale [rows, ceil(k / bk)] fp32 fits it
-    (rows = ceil(N / bn), or any count with a row_block [N] map) with unit last stride."""
+                     row_block: torch.Tensor | None, k: int, bias: torch.Tensor | None = None,
+                     gated: bool = False) -> int:
+    """The number of outputs (N, or N / 2 for a packed gate_up when `gated`); raises ValueError unless weight [N, k]
+    is row-major float8_e4m3fn and scale [rows, ceil(k / bk)] fp32 fits it (rows = ceil(N / bn), or any count with a
+    row_block [N] map) with unit last stride, and a bias is contiguous [outputs]."""
     n = weight.shape[0]
     bn, bk = block_size
     if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
@@ -148,6 +150,12 @@ def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tupl
                          f"in blocks {tuple(block_size)}")
     if row_block is not None and (tuple(row_block.shape) != (n,) or row_block.dtype != torch.int32):
         raise ValueError(f"row_block must be int32 [{n}], got {tuple(row_block.shape)} {row_block.dtype}")
+    if gated and n % 2:
+        raise ValueError("a packed gate/up weight needs an even number of rows")
+    n_out = n // 2 if gated else n
+    if bias is not None and (tuple(bias.shape) != (n_out,) or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
+    return n_out
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
@@ -158,18 +166,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_s
     Needs bk % 16 == 0 (Qwen's 128); `cfg` forces a tile (benchmarks, tests)."""
     check_device(x)
     k = x.shape[-1]
-    check_fp8_weight(weight, scale, block_size, row_block, k)
+    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated)
     bn, bk = block_size
     if bk % VEC:
         raise ValueError(f"fp8_gemv needs a block width that is a multiple of {VEC}, got {bk}")
     if x.numel() != k or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"fp8_gemv takes one row of fp32/fp16/bf16 x, got {tuple(x.shape)} {x.dtype}")
-    n = weight.shape[0]
-    if gated and n % 2:
-        raise ValueError("a packed gate/up weight needs an even number of rows")
-    n_out = n // 2 if gated else n
-    if bias is not None and (tuple(bias.shape) != (n_out,) or not bias.is_contiguous()):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n_out, dtype=x.dtype, device=x.device)
     cfg = cfg or (DEFAULT_GATED if gated else DEFAULT)

@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
-from orinfer.kernels.gemv import check_device, interpreting
+from orinfer.kernels.gemv import as_rows, check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import counters, plan, splitk_publish, splitk_release, splitk_total
-from orinfer.kernels.w4_gemv import _epilogue
+from orinfer.kernels.tiles import grouped_tile, store_tile, tile_rows
 
 A16_BF16, A16_FP16, PLAIN = 0, 1, 2
 
@@ -105,17 +105,6 @@ def _acc_step(acc, w_ptrs, s_ptrs, xb, kmask, MODE: tl.constexpr, ROW_UNIFORM: t
 
 
 @triton.jit
-def _store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, CLAMP16: tl.constexpr):
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=mask)
-
-
-@triton.jit
 def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N_OUT, K, stride_xm,
                    stride_wn, stride_sn, stride_om, UP, STEPS, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_RB: tl.constexpr, ROW_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -125,16 +114,8 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     if PDL:  # kernels/pdl.py
         gdc_wait()
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    band = GROUP_M * tl.cdiv(N_OUT, BLOCK_N)
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % band_m
-    pid_n = (pid % band) // band_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.minimum(offs_m, M - 1)
-    rn = tl.minimum(offs_n, N_OUT - 1)
+    pid_m, pid_n = grouped_tile(pid, M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, rm, rn = tile_rows(pid_m, pid_n, M, N_OUT, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]       # x^T [BLOCK_K, BLOCK_M]
     wg_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
@@ -178,10 +159,10 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
             g = splitk_total(ws_ptr, 0, offs_m, offs_n, mask, M, N_OUT, SPLIT, parts)
             if GATED:
                 u = splitk_total(ws_ptr, 1, offs_m, offs_n, mask, M, N_OUT, SPLIT, parts)
-            _store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
+            store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
             splitk_release(cnt_ptr, pid)
     else:
-        _store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
+        store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
 
 
 class Fp8MmConfig(NamedTuple):
@@ -226,19 +207,11 @@ def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_siz
     and y = silu(x Wg^T) * (x Wu^T) [..., I]). Needs bk % 16 == 0; `cfg` forces a tile (benchmarks, tests)."""
     check_device(x)
     k = x.shape[-1]
-    check_fp8_weight(weight, scale, block_size, row_block, k)
+    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated)
     bn, bk = block_size
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or bk % 16:
         raise ValueError(f"fp8_mm takes fp32/fp16/bf16 x and bk % 16 == 0; got {x.dtype}, bk {bk}")
-    n = weight.shape[0]
-    if gated and n % 2:
-        raise ValueError("a packed gate/up weight needs an even number of rows")
-    n_out = n // 2 if gated else n
-    if bias is not None and (tuple(bias.shape) != (n_out,) or not bias.is_contiguous()):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x)
     m = x2.shape[0]
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:

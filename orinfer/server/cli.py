@@ -110,6 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from orinfer.args import engine_args_from_namespace
     from orinfer.llm import LLM
+    from orinfer.server.heap import freeze_startup_heap
 
     limits = serve_limits(args)
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
@@ -130,6 +131,8 @@ def run_serve(args: argparse.Namespace) -> int:
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
                     reasoning=reasoning, tool_call_parser=engine_args.tool_call_parser)
+    # Everything loaded so far lives as long as the server: out of the collector's full passes (heap.py says why).
+    freeze_startup_heap()
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level)).run()
     return 0
 

@@ -33,9 +33,14 @@ USER = [{"role": "user", "content": "Who is Alice?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
+def app(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, max_model_len=512)
-    with BackgroundServer(build_app(llm, "tiny", limits=ServerLimits(max_tokens=8, max_body_values=MAX_VALUES))) as bg:
+    return build_app(llm, "tiny", limits=ServerLimits(max_tokens=8, max_body_values=MAX_VALUES, max_logit_bias=8))
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    with BackgroundServer(app) as bg:
         yield bg
 
 
@@ -186,3 +191,33 @@ def test_integral_floats_in_token_id_lists_are_still_ints():
     assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompt == [5, 6]
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": [1.5]})
+
+
+# --- the handlers' work that grows with the body ----------------------------------------------------------------------
+
+def test_chat_checks_and_sampling_params_are_built_in_worker_threads(app, http, monkeypatch):
+    """Walking the messages, parts and tools of a chat (`chat_input`, tools) and building the sampling parameters of
+    every choice (logit_bias, tool grammars) happen in worker threads: each grows with the body (tens of thousands of
+    parts or entries fit in the value limit), and on the loop a body of 20,000 text parts stalled it for 150 ms."""
+    from orinfer.server import chat as chat_module
+
+    srv = app.state.server
+    threads = {}
+    real_input, real_sampling = chat_module.chat_input, srv.sampling
+    monkeypatch.setattr(chat_module, "chat_input", lambda *a: threads.setdefault(
+        "chat_input", threading.current_thread().name) and real_input(*a))
+    monkeypatch.setattr(srv, "sampling", lambda *a, **k: threads.setdefault(
+        "sampling", threading.current_thread().name) and real_sampling(*a, **k))
+    parts = [{"type": "text", "text": "Who is Alice?"}] * 3
+    assert http.post(CHAT, json={"messages": [{"role": "user", "content": parts}], "max_tokens": 1}).status_code == 200
+    assert set(threads) == {"chat_input", "sampling"}
+    assert all(name.startswith("asyncio") for name in threads.values()), threads
+    threads.clear()
+    assert http.post(COMP, json={"prompt": "Alice", "max_tokens": 1, "n": 2}).status_code == 200
+    assert threads["sampling"].startswith("asyncio"), threads
+
+
+def test_logit_bias_has_a_limit(http):
+    r = http.post(CHAT, json={"messages": USER, "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(9)}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias" and "at most 8" in r.text
+    assert http.post(CHAT, json={"messages": USER, "max_tokens": 1, "logit_bias": {"5": 1}}).status_code == 200

@@ -51,6 +51,7 @@ class ServerLimits:
     max_stop: int = 16                       # stop strings
     max_stop_chars: int = 256                # characters per stop string
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024               # logit_bias entries (each is checked, per choice, and applied per step)
     max_pending_sequences: int = 4096        # sequences in or queued for the engine (429 beyond; 400 for a request
                                              # larger than this alone, which could never be admitted)
     # Images (vision-language models).
@@ -149,6 +150,9 @@ class ServerState:
         """OpenAI's logit_bias (token id as a string -> bias in [-100, 100]) as the engine takes it."""
         if not bias:
             return None
+        if len(bias) > self.limits.max_logit_bias:
+            raise APIError(400, f"logit_bias: at most {self.limits.max_logit_bias} entries are allowed",
+                           param="logit_bias")
         out = {}
         for key, value in bias.items():
             token = int(key) if key.isascii() and key.isdigit() and len(key) < 20 else -1

@@ -34,20 +34,16 @@ USER = [{"role": "user", "content": "Who is Alice?"}]
 
 @pytest.fixture(scope="module")
 def app(tiny_dir):
+    """The tiny model's app with small limits on a body's values (MAX_VALUES) and on logit_bias (8 entries)."""
     llm = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, max_model_len=512)
     return build_app(llm, "tiny", limits=ServerLimits(max_tokens=8, max_body_values=MAX_VALUES, max_logit_bias=8))
 
 
 @pytest.fixture(scope="module")
-def server(app):
-    with BackgroundServer(app) as bg:
-        yield bg
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
+def http(app):
+    """A client of `app`, served on loopback for the module."""
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
 
 
 # --- the collector ----------------------------------------------------------------------------------------------------

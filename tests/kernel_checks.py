@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,13 +47,3 @@ def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
-
-
-def compile_in_child(script: str, *args: str) -> dict:
-    """Runs a compile script in a child process without the CPU interpreter (conftest.py turns it on, and interpreted
-    @triton.jit functions cannot be compiled) and returns the JSON it prints."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout)

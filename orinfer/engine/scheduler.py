@@ -66,6 +66,10 @@ class StepPlan:
     _sampled: list[Sequence] | None = field(default=None, repr=False, compare=False)
     _is_decode: bool | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if not self.num_drafts:  # a plan given as lists of sequences and counts verifies no drafts
+            self.num_drafts = [0] * len(self.seqs)
+
     def add(self, seq: Sequence, num_new: int, num_drafts: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)

@@ -17,6 +17,7 @@ from torch import nn
 
 from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
+from orinfer.distributed.group import min_over_ranks
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs
@@ -125,6 +126,7 @@ class ModelRunner:
             budget = CPU_DEFAULT_KV_BYTES
         budget -= self.state.bytes  # the state pools come out of the same budget
         blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
+        blocks = min_over_ranks(blocks, self.device)  # tensor parallelism: every rank indexes the same blocks
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "
                                "or raise gpu_memory_utilization")

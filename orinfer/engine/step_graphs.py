@@ -17,6 +17,7 @@ sampling rows are gathered eagerly from the graph's hidden states (their count v
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,6 +73,8 @@ class MixedStepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
+        # Tensor parallelism (rank 0): see DecodeGraphs.before_replay.
+        self.before_replay: Callable[[tuple, list[torch.Tensor]], None] | None = None
 
     def _forward(self, tokens: int) -> torch.Tensor:
         meta = AttentionMetadata(
@@ -127,5 +130,16 @@ class MixedStepGraphs:
         self.dev_i32[:i32.size].copy_(torch.from_numpy(i32).pin_memory(), non_blocking=True)
         if device_ids is not None:
             self.input_ids[:device_ids.shape[0]].copy_(device_ids)  # queued after the upload, so it wins
+        key = ("mixed", bucket, i32.size)
+        if self.before_replay is not None:
+            self.before_replay(key, self.graph_inputs(key))
         self.graphs[bucket].replay()
         return self.hidden[bucket][:tokens]
+
+    def graph_for(self, key: tuple[str, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of `key` and its hidden states."""
+        return self.graphs[key[1]], self.hidden[key[1]]
+
+    def graph_inputs(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        """The device buffers graph `key` reads (its int32 buffer up to the step's last block table)."""
+        return [self.dev_i64, self.dev_i32[:key[2]]]

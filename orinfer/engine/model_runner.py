@@ -89,12 +89,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: MixedStepGraphs | None = None
         # Graphs need a backend whose forward never syncs with the host (the torch reference does): one that has
-        # graph hooks.
-        # MoE models run eagerly for now: capturing their steps hit an illegal memory access on the H200 (NOTES run
-        # 284; eager steps run), to be found before graphs are turned on for them.
-        if model_config.is_moe and engine_config.cuda_graph and device.type == "cuda":
-            log.warning("CUDA graphs are off for mixture-of-experts models (their capture is not fixed yet)")
-        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None and not model_config.is_moe:
+        # graph hooks. MoE models too: their router and expert kernels launch from the shapes alone and stay in
+        # bounds whatever a padding row holds (kernels/moe_ops.py).
+        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             max_seqs = engine_config.max_num_seqs
             scratch = self.state.scratch_slot if self.state.num_slots else None

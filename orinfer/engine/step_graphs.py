@@ -7,7 +7,9 @@ of the forward (embedding -> final norm); a step of T tokens replays the smalles
 millisecond of host time.
 
 Shapes are fixed per bucket, so the batch is padded:
-- rows past the real T: id 0, position 0, KV slot -1 (they store nothing); their hidden states are never read;
+- rows past the real T: id 0, position 0, KV slot -1 (they store nothing); their hidden states are never read, and
+  they are garbage (attention leaves their rows unwritten; at capture every row is padding), NaN included: a kernel
+  that turns a row's values into addresses must stay in bounds for any values (MoE routing: kernels/moe_route.py);
 - sequences past the real B, up to max_seqs: empty (query_start_loc repeats T), so attention gives them no work;
 - block tables at their full width; only the real sequences' rows are uploaded.
 Attention launches from these shapes alone (`AttentionMetadata.fixed_launch`). The logits stay outside the graph: the

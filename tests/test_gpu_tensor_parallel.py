@@ -31,12 +31,12 @@ def outputs(llm: LLM, params: SamplingParams) -> list:
                                       {"cuda_graph": False}])
 def test_two_gpus_match_one_with_graphs(tiny_dir, settings):
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
-    with engine(tiny_dir, 1, **settings) as one:
-        want = outputs(one, params)
     with engine(tiny_dir, 2, **settings) as two:
         if settings.get("cuda_graph", True):
             assert two.engine.runner.graphs is not None and two.engine.runner.step_graphs is not None
         got = outputs(two, params)
+    with engine(tiny_dir, 1, **settings) as one:
+        want = outputs(one, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)

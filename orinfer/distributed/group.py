@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from orinfer.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -39,6 +41,9 @@ def init_group(rank: int, world_size: int, init_method: str, device: torch.devic
     graph could capture its first use), gloo on the CPU. `init_method`: a file:// or tcp:// rendezvous all ranks
     share."""
     global _group
+    if dist.is_initialized():
+        raise ConfigError("this process already belongs to a tensor-parallel group that could not be left (see the "
+                          "log); start the new engine in a new process")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
@@ -50,15 +55,16 @@ def init_group(rank: int, world_size: int, init_method: str, device: torch.devic
     return _group
 
 
-def destroy_group() -> None:
-    """Leaves the group (this process is rank 0 of 1 again). NCCL communicators are aborted, not finalized: a
-    finalize waits for every peer to finalize too, and a peer that stopped or died never does."""
+def destroy_group(abort: bool = False) -> None:
+    """Leaves the group (this process is rank 0 of 1 again). Every rank leaves together after a clean stop (NCCL's
+    finalize waits for its peers to finalize too); `abort` (a peer died, or rank 0 is gone) drops this rank's
+    communicators without waiting for anyone."""
     global _group
     _group = TensorParallelGroup()
     _symmetric.clear()
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
+    if abort and dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()

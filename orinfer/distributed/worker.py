@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from multiprocessing.connection import Client
@@ -38,28 +39,30 @@ def worker_main(address: str, authkey: bytes, rank: int) -> None:
         runner = ModelRunner(shard.model, shard.config, source.args, shard.device, source.act_dtype,
                              source.max_model_len(), graph_hooks=shard.ops.graph_hooks)
         status.send(("ready", rank))
-        serve(commands, runner)
+        stopped = serve(commands, runner)
     except BaseException as exc:  # noqa: BLE001 - whatever stops a worker is reported to rank 0, then it exits
         log.exception("tensor-parallel worker %d failed", rank)
         try:
             status.send(("error", rank, f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
-        sys.exit(1)
-    finally:
-        destroy_group()
+        os._exit(1)  # no group teardown: rank 0 aborts its side
+    if stopped:
+        destroy_group()  # rank 0 leaves at the same time
+    else:
+        os._exit(0)  # rank 0 is gone: nobody to leave the group with
 
 
 @torch.inference_mode()
-def serve(commands, runner) -> None:
+def serve(commands, runner) -> bool:
     """Runs rank 0's calls in the order they come: ("call", method, flattened arguments), ("replay", graph key),
-    ("stop",). Returns at "stop" or when rank 0's end of the pipe closes."""
+    ("stop",). Returns True at "stop", False when rank 0's end of the pipe closed (rank 0 is gone)."""
     model, device = runner.model, runner.device
     while True:
         try:
             message = commands.recv()
         except (EOFError, OSError):
-            return  # rank 0 is gone
+            return False
         kind = message[0]
         if kind == "call":
             _, method, skeleton = message
@@ -76,7 +79,7 @@ def serve(commands, runner) -> None:
             # before this process ends, or rank 0's copies would wait on them forever.
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return
+            return True
         else:
             raise RuntimeError(f"unknown message from rank 0: {kind!r}")
 

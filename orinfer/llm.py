@@ -12,6 +12,7 @@ import torch
 from orinfer.args import EngineArgs
 from orinfer.config import QWEN3_VL_MOE_ARCHITECTURE, VL_ARCHITECTURE, ModelConfig, resolve_dtype
 from orinfer.distributed.executor import TensorParallelExecutor
+from orinfer.distributed.group import rank_local
 from orinfer.distributed.shard_source import ShardSource
 from orinfer.distributed.sharding import check_supported
 from orinfer.engine.llm_engine import DraftParts, EngineParts, LLMEngine
@@ -47,8 +48,6 @@ def _load_draft(args: EngineArgs, target: ModelConfig, ops: Any, weight_dtype: t
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None or spec.method != "draft_model":
         return None
-    if args.tensor_parallel_size > 1:
-        raise ConfigError("speculative_config: a draft model is not supported with tensor parallelism yet (ngram is)")
     draft_dir = Path(spec.model)
     config = ModelConfig.from_hf(draft_dir)
     if config.vocab_size != target.vocab_size:
@@ -57,7 +56,8 @@ def _load_draft(args: EngineArgs, target: ModelConfig, ops: Any, weight_dtype: t
     if config.is_hybrid or config.is_multimodal:
         raise ConfigError(f"speculative_config: the draft model must be a text-only decoder without linear attention "
                           f"(e.g. Qwen3-0.6B), not {config.architecture}")
-    model = load_hf_model(draft_dir, ops, weight_dtype, act_dtype, device, config, progress=args.progress)
+    with rank_local():  # tensor parallelism: the draft is whole, on rank 0 only, and runs without collectives
+        model = load_hf_model(draft_dir, ops, weight_dtype, act_dtype, device, config, progress=args.progress)
     return DraftParts(model, config)
 
 

@@ -152,3 +152,14 @@ def test_shard_config_and_checkpoint_slices_of_real_configs():
         assert slicer("model.layers.0.mlp.gate.weight", (128, 2048)) is None  # the router: whole on every rank
     last = checkpoint_slicer(QwenForCausalLM.tensor_parallel_plan, preset("qwen3-8b"), TensorParallelGroup(2, 3))
     assert last("lm_head.weight", (211, 8)) == (0, 142, 69)  # 71 rows per rank, the last has 69 and 2 of padding
+
+
+def test_draft_model_speculation_beside_a_split_target(checkpoints):
+    """The draft (here the model itself) is whole on rank 0 and runs without collectives; the verify steps of the
+    split target are mirrored like any step. Every draft is accepted, and the tokens are plain decoding's."""
+    path, _, want = checkpoints("qwen3-gqa4-untied")
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **SETTINGS) as llm:
+        got = llm.generate(PROMPTS, GREEDY)
+    assert_same_outputs(got, want)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0

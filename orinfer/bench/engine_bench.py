@@ -58,6 +58,7 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     token-id prompts only), with `args`' backend and engine settings. `args.pre_dequant` (AWQ configs): dense copies
     of the random packed weights for prefill, as `LLM(pre_dequant=True)`. `draft`: also a random draft model of
     these shapes, for speculative decoding (method draft_model)."""
+    from orinfer.distributed.group import rank_local
     from orinfer.distributed.shard_source import ShardSource
     from orinfer.engine.llm_engine import DraftParts
     from orinfer.llm import start_tensor_parallel
@@ -65,11 +66,15 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     from orinfer.loader import random_model
 
     if args.tensor_parallel_size > 1:
-        if args.pre_dequant or draft is not None:
-            raise ConfigError("bench: pre_dequant and a draft model are not supported with tensor parallelism yet")
+        if args.pre_dequant:
+            raise ConfigError("bench: pre_dequant is not supported with tensor parallelism yet")
         executor = start_tensor_parallel(ShardSource(cfg, None, dtype, dtype, args, device.type))
-        parts = EngineParts(executor.driver_model(), cfg, tokenizer, {}, executor.shard.device, dtype,
-                            ops=executor.shard.ops, executor=executor)
+        shard = executor.shard
+        with rank_local():  # the draft is whole, on rank 0 only
+            draft_parts = None if draft is None else DraftParts(
+                random_model(draft, shard.ops, dtype, dtype, shard.device), draft)
+        parts = EngineParts(executor.driver_model(), cfg, tokenizer, {}, shard.device, dtype, ops=shard.ops,
+                            executor=executor, draft=draft_parts)
         return LLM.from_parts(parts, args)
     ops = get_ops(args.backend, device, fused_ffn=args.fused_ffn)
     model = random_model(cfg, ops, dtype, dtype, device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import contextmanager
+from typing import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,18 @@ _group = TensorParallelGroup()
 def current() -> TensorParallelGroup:
     """The group this process runs in (rank 0 of 1 unless `init_group` ran)."""
     return _group
+
+
+@contextmanager
+def rank_local() -> Iterator[None]:
+    """Within it, this process builds and runs models as if alone (rank 0 of 1): no split layers, no collectives. For
+    what only rank 0 holds, e.g. a speculative-decoding draft model beside a tensor-parallel target."""
+    global _group
+    saved, _group = _group, TensorParallelGroup()
+    try:
+        yield
+    finally:
+        _group = saved
 
 
 def init_group(rank: int, world_size: int, init_method: str, device: torch.device,

@@ -87,7 +87,8 @@ class TensorParallelExecutor:
 
     def attach(self, runner) -> None:
         """Called once rank 0's runner is built (the workers build theirs alongside, making the same collectives):
-        waits for every worker to be ready, then mirrors the runner's calls and graph replays from here on."""
+        waits for every worker to be ready, then mirrors the runner's calls, graph replays and state-slot copies from
+        here on."""
         with self._changed:
             while len(self._ready) < self.world_size - 1 and self.failure is None:
                 self._changed.wait(timeout=1.0)
@@ -95,6 +96,7 @@ class TensorParallelExecutor:
         for graphs in (runner.graphs, runner.step_graphs):
             if graphs is not None:
                 graphs.before_replay = self.mirror.replay
+        runner.state.before_copy = self.mirror.copy_state
         self.mirror.active = True
 
     def explain(self, error: RuntimeError, wait_s: float = 5.0) -> None:

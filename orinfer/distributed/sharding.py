@@ -13,6 +13,9 @@ Every other tensor (norms, routers, the shared-expert gate) is read whole by eve
 
 With the heads and widths divided by the world size (`shard_config`), the model file builds each rank's layers at
 their per-rank shapes unchanged, and the loader reads only the rank's slice of each tensor (`checkpoint_slicer`).
+Quantized checkpoints (AWQ, GPTQ, FP8, online FP8) split the same way: slices.py maps each format's tensors (packed
+words, groups, scale blocks) to a rank's part, so that a rank's tensors are those of its smaller layer in the same
+format; `check_supported` checks every split layer's parts before anything loads.
 """
 
 from __future__ import annotations
@@ -25,10 +28,9 @@ from torch import nn
 
 from orinfer.config import ModelConfig
 from orinfer.distributed.group import TensorParallelGroup, all_reduce
+from orinfer.distributed.slices import Slice, Split, checkpoint_shapes, tensor_slice
 from orinfer.errors import ConfigError
 
-# (dimension, first index, length) of the part of a checkpoint tensor a rank reads; None: the whole tensor.
-Slice = tuple[int, int, int] | None
 Slicer = Callable[[str, tuple[int, ...]], Slice]  # (checkpoint name, full shape) -> the rank's part
 
 
@@ -37,9 +39,6 @@ def check_supported(cfg: ModelConfig, world_size: int) -> None:
     if cfg.is_hybrid or cfg.is_multimodal:
         raise ConfigError(f"tensor_parallel_size {world_size}: {cfg.architecture} is not supported with tensor "
                           "parallelism yet (supported: Qwen2, Qwen3 and Qwen3-MoE text models)")
-    if cfg.quantization is not None:
-        raise ConfigError(f"tensor_parallel_size {world_size}: {cfg.quantization.method.upper()} weights are not "
-                          "supported with tensor parallelism yet (16/32-bit checkpoints are)")
     widths = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
               "moe_intermediate_size": cfg.moe_intermediate_size,
               "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
@@ -50,6 +49,45 @@ def check_supported(cfg: ModelConfig, world_size: int) -> None:
     if kv % world_size and world_size % kv:
         raise ConfigError(f"tensor_parallel_size {world_size} and the model's num_key_value_heads ({kv}) must "
                           "divide one another (fewer KV heads than ranks are replicated)")
+    check_split_shapes(cfg, world_size)
+
+
+def check_split_shapes(cfg: ModelConfig, world_size: int) -> None:
+    """ConfigError naming the first split layer whose checkpoint tensors do not cut into whole parts (packed words,
+    quantization groups, FP8 blocks: slices.py) on `world_size` ranks, by slicing one layer of each kind (attention,
+    dense MLP, experts, shared expert) for every rank as the loader will."""
+    from orinfer.models.registry import model_class  # the registry imports this module
+
+    cls = model_class(cfg.architecture)
+    slicers = [checkpoint_slicer(cls.tensor_parallel_plan, cfg, TensorParallelGroup(rank, world_size))
+               for rank in range(world_size)]
+    for name, (fin, fout, bias) in _split_linears(cfg, cls.hf_prefix).items():
+        for kind, shape in checkpoint_shapes(cfg.quantization, fin, fout, bias).items():
+            for slicer in slicers:
+                slicer(f"{name}.{kind}", shape)
+
+
+def _split_linears(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, int, bool]]:
+    """Checkpoint name (without the tensor kind) -> (in, out, bias) of one linear of each kind the plan splits."""
+    h, attn = cfg.hidden_size, f"{prefix}layers.0.self_attn"
+    linears = {f"{attn}.q_proj": (h, cfg.q_size, cfg.attention_bias),
+               f"{attn}.k_proj": (h, cfg.kv_size, cfg.attention_bias),
+               f"{attn}.v_proj": (h, cfg.kv_size, cfg.attention_bias), f"{attn}.o_proj": (cfg.q_size, h, False)}
+
+    def mlp(name: str, width: int) -> None:
+        linears.update({f"{name}.gate_proj": (h, width, False), f"{name}.up_proj": (h, width, False),
+                        f"{name}.down_proj": (width, h, False)})
+
+    layers = range(cfg.num_hidden_layers)
+    dense = next((i for i in layers if not cfg.is_sparse_layer(i)), None)
+    if dense is not None:
+        mlp(f"{prefix}layers.{dense}.mlp", cfg.intermediate_size)
+    sparse = next((i for i in layers if cfg.is_sparse_layer(i)), None)
+    if sparse is not None:
+        mlp(f"{prefix}layers.{sparse}.mlp.experts.0", cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            mlp(f"{prefix}layers.{sparse}.mlp.shared_expert", cfg.shared_expert_intermediate_size)
+    return linears
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
@@ -71,20 +109,20 @@ def vocab_rows(vocab_size: int, world_size: int) -> int:
 
 
 def checkpoint_slicer(plan: dict[str, tuple[str, ...]], cfg: ModelConfig, group: TensorParallelGroup) -> Slicer:
-    """(checkpoint name, full shape) -> the slice rank `group.rank` reads (see the module docstring). `cfg`: the
-    full model's config."""
+    """(checkpoint name, full shape) -> the slice rank `group.rank` reads (see the module docstring; each weight
+    format's tensors: slices.py). `cfg`: the full model's config."""
     rank, world = group.rank, group.world_size
 
-    def even(shape: tuple[int, ...], dim: int) -> Slice:
-        part = shape[dim] // world
-        return dim, rank * part, part
-
-    def by_kv_heads(shape: tuple[int, ...]) -> Slice:
-        kv = cfg.num_key_value_heads
-        head_rows = shape[0] // kv
-        if kv >= world:
-            return 0, rank * (kv // world) * head_rows, (kv // world) * head_rows
-        return 0, (rank * kv // world) * head_rows, head_rows  # replicated: ranks share a head
+    def split_of(module: str) -> Split | None:
+        if module in plan.get("heads", ()) or module in plan.get("columns", ()):
+            return Split("out", rank, world)
+        if module in plan.get("kv_heads", ()):
+            kv = cfg.num_key_value_heads
+            # fewer KV heads than ranks: each head is replicated, ranks world/kv * h.. share head h
+            return Split("out", rank, world) if kv >= world else Split("out", rank * kv // world, kv)
+        if module in plan.get("rows", ()):
+            return Split("in", rank, world)
+        return None
 
     def slicer(name: str, shape: tuple[int, ...]) -> Slice:
         parts = name.split(".")
@@ -95,16 +133,10 @@ def checkpoint_slicer(plan: dict[str, tuple[str, ...]], cfg: ModelConfig, group:
             rows = vocab_rows(shape[0], world)
             start = min(rank * rows, shape[0])
             return 0, start, min(rows, shape[0] - start)
-        if module in plan.get("heads", ()) or module in plan.get("columns", ()):
-            return even(shape, 0)
-        if module in plan.get("kv_heads", ()):
-            return by_kv_heads(shape)
-        if module in plan.get("rows", ()):
-            if kind != "weight":
-                raise ConfigError(f"{name}: a row-parallel layer with a {kind} is not supported with tensor "
-                                  "parallelism (each rank would add it)")
-            return even(shape, 1)
-        return None
+        split = split_of(module)
+        if split is None:
+            return None
+        return tensor_slice(cfg.quantization, kind, split, shape, f"{name} (tensor_parallel_size {world})")
 
     return slicer
 

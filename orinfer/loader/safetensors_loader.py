@@ -15,9 +15,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from orinfer.errors import WeightsError
+from orinfer.errors import OrinferError, WeightsError
 
-Slicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+# (name, full shape) -> the part of the tensor to read: (dimension, first index, length), optionally with a function
+# applied to that part once read (distributed/slices.py); None: all of it.
+Slicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | tuple[int, int, int, Callable] | None"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
                     try:
                         part = None if slicer is None else slicer(name, tuple(handle.get_slice(name).get_shape()))
                         tensor = read_slice(handle, name, part)
+                    except OrinferError:
+                        raise  # a slice the model cannot split (tensor parallelism): the slicer's own message
                     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                         raise WeightsError(f"{path}: tensor {name} is corrupt ({exc})") from None
                     if dtype is not None and tensor.is_floating_point():
@@ -80,9 +84,11 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
         bar.close()
 
 
-def read_slice(handle, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
-    """Only `part` (dimension, first index, length) of tensor `name` of an open safetensors file; None: all of it."""
+def read_slice(handle, name: str, part: tuple | None) -> torch.Tensor:
+    """Only `part` (dimension, first index, length[, function of the part]) of tensor `name` of an open safetensors
+    file; None: all of it."""
     if part is None:
         return handle.get_tensor(name)
-    dim, start, length = part
-    return handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+    dim, start, length, *then = part
+    tensor = handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+    return then[0](tensor) if then else tensor

@@ -33,6 +33,7 @@ from orinfer.distributed.shard_source import ShardSource, build_shard
 from orinfer.distributed.sharding import check_supported, checkpoint_slicer
 from orinfer.errors import ConfigError
 from orinfer.kernels.fp8_block import fp8_block_quantize
+from orinfer.layers.awq_linear import AWQLinear
 from orinfer.layers.linear import LinearBase
 from orinfer.layers.ops import TORCH_OPS
 from orinfer.loader import load_hf_model, online_quantization
@@ -115,9 +116,9 @@ def _linears(model) -> dict[str, LinearBase]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
 
 
-def _shard(path: Path, online: str | None, rank: int, world: int, monkeypatch):
+def _shard(path: Path, online: str | None, rank: int, world: int, monkeypatch, **settings):
     """Rank `rank` of `world`'s shard, built here as that rank builds it (the group only says which rank this is)."""
-    args = EngineArgs(device="cpu", dtype="float32", progress=False, quantization=online)
+    args = EngineArgs(device="cpu", dtype="float32", progress=False, quantization=online, **settings)
     source = ShardSource(_config(path, online), str(path), torch.float32, torch.float32, args, "cpu")
     with monkeypatch.context() as patch:
         group = TensorParallelGroup(rank, world)
@@ -214,6 +215,24 @@ def test_greedy_matches_the_single_process_engine(quantized, model_id, world):
     with LLM(path, **SETTINGS, **quant) as llm:
         want = llm.generate(PROMPTS, GREEDY)
     with LLM(path, tensor_parallel_size=world, **SETTINGS, **quant) as llm:
+        got = llm.generate(PROMPTS, GREEDY)
+    assert_same_outputs(got, want)
+
+
+@pytest.mark.parametrize("engine", [False, pytest.param(True, marks=SLOW)])
+def test_awq_pre_dequant_on_every_rank(quantized, monkeypatch, engine):
+    """--pre-dequant under tensor parallelism: every rank keeps the 16-bit copy of its own AWQ slices (so prefill goes
+    through it on all ranks alike), and the engine's outputs stay the single process's."""
+    path, _ = quantized("awq-g32")
+    shard = _shard(path, None, 1, 2, monkeypatch, pre_dequant=True)
+    awq = [m for m in shard.modules() if isinstance(m, AWQLinear)]
+    assert awq and all(m.dense_weight is not None and m.dense_weight.shape == (m.out_features, m.in_features)
+                       for m in awq)
+    if not engine:
+        return
+    with LLM(path, **SETTINGS) as llm:
+        want = llm.generate(PROMPTS, GREEDY)
+    with LLM(path, tensor_parallel_size=2, pre_dequant=True, **SETTINGS) as llm:
         got = llm.generate(PROMPTS, GREEDY)
     assert_same_outputs(got, want)
 

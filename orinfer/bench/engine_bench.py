@@ -65,8 +65,8 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     from orinfer.loader import random_model
 
     if args.tensor_parallel_size > 1:
-        if args.pre_dequant or draft is not None:
-            raise ConfigError("bench: pre_dequant and a draft model are not supported with tensor parallelism yet")
+        if draft is not None:  # (pre_dequant: each rank's shard, distributed/shard_source.py)
+            raise ConfigError("bench: a draft model is not supported with tensor parallelism yet")
         executor = start_tensor_parallel(ShardSource(cfg, None, dtype, dtype, args, device.type))
         parts = EngineParts(executor.driver_model(), cfg, tokenizer, {}, executor.shard.device, dtype,
                             ops=executor.shard.ops, executor=executor)

@@ -68,8 +68,6 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     from orinfer.loader import random_model
 
     if args.tensor_parallel_size > 1:
-        if args.pre_dequant:
-            raise ConfigError("bench: pre_dequant is not supported with tensor parallelism yet")
         executor = start_tensor_parallel(ShardSource(cfg, None, dtype, dtype, args, device.type))
         shard = executor.shard
         with rank_local():  # the draft is whole, on rank 0 only

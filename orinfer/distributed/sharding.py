@@ -21,6 +21,9 @@ Every other tensor (norms, routers, the shared-expert gate) is read whole by eve
 
 With the heads and widths divided by the world size (`shard_config`), the model file builds each rank's layers at
 their per-rank shapes unchanged, and the loader reads only the rank's slice of each tensor (`checkpoint_slicer`).
+Quantized checkpoints (AWQ, GPTQ, FP8, online FP8) split the same way: slices.py maps each format's tensors (packed
+words, groups, scale blocks) to a rank's part, so that a rank's tensors are those of its smaller layer in the same
+format; `check_supported` checks every split layer's parts before anything loads.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from torch import nn
 
 from orinfer.config import ModelConfig
 from orinfer.distributed.group import TensorParallelGroup, all_reduce
+from orinfer.distributed.slices import Split, checkpoint_shapes, tensor_slice
 from orinfer.errors import ConfigError, WeightsError
 
 # The part of a checkpoint tensor a rank reads: (dimension, first index, length), or a list of such ranges (along
 # one dimension) whose parts are concatenated in order; None: the whole tensor.
 Range = tuple[int, int, int]
-Slice = Range | list[Range] | None
+# With a weight format's function to apply to the part once read (slices.py: GPTQ's g_idx renumbered).
+Slice = Range | list[Range] | tuple[int, int, int, Callable[[torch.Tensor], torch.Tensor]] | None
 Slicer = Callable[[str, tuple[int, ...]], Slice]  # (checkpoint name, full shape) -> the rank's part
 
 # Heads that may be fewer than the ranks (each is then replicated): they are only read (attention's KV heads, the
@@ -56,9 +61,9 @@ def check_supported(cfg: ModelConfig, world_size: int) -> None:
         raise ConfigError(f"tensor_parallel_size {world_size}: {cfg.architecture} is not supported with tensor "
                           "parallelism yet (supported: Qwen2, Qwen3, Qwen3-MoE and the Qwen3.5 family, dense and "
                           "MoE, text-only and with images)")
-    if cfg.quantization is not None:
+    if cfg.quantization is not None and model_class(cfg.architecture).tensor_parallel_plan.get("parts"):
         raise ConfigError(f"tensor_parallel_size {world_size}: {cfg.quantization.method.upper()} weights are not "
-                          "supported with tensor parallelism yet (16/32-bit checkpoints are)")
+                          f"supported with tensor parallelism for {cfg.architecture} yet (its 16-bit checkpoints are)")
     for name in DIVIDED:
         value = getattr(cfg, name)
         if value % world_size:
@@ -68,6 +73,46 @@ def check_supported(cfg: ModelConfig, world_size: int) -> None:
         if heads and heads % world_size and world_size % heads:
             raise ConfigError(f"tensor_parallel_size {world_size} and the model's {name} ({heads}) must divide one "
                               "another (heads fewer than ranks are replicated)")
+    if cfg.quantization is not None:  # 16-bit tensors split wherever the heads and widths do
+        check_split_shapes(cfg, world_size)
+
+
+def check_split_shapes(cfg: ModelConfig, world_size: int) -> None:
+    """ConfigError naming the first split layer whose checkpoint tensors do not cut into whole parts (packed words,
+    quantization groups, FP8 blocks: slices.py) on `world_size` ranks, by slicing one layer of each kind (attention,
+    dense MLP, experts, shared expert) for every rank as the loader will."""
+    from orinfer.models.registry import model_class  # the registry imports this module
+
+    cls = model_class(cfg.architecture)
+    slicers = [checkpoint_slicer(cls.tensor_parallel_plan, cfg, TensorParallelGroup(rank, world_size))
+               for rank in range(world_size)]
+    for name, (fin, fout, bias) in _split_linears(cfg, cls.hf_prefix).items():
+        for kind, shape in checkpoint_shapes(cfg.quantization, fin, fout, bias).items():
+            for slicer in slicers:
+                slicer(f"{name}.{kind}", shape)
+
+
+def _split_linears(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, int, bool]]:
+    """Checkpoint name (without the tensor kind) -> (in, out, bias) of one linear of each kind the plan splits."""
+    h, attn = cfg.hidden_size, f"{prefix}layers.0.self_attn"
+    linears = {f"{attn}.q_proj": (h, cfg.q_size, cfg.attention_bias),
+               f"{attn}.k_proj": (h, cfg.kv_size, cfg.attention_bias),
+               f"{attn}.v_proj": (h, cfg.kv_size, cfg.attention_bias), f"{attn}.o_proj": (cfg.q_size, h, False)}
+
+    def mlp(name: str, width: int) -> None:
+        linears.update({f"{name}.gate_proj": (h, width, False), f"{name}.up_proj": (h, width, False),
+                        f"{name}.down_proj": (width, h, False)})
+
+    layers = range(cfg.num_hidden_layers)
+    dense = next((i for i in layers if not cfg.is_sparse_layer(i)), None)
+    if dense is not None:
+        mlp(f"{prefix}layers.{dense}.mlp", cfg.intermediate_size)
+    sparse = next((i for i in layers if cfg.is_sparse_layer(i)), None)
+    if sparse is not None:
+        mlp(f"{prefix}layers.{sparse}.mlp.experts.0", cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            mlp(f"{prefix}layers.{sparse}.mlp.shared_expert", cfg.shared_expert_intermediate_size)
+    return linears
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
@@ -95,20 +140,21 @@ def rank_heads(heads: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def checkpoint_slicer(plan: dict[str, Any], cfg: ModelConfig, group: TensorParallelGroup) -> Slicer:
-    """(checkpoint name, full shape) -> the slice rank `group.rank` reads (see the module docstring). `cfg`: the
-    full model's config."""
+    """(checkpoint name, full shape) -> the slice rank `group.rank` reads (see the module docstring; each weight
+    format's tensors: slices.py). `cfg`: the full model's config."""
     rank, world = group.rank, group.world_size
     whole, parts_of = set(plan.get("whole", ())), plan.get("parts", {})
 
-    def even(shape: tuple[int, ...], dim: int) -> Slice:
-        part = shape[dim] // world
-        return dim, rank * part, part
-
-    def by_kv_heads(shape: tuple[int, ...]) -> Slice:
-        kv = cfg.num_key_value_heads
-        first, count = rank_heads(kv, rank, world)
-        head_rows = shape[0] // kv
-        return 0, first * head_rows, count * head_rows
+    def split_of(module: str) -> Split | None:
+        if module in plan.get("heads", ()) or module in plan.get("columns", ()):
+            return Split("out", rank, world)
+        if module in plan.get("kv_heads", ()):
+            kv = cfg.num_key_value_heads
+            # fewer KV heads than ranks: each head is replicated, ranks world/kv * h.. share head h
+            return Split("out", rank, world) if kv >= world else Split("out", rank * kv // world, kv)
+        if module in plan.get("rows", ()):
+            return Split("in", rank, world)
+        return None
 
     def number(value: int | str) -> int:
         return getattr(cfg, value) if isinstance(value, str) else value
@@ -137,16 +183,10 @@ def checkpoint_slicer(plan: dict[str, Any], cfg: ModelConfig, group: TensorParal
             rows = vocab_rows(shape[0], world)
             start = min(rank * rows, shape[0])
             return 0, start, min(rows, shape[0] - start)
-        if module in plan.get("heads", ()) or module in plan.get("columns", ()):
-            return even(shape, 0)
-        if module in plan.get("kv_heads", ()):
-            return by_kv_heads(shape)
-        if module in plan.get("rows", ()):
-            if kind != "weight":
-                raise ConfigError(f"{name}: a row-parallel layer with a {kind} is not supported with tensor "
-                                  "parallelism (each rank would add it)")
-            return even(shape, 1)
-        return None
+        split = split_of(module)
+        if split is None:
+            return None
+        return tensor_slice(cfg.quantization, kind, split, shape, f"{name} (tensor_parallel_size {world})")
 
     return slicer
 

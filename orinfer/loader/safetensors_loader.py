@@ -17,9 +17,10 @@ from tqdm.auto import tqdm
 
 from orinfer.errors import OrinferError, WeightsError
 
-# (name, shape) -> the part of a tensor to read: (dimension, first index, length), a list of such ranges along one
-# dimension to concatenate, or None for the whole tensor (distributed/sharding.py makes them).
-Slicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | list[tuple[int, int, int]] | None"]
+# (name, shape) -> the part of a tensor to read: (dimension, first index, length), optionally with a function
+# applied to that part once read, or a list of such ranges along one dimension to concatenate, or None for the
+# whole tensor (distributed/sharding.py and slices.py make them).
+Slicer = Callable[[str, tuple[int, ...]], "tuple | list[tuple[int, int, int]] | None"]
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,13 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
         bar.close()
 
 
-def read_slice(handle, name: str, part: "tuple[int, int, int] | list[tuple[int, int, int]] | None") -> torch.Tensor:
-    """Only `part` (dimension, first index, length) of tensor `name` of an open safetensors file; a list of ranges:
-    those parts, concatenated along their dimension; None: all of it."""
+def read_slice(handle, name: str, part: "tuple | list[tuple[int, int, int]] | None") -> torch.Tensor:
+    """Only `part` (dimension, first index, length[, function of the part]) of tensor `name` of an open safetensors
+    file; a list of ranges: those parts, concatenated along their dimension; None: all of it."""
     if part is None:
         return handle.get_tensor(name)
     if isinstance(part, list):
         return torch.cat([read_slice(handle, name, p) for p in part], dim=part[0][0])
-    dim, start, length = part
-    return handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+    dim, start, length, *then = part
+    tensor = handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+    return then[0](tensor) if then else tensor

@@ -152,6 +152,7 @@ def test_shard_config_and_checkpoint_slices_of_real_configs():
     assert last("lm_head.weight", (211, 8)) == (0, 142, 69)  # 71 rows per rank, the last has 69 and 2 of padding
 
 
+@SLOW
 def test_draft_model_speculation_beside_a_split_target(checkpoints):
     """The draft (here the model itself) is whole on rank 0 and runs without collectives; the verify steps of the
     split target are mirrored like any step. Every draft is accepted, and the tokens are plain decoding's."""

@@ -85,6 +85,8 @@ def test_chunks_prefix_hits_and_lookahead(checkpoints, lookahead):
             again = llm.generate(second, GREEDY)
             assert again[1].num_cached_tokens == 32  # two full 16-token blocks of the 35-token prompt
             outputs[world] = first + again
+            executor = llm.engine.parts.executor
+    assert all(proc.poll() == 0 for proc in executor._procs)  # `with` closed the engine: every worker stopped
     assert_same_outputs(outputs[2], outputs[1])
 
 
@@ -105,6 +107,7 @@ def test_worker_death_fails_the_engine_and_leaves_no_process(checkpoints):
     assert all(proc.poll() is not None for proc in executor._procs)
 
 
+@SLOW
 def test_close_stops_every_worker(checkpoints):
     path, _, _ = checkpoints("qwen3-mha-tied")
     llm = LLM(path, tensor_parallel_size=2, **SETTINGS)

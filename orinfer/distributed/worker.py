@@ -48,6 +48,7 @@ def worker_main(address: str, authkey: bytes, rank: int) -> None:
             pass
         os._exit(1)  # no group teardown: rank 0 aborts its side
     if stopped:
+        runner.release_graphs()  # before the group: see TensorParallelExecutor.shutdown
         destroy_group()  # rank 0 leaves at the same time
     else:
         os._exit(0)  # rank 0 is gone: nobody to leave the group with

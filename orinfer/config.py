@@ -410,6 +410,12 @@ PRESETS["qwen3.5-35b-a3b"] = dict(
     _qwen3_5(2048, 0, 40, 16, 2, 32, tied=False), architecture=QWEN3_5_MOE_ARCHITECTURE, num_experts=256,
     num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)
 
+# Qwen/Qwen3.5-122B-A10B's decoder: 256 experts of width 1024, 8 per token, a shared expert of 1024; 244 GB in bf16,
+# so it needs tensor parallelism over 4 80 GB GPUs.
+PRESETS["qwen3.5-122b-a10b"] = dict(
+    _qwen3_5(3072, 0, 48, 32, 2, 64, tied=False), architecture=QWEN3_5_MOE_ARCHITECTURE, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=1024, norm_topk_prob=True)
+
 
 def preset(name: str) -> ModelConfig:
     """The ModelConfig of a published checkpoint's shapes, e.g. `preset("qwen3-8b")`."""

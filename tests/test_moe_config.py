@@ -147,6 +147,9 @@ def test_online_fp8_of_an_moe_model_is_refused():
     ("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B", "Qwen3_5MoeTextConfig",
      {"architecture", "eos_token_id", "mtp_num_hidden_layers", "vision_config", "mrope_section", "image_token_id",
       "video_token_id", "vision_start_token_id", "vision_end_token_id"}),
+    ("qwen3.5-122b-a10b", "Qwen3.5-122B-A10B", "Qwen3_5MoeTextConfig",
+     {"architecture", "eos_token_id", "mtp_num_hidden_layers", "vision_config", "mrope_section", "image_token_id",
+      "video_token_id", "vision_start_token_id", "vision_end_token_id"}),
 ])
 def test_presets_are_the_published_shapes(name, published, hf_class, differ):
     """A preset's config.json: HF builds its config class from it (the bench's HF baseline), orinfer reads back the

@@ -6,8 +6,8 @@
                             quantize x + `fp8_gemm` instead)
   more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
                             with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
-                            this torch and GPU run it: sm_90, 128 x 128 blocks, probed once per device outside graph
-                            capture); PREFILL = "w8a16": `fp8_mm` with 128-row tiles (x not quantized)
+                            this torch and GPU run it: sm_90, 128 x 128 blocks, bf16, probed once per device outside
+                            graph capture); PREFILL = "w8a16": `fp8_mm` with 128-row tiles (x not quantized)
 Both entry points take the same kernels, fused gate/up + SwiGLU in one pass for decode rows (`fp8_gate_up_silu`).
 The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL at import (benchmarks
 may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows and the reference (dequantise +
@@ -80,7 +80,8 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     if PREFILL not in ("auto", "scaled_mm") or tuple(block_size) != (128, 128) or row_block is not None:
         return False
     n, k = weight.shape
-    if n % 128 or k % 128 or not scale.is_contiguous() or not x.is_cuda:   # whole blocks only: Qwen's shapes
+    # Whole blocks only (Qwen's shapes), and bf16 out: what the probe checked (fp16 takes the Triton GEMM).
+    if n % 128 or k % 128 or not scale.is_contiguous() or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     if PREFILL == "scaled_mm":
         return True

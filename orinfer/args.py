@@ -94,6 +94,10 @@ class EngineArgs:
     async_scheduling: bool = field(default=True, metadata=_cli(
         "launch each decode step before the previous one's tokens reach the host (same tokens); "
         "--no-async-scheduling waits for each step (debugging)"))
+    speculative_config: dict[str, Any] | str | None = field(default=None, metadata=_cli(
+        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"max_batch\": 16} (orinfer/spec_decode/config.py); "
+        "greedy output is unchanged, sampled output keeps the model's distribution", metavar="JSON"))
     # The default of SamplingParams.thinking_token_budget (a request's own wins); models without <think> ignore it.
     thinking_token_budget: int | None = field(default=None, metadata=_cli(
         "Qwen3 thinking: after N reasoning tokens the engine closes the reasoning itself (appends the template's "
@@ -120,6 +124,8 @@ class EngineArgs:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
+        from orinfer.spec_decode.config import SpeculativeConfig  # (imported here: config imports errors only)
+        SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

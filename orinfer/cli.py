@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a small locally trained Qwen model (no hub needed)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen2", "qwen3-vl"],
-                      help="qwen3-vl: the qwen3 language model behind a small random vision tower")
+    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen2", "qwen3-vl", "qwen3-moe"],
+                      help="qwen3-vl: the qwen3 language model behind a small random vision tower; qwen3-moe: "
+                           "8 experts, 2 per token, in the layers after the first")
     tiny.add_argument("--train-steps", type=int, default=160, help="AdamW steps on the bundled text (0: random)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)

@@ -17,22 +17,29 @@ import torch
 
 from orinfer.errors import ConfigError
 from orinfer.hybrid_config import hybrid_fields, hybrid_hf_dict
+from orinfer.moe_config import (HYBRID_MOE_ARCHITECTURES, MOE_ARCHITECTURES, QWEN3_5_MOE_ARCHITECTURE,
+                                QWEN3_MOE_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE, check_moe_weights, moe_fields,
+                                moe_hf_dict, needs_dense_mlp, sparse_layer)
 from orinfer.quant_config import AnyQuantConfig, QuantConfig, parse_quantization_config
 from orinfer.vl_config import QWEN3_5_VL_ARCHITECTURE, VL_ARCHITECTURE, VL_ARCHITECTURES, vl_fields
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "VL_ARCHITECTURES", "HYBRID_ARCHITECTURES", "QuantConfig",
-           "ModelConfig", "PRESETS", "preset", "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "VL_ARCHITECTURE", "VL_ARCHITECTURES", "HYBRID_ARCHITECTURES",
+           "MOE_ARCHITECTURES", "QWEN3_VL_MOE_ARCHITECTURE", "QuantConfig", "ModelConfig", "PRESETS", "preset",
+           "resolve_dtype"]
 
 # Architectures the registry can build. Kept here (not in models/) so the config can reject a model before any
 # weight is touched, with a message that lists what is supported.
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", VL_ARCHITECTURE, "Qwen3_5ForCausalLM",
-                           QWEN3_5_VL_ARCHITECTURE)
-# Qwen3.5 / 3.6 / 3.8 dense (hybrid Gated DeltaNet + gated attention). A ConditionalGeneration checkpoint also has a
-# vision tower (VL_ARCHITECTURES: vision-language models, vl_config.py).
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", QWEN3_5_VL_ARCHITECTURE)
+                           QWEN3_5_VL_ARCHITECTURE, *MOE_ARCHITECTURES)
+# Qwen3.5 / 3.6 / 3.8 dense and MoE (hybrid Gated DeltaNet + gated attention). A ConditionalGeneration checkpoint
+# also has a vision tower (VL_ARCHITECTURES: vision-language models, vl_config.py).
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", QWEN3_5_VL_ARCHITECTURE, *HYBRID_MOE_ARCHITECTURES)
+# Per-head RMSNorm of q and k (every family but Qwen2).
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", VL_ARCHITECTURE, *HYBRID_ARCHITECTURES, QWEN3_MOE_ARCHITECTURE,
+                          QWEN3_VL_MOE_ARCHITECTURE)
 
-_DEFAULT_ROPE_THETA = {VL_ARCHITECTURE: 500_000.0, "Qwen3_5ForCausalLM": 10_000_000.0,
-                       QWEN3_5_VL_ARCHITECTURE: 10_000_000.0}
+_DEFAULT_ROPE_THETA = {VL_ARCHITECTURE: 500_000.0, QWEN3_VL_MOE_ARCHITECTURE: 500_000.0,
+                       **dict.fromkeys(HYBRID_ARCHITECTURES, 10_000_000.0)}
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -84,6 +91,35 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False
     mtp_num_hidden_layers: int = 0
+    # Mixture-of-experts models only (moe_config.py): routed experts of width moe_intermediate_size, top
+    # num_experts_per_tok of them per token (weights renormalised over those when norm_topk_prob), a shared expert
+    # behind a sigmoid gate (width 0: none), and which layers are sparse (`is_sparse_layer`); the others are dense
+    # SwiGLU MLPs of intermediate_size. num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers route tokens to experts."""
+        return self.num_sparse_layers > 0
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has routed experts (HF's rule: moe_config.sparse_layer)."""
+        return sparse_layer(self.num_experts, self.decoder_sparse_step, self.mlp_only_layers, index)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def expert_parameters(self) -> int:
+        """Parameters of one routed expert (gate, up and down: 3 H I)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def is_hybrid(self) -> bool:
@@ -135,9 +171,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        """Parameter count of the decoder (embeddings and lm_head counted once if tied)."""
-        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+    def mlp_parameters(self, index: int, active: bool = False) -> int:
+        """Parameters of layer `index`'s feed-forward: a dense SwiGLU, or the router, the routed experts (only the
+        num_experts_per_tok a token uses when `active`) and the gated shared expert."""
+        h = self.hidden_size
+        if not self.is_sparse_layer(index):
+            return 3 * h * self.intermediate_size
+        routed = self.num_experts_per_tok if active else self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return self.num_experts * h + routed * self.expert_parameters + shared
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count of the decoder (embeddings and lm_head counted once if tied); `active`: with only the
+        routed experts one token uses (an MoE model's "A3B")."""
+        h, layers = self.hidden_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -145,7 +192,7 @@ class ModelConfig:
             attn += 2 * self.head_dim
         if self.attn_output_gate:
             attn += h * self.q_size
-        mlp_norms = 3 * h * i + 2 * h
+        mlp_norms = sum(self.mlp_parameters(index, active) for index in range(layers)) + 2 * h * layers
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         kv_layers = self.num_kv_layers
         linear = 0
@@ -153,7 +200,7 @@ class ModelConfig:
             nv = self.linear_num_value_heads
             linear = (h * (self.linear_conv_dim + self.linear_value_dim + 2 * nv) + self.linear_value_dim * h
                       + self.linear_conv_dim * self.linear_conv_kernel_dim + 2 * nv + self.linear_value_head_dim)
-        return kv_layers * attn + (layers - kv_layers) * linear + layers * mlp_norms + embed + h
+        return kv_layers * attn + (layers - kv_layers) * linear + mlp_norms + embed + h
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
@@ -174,6 +221,9 @@ class ModelConfig:
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: text_config must be a JSON object")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        moe = moe_fields(text, arch, source) if arch in MOE_ARCHITECTURES and "num_hidden_layers" in text else {}
+        if moe and not needs_dense_mlp(moe, int(text["num_hidden_layers"])):
+            required = tuple(k for k in required if k != "intermediate_size")  # no dense MLP (Qwen3.5-MoE's config)
         missing = [k for k in required if k not in text]
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
@@ -198,7 +248,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(text["vocab_size"]),
             hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]),
+            intermediate_size=int(text.get("intermediate_size", 0)),
             num_hidden_layers=int(text["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -209,7 +259,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             # Qwen2 always has q/k/v bias (its config has no flag); Qwen3 has `attention_bias` (false in practice).
             attention_bias=arch == "Qwen2ForCausalLM" or bool(text.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", VL_ARCHITECTURE, *HYBRID_ARCHITECTURES),
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
             torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
                             or "bfloat16"),
             bos_token_id=raw.get("bos_token_id"),
@@ -217,7 +267,9 @@ class ModelConfig:
             quantization=quant,
             **(vl_fields(raw, text, rotary_dim, arch, source) if arch in VL_ARCHITECTURES else {}),
             **hybrid,
+            **moe,
         )
+        check_moe_weights(cfg, source)
         if quant is not None:
             quant.check_model(cfg, source)
         return cfg
@@ -254,14 +306,15 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
         }
         if self.architecture in HYBRID_ARCHITECTURES:
-            return hybrid_hf_dict(self, out)
-        if model_type == "qwen3":
-            out["attention_bias"] = self.attention_bias
-        if self.quantization is not None:
-            out["quantization_config"] = self.quantization.to_hf_dict()
-        if self.is_multimodal:
-            return self._vl_hf_dict(out)
-        return out
+            out = hybrid_hf_dict(self, out)
+        else:
+            if model_type == "qwen3":
+                out["attention_bias"] = self.attention_bias
+            if self.quantization is not None:
+                out["quantization_config"] = self.quantization.to_hf_dict()
+            if self.is_multimodal:
+                out = self._vl_hf_dict(out)
+        return moe_hf_dict(self, out) if self.architecture in MOE_ARCHITECTURES else out
 
     def _vl_hf_dict(self, flat: dict[str, Any]) -> dict[str, Any]:
         """Qwen3-VL's layout: decoder fields under text_config (rope settings in rope_parameters, as transformers 5
@@ -346,6 +399,16 @@ def _qwen3_5(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: 
 # Qwen/Qwen3.5-27B and Qwen/Qwen3.5-0.8B (config.json in tests/data/real-qwen): their decoders.
 PRESETS["qwen3.5-27b"] = _qwen3_5(5120, 17408, 64, 24, 4, 48, tied=False)
 PRESETS["qwen3.5-0.8b"] = _qwen3_5(1024, 3584, 24, 8, 2, 16, tied=True)
+# Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, every layer sparse (no shared expert).
+PRESETS["qwen3-30b-a3b"] = dict(
+    architecture=QWEN3_MOE_ARCHITECTURE, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=[151645, 151643],
+    qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+# Qwen/Qwen3.5-35B-A3B's decoder: 256 experts of width 512, 8 per token, and a shared expert of 512 in every layer.
+PRESETS["qwen3.5-35b-a3b"] = dict(
+    _qwen3_5(2048, 0, 40, 16, 2, 32, tied=False), architecture=QWEN3_5_MOE_ARCHITECTURE, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)
 
 
 def preset(name: str) -> ModelConfig:

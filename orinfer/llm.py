@@ -10,8 +10,8 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from orinfer.args import EngineArgs
-from orinfer.config import VL_ARCHITECTURE, ModelConfig, resolve_dtype
-from orinfer.engine.llm_engine import EngineParts, LLMEngine
+from orinfer.config import QWEN3_VL_MOE_ARCHITECTURE, VL_ARCHITECTURE, ModelConfig, resolve_dtype
+from orinfer.engine.llm_engine import DraftParts, EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import get_ops
@@ -20,6 +20,7 @@ from orinfer.loader.seed_bin import is_seed_bin, load_bin_model, read_bin_config
 from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
+from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.thinking import initial_state
 from orinfer.tool_calls import (answer_start, check_parser_for, check_tools, constrain_tool_choice, parse_chat_output,
                                 parse_tool_choice, resolve_format)
@@ -27,10 +28,32 @@ from orinfer.tool_calls.history import template_messages
 
 log = logging.getLogger(__name__)
 
+# Checkpoints that get orinfer's Qwen3-VL chat template when their tokenizer has none (`_load_tokenizer`).
+_QWEN3_VL_TEMPLATE = (VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE)
+
 # A string, token ids, or {"prompt"/"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}} (see
 # orinfer/prompt_inputs.py).
 Prompt = str | Seq[int] | dict[str, Any]
 Message = dict[str, Any]
+
+
+def _load_draft(args: EngineArgs, target: ModelConfig, ops: Any, weight_dtype: torch.dtype, act_dtype: torch.dtype,
+                device: torch.device) -> DraftParts | None:
+    """The draft model of `speculative_config` (method draft_model), loaded like the target; None for other methods.
+    It must share the target's vocabulary and be a plain decoder (no linear-attention state to roll back)."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_dir = Path(spec.model)
+    config = ModelConfig.from_hf(draft_dir)
+    if config.vocab_size != target.vocab_size:
+        raise ConfigError(f"speculative_config: the draft model's vocabulary ({config.vocab_size}) is not the "
+                          f"target's ({target.vocab_size}); use a model of the same tokenizer")
+    if config.is_hybrid or config.is_multimodal:
+        raise ConfigError(f"speculative_config: the draft model must be a text-only decoder without linear attention "
+                          f"(e.g. Qwen3-0.6B), not {config.architecture}")
+    model = load_hf_model(draft_dir, ops, weight_dtype, act_dtype, device, config, progress=args.progress)
+    return DraftParts(model, config)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -71,7 +94,7 @@ class LLM:
         weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
         home = _home(model_dir, args, seed_bin)
-        tok = _load_tokenizer(args.tokenizer, home, model_config.architecture == VL_ARCHITECTURE)
+        tok = _load_tokenizer(args.tokenizer, home, model_config.architecture in _QWEN3_VL_TEMPLATE)
         if seed_bin:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
@@ -82,7 +105,8 @@ class LLM:
             pre_dequantize_model(net, act_dtype)
         image_processor = _image_processor(home, args.max_pixels) if model_config.is_multimodal else None
         parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype, ops=ops,
-                            image_processor=image_processor)
+                            image_processor=image_processor,
+                            draft=_load_draft(args, model_config, ops, weight_dtype, act_dtype, dev))
         self.engine = LLMEngine(parts, args)
         self.tokenizer = tok
         self.device = dev
@@ -98,7 +122,7 @@ class LLM:
         seed_bin = is_seed_bin(model_dir)
         model_config = read_bin_config(model_dir) if seed_bin else ModelConfig.from_hf(model_dir)
         return _load_tokenizer(args.tokenizer, _home(model_dir, args, seed_bin),
-                               model_config.architecture == VL_ARCHITECTURE)
+                               model_config.architecture in _QWEN3_VL_TEMPLATE)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, args: EngineArgs | None = None) -> "LLM":

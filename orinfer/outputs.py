@@ -23,6 +23,20 @@ class RequestMetrics:
     e2e_s: float | None           # arrival -> finish
     num_preemptions: int = 0
     vision_encode_ms: float | None = None  # time in the vision tower (requests with images), else None
+    # Speculative decoding: draft tokens verified, how many the model accepted, and the steps that verified some.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted share of the draft tokens (None without drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verify step: the accepted drafts plus the token after them (None without verify steps)."""
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
@@ -38,7 +52,7 @@ class RequestMetrics:
         e2e = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         vision = seq.vision_seconds * 1000 if seq.mm is not None else None
         return cls(seq.num_prompt_tokens, seq.num_completion_tokens, ttft, prefill, decode, e2e, seq.num_preemptions,
-                   vision)
+                   vision, seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
 
 
 @dataclass

@@ -26,7 +26,11 @@ from orinfer.tokenizer_train import bundled_corpus, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-ARCHES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3-vl": "Qwen3VLForConditionalGeneration"}
+ARCHES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3-vl": "Qwen3VLForConditionalGeneration",
+          "qwen3-moe": "Qwen3MoeForCausalLM"}
+# qwen3-moe: 8 experts of width 64, 2 per token, in every layer but the first (a dense MLP: both kinds in one model).
+_TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                 mlp_only_layers=(0,))
 # Torch threads while training. On an idle machine more threads help a little (two cores: 0.13 s a step with two
 # threads, 0.19 s with one), but on a busy one, with fewer free cores than threads, OpenMP's spinning barriers make
 # every step crawl (two threads on two loaded cores: 7 s a step, against 0.5 s with one). One thread keeps the pace
@@ -42,7 +46,8 @@ def tiny_config(arch: str, vocab_size: int, eos_ids: list[int]) -> ModelConfig:
         architecture=ARCHES[arch], vocab_size=vocab_size, hidden_size=96, intermediate_size=256,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", torch_dtype="float32", eos_token_id=eos_ids)
+        attention_bias=arch == "qwen2", qk_norm=arch != "qwen2", torch_dtype="float32", eos_token_id=eos_ids,
+        **(_TINY_MOE if arch == "qwen3-moe" else {}))
 
 
 @contextmanager
@@ -123,7 +128,7 @@ def make_tiny(out_dir: str | Path, arch: str = "qwen3", train_steps: int = 160, 
     out.mkdir(parents=True, exist_ok=True)
     text = bundled_corpus()
     text_arch = "qwen3" if arch == "qwen3-vl" else arch
-    tokenizer = train_tokenizer([text], vocab_size, out, arch=text_arch)
+    tokenizer = train_tokenizer([text], vocab_size, out, arch="qwen2" if arch == "qwen2" else "qwen3")
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
     config = tiny_config(text_arch, tokenizer.vocab_size, eos)
     if text_model is not None:

@@ -1,4 +1,5 @@
-"""The vision-language extras of a config.json (Qwen3-VL, Qwen3.5 / 3.6 / 3.8 ConditionalGeneration checkpoints).
+"""The vision-language extras of a config.json (Qwen3-VL, Qwen3.5 / 3.6 / 3.8 ConditionalGeneration checkpoints, and
+their MoE variants).
 
 `vl_fields` turns the top-level `vision_config`, the placeholder token ids and the text side's M-RoPE split into
 ModelConfig keyword arguments. The two families read them alike and differ in their defaults (HF's config classes'
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from orinfer.errors import ConfigError
+from orinfer.moe_config import QWEN3_5_MOE_VL_ARCHITECTURE, QWEN3_VL_MOE_ARCHITECTURE
 
 VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 QWEN3_5_VL_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -22,7 +24,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     QWEN3_5_VL_ARCHITECTURE: dict(mrope_section=[11, 11, 10], image_token_id=248056, video_token_id=248057,
                                   vision_start_token_id=248053, vision_end_token_id=248054),
 }
+# The MoE variants: the same towers, ids and sections.
+_DEFAULTS[QWEN3_VL_MOE_ARCHITECTURE] = _DEFAULTS[VL_ARCHITECTURE]
+_DEFAULTS[QWEN3_5_MOE_VL_ARCHITECTURE] = _DEFAULTS[QWEN3_5_VL_ARCHITECTURE]
 VL_ARCHITECTURES = tuple(_DEFAULTS)
+# Towers without DeepStack (Qwen3.5's).
+_NO_DEEPSTACK = (QWEN3_5_VL_ARCHITECTURE, QWEN3_5_MOE_VL_ARCHITECTURE)
 _IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -40,7 +47,7 @@ def vl_fields(raw: dict[str, Any], text: dict[str, Any], rotary_dim: int, arch: 
     if not isinstance(vision, dict):
         raise ConfigError(f"{source}: {arch} needs a 'vision_config' object")
     vision = dict(vision)
-    if arch == QWEN3_5_VL_ARCHITECTURE:
+    if arch in _NO_DEEPSTACK:
         # Qwen3.5's tower has no DeepStack: HF's config class has no such field (published configs write [] and HF
         # ignores it), so the tower is built with none whatever the file says.
         vision["deepstack_visual_indexes"] = []

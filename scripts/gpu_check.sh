@@ -4,7 +4,7 @@
 #
 # Usage on the device machine, from anywhere: bash scripts/gpu_check.sh [tests|kernels|bench|all]
 #   tests    python3 -m pytest -q -m gpu tests/              (at most 9 minutes)
-#   kernels  python3 -m orinfer.bench.kernels                (at most 1.5 minutes)
+#   kernels  python3 -m orinfer.bench.kernels                (at most 2.5 minutes; the MoE rows included)
 #   bench    orinfer bench --synthetic qwen3-8b --compare-hf, then the same with --quant awq (at most 4.5 minutes
 #            each; both write their JSON and markdown into $OUT under different names)
 # Each part fits one 10-minute device call; `all` (the default) runs the three in turn and needs about 20 minutes.
@@ -21,7 +21,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 540 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ "$what" = kernels ] || [ "$what" = all ]; then
-  timeout 90 python3 -m orinfer.bench.kernels 2>&1 | tee "$OUT/kernels.md" | tail -20
+  timeout 150 python3 -m orinfer.bench.kernels 2>&1 | tee "$OUT/kernels.md" | tail -20
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 270 python3 -m orinfer --log-level INFO bench --synthetic qwen3-8b --compare-hf --out "$OUT" 2>&1 \

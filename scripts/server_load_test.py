@@ -158,6 +158,11 @@ HOSTILE: list[bytes] = [
     b'AAAA"}}]}]}',
     b"[" * 100_000 + b"]" * 100_000,
     '{"messages": [{"role": "user", "content": "\udc80"}]}'.encode("utf-8", "surrogatepass"),
+    # A body at the size limit of two million invalid token ids (before the server counted values, pydantic's error
+    # for each held the event loop for a minute), and 20,000 text parts (within the value limit: walked in a worker).
+    b'{"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ['
+    + b",".join([b"-1"] * ((MAX_BODY_BYTES - 100) // 3)) + b"]}",
+    b'{"messages": [{"role": "user", "content": [' + b",".join([b'{"type": "text", "text": "x"}'] * 20_000) + b"]}]}",
 ]
 
 

@@ -23,7 +23,7 @@ CONFIGS = {
 def randomize_parameters(model, seed: int):
     """Every parameter redrawn so no term of the math can be wrong without showing in the outputs: norm scales near
     1, biases small, embedding / position tables unit normal, matrices fan-in scaled (a Conv3d kernel [out, C, T, P,
-    P] by its C*T*P*P inputs). Returns the model."""
+    P] by its C*T*P*P inputs, fused experts [E, out, in] by `in`). Returns the model."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -34,6 +34,8 @@ def randomize_parameters(model, seed: int):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             elif "embed_tokens" in name or "pos_embed" in name:
                 param.copy_(torch.randn(param.shape, generator=gen))
+            elif module == "experts" and param.dim() == 3:  # fused experts [E, out, in]: each expert's fan-in
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param[0].numel()))
     return model
@@ -57,6 +59,18 @@ def build_hf_model(kind: str, vocab_size: int = 211, seed: int = 0, **overrides)
 def save_hf_model(model, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def rewrite_checkpoint(path: Path, out: Path, transform) -> Path:
+    """A copy of the one-file checkpoint in `path` at `out`, its tensors passed through `transform(dict) -> dict`."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for item in path.iterdir():
+        if item.suffix != ".safetensors":
+            (out / item.name).write_bytes(item.read_bytes())
+    save_file(transform(load_file(str(path / "model.safetensors"))), str(out / "model.safetensors"))
+    return out
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
@@ -160,17 +174,94 @@ def qwen3_5_text_config(kind: str, vocab_size: int = 211):
     return config
 
 
+# The tiny Qwen3.5 vision tower (patches of 8 pixels, no DeepStack).
+QWEN3_5_TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=8,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+
+
 def build_hf_qwen3_5(kind: str, seed: int = 0, vision: bool = False):
     """An HF Qwen3_5ForCausalLM (or, with `vision`, a Qwen3_5ForConditionalGeneration with a tiny vision tower)."""
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
     text = qwen3_5_text_config(kind, vocab_size=300 if vision else 211)
+    classes = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if vision else Qwen3_5ForCausalLM
+    return _hf_qwen3_5_family(text, seed, classes)
+
+
+def _hf_qwen3_5_family(text, seed: int, classes):
+    """The causal LM `classes` of a Qwen3.5-family text config, or with (config class, model class) the
+    ConditionalGeneration model with the tiny vision tower; every parameter randomized."""
     torch.manual_seed(seed)
-    if not vision:
-        return randomize_parameters(Qwen3_5ForCausalLM(text).eval(), seed)
-    vision_config = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=8,
-                         spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
-    config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision_config,
-                           tie_word_embeddings=text.tie_word_embeddings, **VL_IDS)
+    if not isinstance(classes, tuple):
+        return randomize_parameters(classes(text).eval(), seed)
+    config_cls, model_cls = classes
+    config = config_cls(text_config=text.to_dict(), vision_config=QWEN3_5_TINY_VISION,
+                        tie_word_embeddings=text.tie_word_embeddings, **VL_IDS)
     config._attn_implementation = "eager"
-    return randomize_parameters(Qwen3_5ForConditionalGeneration(config).eval(), seed)
+    return randomize_parameters(model_cls(config).eval(), seed)
+
+
+# --- mixture of experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-VL-MoE) ------------------------------------------------------
+
+# Experts fewer than a batch's rows (3) and more (16); top-1 and top-4; renormalised or not; dense layers among sparse
+# ones by decoder_sparse_step (layers 1 and 3 sparse) and by mlp_only_layers (layer 1 dense); tied and untied heads.
+QWEN3_MOE_CONFIGS = {
+    "qwen3moe-e3-top1-step2": dict(num_experts=3, num_experts_per_tok=1, norm_topk_prob=False, decoder_sparse_step=2,
+                                   num_hidden_layers=4, tie_word_embeddings=False),
+    "qwen3moe-e16-top4-dense1": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                                     num_hidden_layers=3, tie_word_embeddings=True),
+}
+# Qwen3.5-MoE: every layer sparse with a shared expert; three linear-attention layers then a full one, or a mix.
+QWEN3_5_MOE_CONFIGS = {
+    "qwen3.5moe-e6-top2": dict(base="qwen3.5-interval4-untied", num_experts=6, num_experts_per_tok=2),
+    "qwen3.5moe-e12-top3-tied": dict(base="qwen3.5-mixed-tied", num_experts=12, num_experts_per_tok=3),
+}
+
+
+def build_hf_qwen3_moe(kind: str, vocab_size: int = 211, seed: int = 0):
+    """An HF Qwen3MoeForCausalLM: experts of width 24 beside dense layers of width 80 (so a mix-up shows)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=80, moe_intermediate_size=24,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                            rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=vocab_size - 1,
+                            pad_token_id=None, **QWEN3_MOE_CONFIGS[kind])
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomize_parameters(Qwen3MoeForCausalLM(config).eval(), seed)
+
+
+def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False):
+    """An HF Qwen3_5MoeForCausalLM (with `vision`, a Qwen3_5MoeForConditionalGeneration): a QWEN3_5_CONFIGS decoder
+    whose MLPs are experts of width 24 and a shared expert of width 40."""
+    from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
+                              Qwen3_5MoeTextConfig)
+
+    spec = dict(QWEN3_5_MOE_CONFIGS[kind])
+    dense = qwen3_5_text_config(spec.pop("base"), vocab_size=300 if vision else 211).to_dict()
+    for key in ("intermediate_size", "model_type", "architectures", "transformers_version"):
+        dense.pop(key, None)
+    text = Qwen3_5MoeTextConfig(**dense, moe_intermediate_size=24, shared_expert_intermediate_size=40, **spec)
+    text._attn_implementation = "eager"
+    classes = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if vision else Qwen3_5MoeForCausalLM
+    return _hf_qwen3_5_family(text, seed, classes)
+
+
+def build_hf_vl_moe(seed: int = 0):
+    """An HF Qwen3VLMoeForConditionalGeneration: the "vl-untied" shape (DeepStack into layers 0 and 1 of 3) with 5
+    experts, top 2, and layer 0 dense (mlp_only_layers)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=5,
+                num_experts_per_tok=2, mlp_only_layers=[0], num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, num_hidden_layers=3,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64, deepstack_visual_indexes=[0, 1], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **VL_IDS)
+    for c in (config, config.text_config, config.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomize_parameters(Qwen3VLMoeForConditionalGeneration(config).eval(), seed)

@@ -155,3 +155,74 @@ def test_synthetic_quantized_weights_are_valid_checkpoints(quant):
         _args("--quant", quant, "--backend", "torch", "--kv-tokens", "512"), cfg, torch.float32)["engine_config"])
     out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_speculative_runs_size_the_engine_and_report_against_plain_decoding():
+    from orinfer.bench.spec_bench import bench_speculation, speculation_markdown
+    from orinfer.spec_decode.config import SpeculativeConfig
+
+    args = _args("--backend", "torch", "--batch-sizes", "1", "--speculative", "ngram", "--spec-batch-sizes", "1,3",
+                 "--num-speculative-tokens", "2", "--decode-tokens", "7", "--decode-prompt-len", "12")
+    cfg = _tiny_awq_config()
+    cfg.quantization = None
+    plan = bench_plan(args, cfg, torch.float32)
+    assert plan["engine_config"].max_num_seqs == 3 and plan["batch_sizes"] == [1]
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
+    spec = SpeculativeConfig("ngram", 2)
+    rows = bench_speculation(llm, cfg, spec, [1, 3], 7, 12, acceptances=(0.0, 1.0))
+    assert list(rows) == [1, 3] and list(rows[3]) == ["plain", "forced 0", "forced 1", "real"]
+    assert rows[3]["plain"]["speedup"] == 1.0 and rows[3]["plain"]["acceptance_rate"] is None
+    # Forced 1: the prompt's token, then two steps that verify 2 drafts each and accept both (the lookup's misses
+    # draft the newest token twice).
+    assert rows[3]["forced 1"]["acceptance_rate"] == 1.0 and rows[3]["forced 1"]["tokens_per_verify"] == 3.0
+    assert rows[1]["forced 0"]["acceptance_rate"] == 0.0
+    assert llm.engine.spec is None  # the bench leaves plain decoding on
+    table = "\n".join(speculation_markdown(spec, rows))
+    assert "| 3 | forced 1 |" in table and "ngram, k = 2" in table
+
+
+def test_draft_model_speculation_on_random_weights():
+    from orinfer.bench.spec_bench import bench_speculation
+    from orinfer.spec_decode.config import SpeculativeConfig
+
+    cfg = _tiny_awq_config()
+    cfg.quantization = None
+    args = _args("--backend", "torch", "--batch-sizes", "2", "--decode-tokens", "7", "--decode-prompt-len", "9")
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, bench_plan(args, cfg, torch.float32)["engine_config"],
+                              draft=cfg)
+    spec = SpeculativeConfig("draft_model", 2, model="random")
+    rows = bench_speculation(llm, cfg, spec, [2], 7, 9, acceptances=(1.0,))
+    assert rows[2]["forced 1"]["tokens_per_verify"] == 3.0 and rows[2]["forced 1"]["acceptance_rate"] == 1.0
+    # The same random weights draft for themselves: real acceptance is complete as well.
+    assert rows[2]["real"]["acceptance_rate"] is None or rows[2]["real"]["acceptance_rate"] > 0.0
+
+
+def test_decode_bytes_count_the_experts_a_batch_hits():
+    """A decode step reads the dense weights once, each row's KV cache (and linear-attention state), and of each
+    sparse layer's routed experts the E (1 - (1 - k/E)^B) a batch of B is expected to hit: k at batch 1 (so the
+    active parameters but the embedding table), all of them at large batch."""
+    from orinfer.bench.roofline import decode_bytes_per_step, expected_experts_hit, prefill_flops
+
+    assert expected_experts_hit(128, 8, 1) == pytest.approx(8)
+    assert expected_experts_hit(128, 8, 16) == pytest.approx(128 * (1 - (120 / 128) ** 16))
+    assert expected_experts_hit(128, 8, 512) == pytest.approx(128)
+    assert expected_experts_hit(0, 0, 8) == 0
+    for name in ("qwen3-30b-a3b", "qwen3.5-35b-a3b"):
+        cfg = preset(name)
+        weights, embed = 2 * cfg.num_parameters(), 2 * cfg.vocab_size * cfg.hidden_size
+        state = 2 * cfg.state_bytes_per_sequence(2) if cfg.is_hybrid else 0
+        step = lambda batch, context=0: decode_bytes_per_step(cfg, weights, context, 2, batch)  # noqa: E731
+        assert step(1) == 2 * cfg.num_parameters(active=True) - embed + state
+        assert step(1024) == pytest.approx(weights - embed + 1024 * state, rel=1e-9)
+        routed = 2 * cfg.num_sparse_layers * cfg.expert_parameters
+        hit = expected_experts_hit(cfg.num_experts, cfg.num_experts_per_tok, 8)
+        assert step(8) == pytest.approx(step(1) + routed * (hit - cfg.num_experts_per_tok) + 7 * state, abs=1)
+        kv = 2 * cfg.num_kv_layers * 1000 * cfg.kv_size * 2
+        assert step(8, 1000) - step(8) == 8 * kv
+        assert decode_bytes_per_step(cfg, weights, 0, 2, 1, expert_bytes=routed * cfg.num_experts) == step(1)
+        if not cfg.is_hybrid:  # (the delta rule adds FLOPs of no weight)
+            # One token's prefill multiplies by the active weights (but the embedding table) once: 2 FLOPs each.
+            assert prefill_flops(cfg, 1) == pytest.approx(2 * cfg.num_parameters(active=True) - embed, rel=1e-3)
+    dense = preset("qwen3-8b")
+    assert decode_bytes_per_step(dense, 10**10, 100, 2, 4) == (
+        10**10 - 2 * dense.vocab_size * dense.hidden_size + 4 * 2 * 36 * 100 * dense.kv_size * 2)

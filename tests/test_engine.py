@@ -129,8 +129,8 @@ def test_token_id_prompts(tiny_llm):
     assert by_ids.token_ids == by_text.token_ids and by_ids.prompt is None
 
 
-@pytest.mark.parametrize("arch", ["qwen2"])
-def test_make_tiny_qwen2_loads_in_hf(arch, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3-moe"])
+def test_make_tiny_loads_in_hf(arch, tmp_path):
     """make-tiny's output is a valid HF checkpoint: transformers loads it and agrees on greedy tokens."""
     transformers = pytest.importorskip("transformers")
     import torch

@@ -186,28 +186,37 @@ def test_unsupported_fields_are_named(edit, message):
         ModelConfig.from_dict(raw)
 
 
-def test_moe_variants_are_named_as_such():
+def test_unsupported_moe_families_are_named_as_such():
+    """Qwen3.5's MoE variants load (test_moe_models.py); another family's MoE is refused as one."""
+    assert ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B").is_moe
+    raw = json.loads((REAL / "Qwen3.5-35B-A3B" / "config.json").read_text())
+    raw["architectures"] = ["Qwen2MoeForCausalLM"]
     with pytest.raises(ConfigError, match="mixture-of-experts"):
-        ModelConfig.from_hf(REAL / "Qwen3.5-35B-A3B")
+        ModelConfig.from_dict(raw)
 
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_the_triton_ops_give_hf_tokens(pair):
     """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts, recurrent decode rows),
     gated norm and partial-rotary QK-norm kernels inside the whole model."""
+    _, path, want = pair
+    assert [o.token_ids for o in triton_llm(path).generate(PROMPTS, GREEDY)] == want
+
+
+def triton_llm(path: Path) -> LLM:
+    """An fp32 engine on the triton op table (Triton's CPU interpreter without a GPU) for the checkpoint in `path`:
+    a 64-block KV pool, prompts in chunks of 8 tokens."""
     from orinfer.args import EngineArgs
     from orinfer.engine.llm_engine import EngineParts
     from orinfer.layers.triton_ops import triton_ops
     from orinfer.loader import load_hf_model
 
-    _, path, want = pair
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ModelConfig.from_hf(path)
     ops = triton_ops()
     net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
-    llm = LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
-                         EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    return LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
+                          EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))
 
 
 @pytest.mark.gpu

@@ -12,11 +12,11 @@ from orinfer.sampling_params import SamplingParams
 
 def test_token_buckets_cover_every_count_with_little_padding():
     buckets = token_buckets(1024)
-    assert buckets[:4] == [16, 32, 64, 128] and buckets[-1] == 1024 and buckets == sorted(set(buckets))
+    assert buckets[:5] == [8, 16, 32, 64, 128] and buckets[-1] == 1024 and buckets == sorted(set(buckets))
     for tokens in range(1, 1025):
         bucket = next(b for b in buckets if b >= tokens)
         assert (bucket - tokens) * 3 < bucket or tokens <= 128
-    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(100) == [8, 16, 32, 64, 100]
     assert token_buckets(8) == [8]
 
 

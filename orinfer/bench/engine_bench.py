@@ -9,41 +9,13 @@ import statistics
 import torch
 
 from orinfer.args import EngineArgs
+from orinfer.bench.roofline import prefill_flops
 from orinfer.config import ModelConfig
 from orinfer.engine.llm_engine import EngineParts
 from orinfer.llm import LLM
 from orinfer.sampling_params import SamplingParams
 
 DECODE_PROMPT_LEN = 128  # prompt tokens of each sequence in the decode-throughput runs
-
-
-def decode_bytes_per_token(cfg: ModelConfig, weight_bytes: int, context: int, kv_elem: int) -> int:
-    """Bytes one decode step at batch 1 must move: every weight but the embedding table (one row is read), plus the
-    lm_head (the same matrix when tied), plus the KV cache of the context in the full-attention layers, plus (hybrid
-    models) the linear-attention state, read and written back."""
-    embed = cfg.vocab_size * cfg.hidden_size * 2
-    weights = weight_bytes - (0 if cfg.tie_word_embeddings else embed)
-    kv = 2 * cfg.num_kv_layers * context * cfg.kv_size * kv_elem
-    state = 2 * cfg.state_bytes_per_sequence(kv_elem) if cfg.is_hybrid else 0
-    return weights + kv + state
-
-
-def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
-    """Matmul FLOPs of a prefill of `tokens`: projections, MLP, causal attention in the full-attention layers, the
-    delta rule in the linear-attention ones (chunks of 64: the state read and update, 6 Dk Dv per token and head, and
-    the in-chunk products, 2 * 64 (2 Dk + Dv)), one lm_head row."""
-    h, layers, kv_layers = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_kv_layers
-    q_width = 2 * cfg.q_size if cfg.attn_output_gate else cfg.q_size
-    mlp = 2 * tokens * 3 * h * cfg.intermediate_size
-    proj = 2 * tokens * (h * (q_width + 2 * cfg.kv_size) + cfg.q_size * h)
-    attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * tokens * tokens / 2  # QK^T and PV, causal half
-    total = layers * mlp + kv_layers * (proj + attn) + 2 * h * cfg.vocab_size
-    if cfg.is_hybrid:
-        dk, dv, heads = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
-        linear_proj = 2 * tokens * h * (cfg.linear_conv_dim + 2 * cfg.linear_value_dim + 2 * heads)
-        delta = tokens * heads * (6 * dk * dv + 2 * 64 * (2 * dk + dv))
-        total += (layers - kv_layers) * (linear_proj + delta)
-    return total
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -80,10 +52,12 @@ def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes
 
 
 def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, args: EngineArgs,
-                        tokenizer: Any | None = None) -> LLM:
+                        tokenizer: Any | None = None, draft: ModelConfig | None = None) -> LLM:
     """An LLM over random weights of `cfg`'s shapes in `dtype` on `device` (no tokenizer unless one is given:
     token-id prompts only), with `args`' backend and engine settings. `args.pre_dequant` (AWQ configs): dense copies
-    of the random packed weights for prefill, as `LLM(pre_dequant=True)`."""
+    of the random packed weights for prefill, as `LLM(pre_dequant=True)`. `draft`: also a random draft model of
+    these shapes, for speculative decoding (method draft_model)."""
+    from orinfer.engine.llm_engine import DraftParts
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
 
@@ -93,7 +67,8 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
         from orinfer.layers.awq_linear import pre_dequantize_model
 
         pre_dequantize_model(model, dtype)
-    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, ops=ops)
+    draft_parts = None if draft is None else DraftParts(random_model(draft, ops, dtype, dtype, device), draft)
+    parts = EngineParts(model, cfg, tokenizer, {}, device, dtype, ops=ops, draft=draft_parts)
     return LLM.from_parts(parts, args)
 
 

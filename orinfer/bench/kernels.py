@@ -1,12 +1,13 @@
 """Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes (and the
-Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`).
+Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`; the MoE router and experts of
+Qwen3-30B-A3B, `_moe_rows`).
 
 Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
 minimum, the achieved GB/s and its share of the device's read bandwidth measured in the same run (a reduction over
-a 4 GiB buffer). Attention prefill rows add TFLOP/s. Run: `python -m orinfer.bench.kernels` (needs a CUDA device;
-importing this module does not). The FP8 block-wise kernels against these bf16 ones:
-`python -m orinfer.bench.fp8_kernels`.
+a 4 GiB buffer). Attention prefill and MoE rows add TFLOP/s. Run: `python -m orinfer.bench.kernels [--sections
+dense,vision,moe]` (needs a CUDA device; importing this module does not). The FP8 block-wise kernels against these bf16
+ones: `python -m orinfer.bench.fp8_kernels`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ EPS = 1e-6
 # Qwen3-VL-8B's vision tower: a 1024x768 image is 64x48 = 3072 patches of width 1152, 16 heads of 72, MLP 4304;
 # the mergers see 768 rows of 4*1152 after the 2x2 merge.
 VIS_PATCHES, VIS_HIDDEN, VIS_INTER, VIS_HEADS, VIS_HEAD_DIM, VIS_MERGE = 3072, 1152, 4304, 16, 72, 4
+# Qwen3-30B-A3B's MoE layer: 128 experts of [2*768, 2048] gate/up and [2048, 768] down, 8 per token.
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K = 128, 2048, 768, 8
+SECTIONS = ("dense", "vision", "moe")
 
 
 class _Timer:
@@ -69,10 +73,9 @@ def _paged_cache(ctx: int, batch: int, block_size: int, dtype: torch.dtype, devi
 
 
 def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, iters: int = 50,
-                     batches: tuple[int, ...] = (1, 8)) -> list[dict]:
-    """Rows of {op, shape, impl, us, bytes, GBps, pct_read_bw, speedup (torch us / triton us), config}."""
-    from orinfer.kernels import activation, attention, decode_attention, gemv, norm, rotary  # imports triton
-
+                     batches: tuple[int, ...] = (1, 8), sections: tuple[str, ...] = SECTIONS) -> list[dict]:
+    """Rows of {op, shape, impl, us, bytes, GBps, pct_read_bw, speedup (torch us / triton us), config} for the
+    `sections` asked for (dense: Qwen3-8B's kernels; vision; moe)."""
     dev = torch.device(device)
     torch.manual_seed(0)
     read_gbps = read_bandwidth_gbps(dev)
@@ -99,6 +102,20 @@ def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, 
 
     def randn(*shape, scale: float = 1.0):
         return torch.randn(*shape, device=dev, dtype=torch.float32).mul_(scale).to(dtype)
+
+    if "dense" in sections:
+        _dense_rows(add, randn, dev, dtype, esize, batches)
+    if "vision" in sections:
+        _vision_rows(add, randn, dev, esize)
+    if "moe" in sections:
+        _moe_rows(add, randn, dev, esize)
+    return rows
+
+
+def _dense_rows(add: Callable, randn: Callable, dev: torch.device, dtype: torch.dtype, esize: int,
+                batches: tuple[int, ...]) -> None:
+    """Qwen3-8B's kernels (norms, RoPE, SwiGLU, GEMVs, attention, KV store) against the torch sequences."""
+    from orinfer.kernels import activation, attention, decode_attention, gemv, norm, rotary  # imports triton
 
     # RMSNorm + residual: fused vs add then norm.
     w_norm = randn(HIDDEN, scale=0.1).add_(1)
@@ -183,8 +200,8 @@ def run_kernel_bench(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, 
     add("store_kv", f"T={t} Hk={KV_HEADS} D={HEAD_DIM}", 4 * t * kv_size * esize,
         lambda: attention.store_kv(k_new, v_new, k_cache, v_cache, slots),
         lambda: attention.store_kv_ref(k_new, v_new, k_cache, v_cache, slots))
-    _vision_rows(add, randn, dev, esize)
-    return rows
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
 
 
 def _vision_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> None:
@@ -236,6 +253,37 @@ def _vision_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) 
             config=f"Dh {d_lo}+{d_hi}" if d_hi else f"Dh {d_lo}")
 
 
+def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> None:
+    """Qwen3-30B-A3B's MoE layer: the router (softmax + top-k fused vs torch), and the routed experts (`fused_moe`,
+    whatever path and tiles its config picks for the token count; torch: the reference's loop over the chosen
+    experts, cuBLAS per expert) at decode batches 1, 8, 64 and a 2048-token prefill. Bytes: the weights of the
+    distinct experts the random routing chose (each read once), x and the output; flops 2 * T * k * 3 * H * I."""
+    from orinfer.kernels import moe_config
+    from orinfer.kernels.moe import fused_moe_ref, moe_route_ref
+    from orinfer.kernels.moe_ops import fused_moe, moe_route  # imports triton
+
+    n_exp, hidden, inter, top_k = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K
+    w13 = randn(n_exp, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2 = randn(n_exp, hidden, inter, scale=inter ** -0.5)
+    for t in (1, 2048):
+        logits = randn(t, n_exp)
+        add("moe_route (softmax+top-k)", f"T={t} E={n_exp} k={top_k}", t * (n_exp * esize + top_k * 8),
+            lambda: moe_route(logits, top_k, True), lambda: moe_route_ref(logits, top_k, True))
+    for t in (1, 8, 64, 2048):
+        x = randn(t, hidden)
+        weights, ids = moe_route(randn(t, n_exp), top_k, True)
+        active = ids.unique().numel()
+        nbytes = active * 3 * hidden * inter * esize + 2 * t * hidden * esize + t * top_k * 8
+        cfg = moe_config.pick_config(x, w13, top_k)
+        add("fused_moe (prefill)" if t > 64 else "fused_moe (decode)",
+            f"T={t} E={n_exp} H={hidden} I={inter} k={top_k} ({active} experts)", nbytes,
+            lambda: fused_moe(x, w13, w2, weights, ids), lambda: fused_moe_ref(x, w13, w2, weights, ids),
+            flops=2 * t * top_k * 3 * hidden * inter,
+            config=f"{cfg.path} bm={cfg.block_m} up={tuple(cfg.up)} down={tuple(cfg.down)} split={cfg.split}")
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
 def markdown(rows: list[dict], speedup: str = "speedup vs torch") -> str:
     """The rows as a markdown table (a value a row lacks is left blank); `speedup` heads the speedup column."""
     lines = [f"| op | shape | impl | us | GB/s | % read BW | TFLOP/s | {speedup} | config |",
@@ -255,13 +303,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated: dense (Qwen3-8B), vision (Qwen3-VL-8B's tower), moe (Qwen3-30B-A3B)")
     args = p.parse_args(argv)
+    sections = tuple(s for s in args.sections.split(",") if s)
+    if not set(sections) <= set(SECTIONS):
+        p.error(f"--sections takes {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA device")
         return 1
-    rows = run_kernel_bench(args.device, getattr(torch, args.dtype), args.iters)
-    report(rows, markdown(rows), f"Kernel micro-benchmark on {{device}} ({args.dtype}, Qwen3-8B and Qwen3-VL-8B "
-           "vision shapes)", args.device, args.json, dtype=args.dtype)
+    rows = run_kernel_bench(args.device, getattr(torch, args.dtype), args.iters, sections=sections)
+    report(rows, markdown(rows), f"Kernel micro-benchmark on {{device}} ({args.dtype}; sections "
+           f"{', '.join(sections)}: Qwen3-8B, Qwen3-VL-8B vision and Qwen3-30B-A3B MoE shapes)", args.device,
+           args.json, dtype=args.dtype)
     return 0
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from orinfer.bench.ceilings import measure_ceilings
-from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, decode_bytes_per_token,
-                                        kv_plan, pre_dequant_bytes, weight_bytes)
+from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_synthetic_llm, kv_plan,
+                                        pre_dequant_bytes, weight_bytes)
+from orinfer.bench.roofline import decode_bytes_per_step, routed_expert_bytes
 from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
 from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
 from orinfer.fp8_config import FP8Config
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed against the device's ceilings")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b")
+    src.add_argument("--synthetic", help="random weights of a preset's real shapes: qwen3-8b, qwen2.5-7b, qwen3-0.6b, "
+                                          "qwen3.5-27b, qwen3-30b-a3b (MoE), qwen3.5-35b-a3b (MoE), ...")
     src.add_argument("-m", "--model", help="a local HF model directory")
     p.add_argument("--prompt-lens", default="512,2048")
     p.add_argument("--batch-sizes", default="1,8,32,64")
@@ -46,6 +48,14 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
                         "longer than it are left out; the report says what was capped")
     p.add_argument("--image-size", default=None, metavar="WxH",
                    help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
+    p.add_argument("--speculative", choices=["ngram", "draft_model"], default=None,
+                   help="also measure decode with speculative decoding of this method at forced acceptance rates "
+                        "(random weights: accepted drafts are chosen at random) against plain decoding, batch sizes "
+                        "of --spec-batch-sizes")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    p.add_argument("--draft-synthetic", default="qwen3-0.6b", metavar="PRESET",
+                   help="--speculative draft_model: random weights of this preset's shapes draft (default qwen3-0.6b)")
+    p.add_argument("--spec-batch-sizes", default="1,8")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     # The engine settings a benchmark may vary; the workload sets the batching limits and the KV-cache size.
     add_engine_args(p, only=BENCH_ENGINE_SETTINGS, defaults={"dtype": "bfloat16"})
@@ -77,17 +87,20 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
         prompt_lens, batch_sizes = fit["prompt_lens"], fit["batch_sizes"]
         plan.update(kv_tokens=fit["kv_tokens"], notes=fit["notes"])
         kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
+    # The engine (sequences, KV cache) must also hold the speculative runs' batches.
+    engine_batches = batch_sizes + ([int(x) for x in args.spec_batch_sizes.split(",") if x]
+                                    if getattr(args, "speculative", None) else [])
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
-        kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(batch_sizes) * (seq_tokens + 32)
+        kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(engine_batches) * (seq_tokens + 32)
         kv_budget = {}
     engine_config = engine_args_from_namespace(
-        args, max_num_seqs=max(batch_sizes), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
+        args, max_num_seqs=max(engine_batches), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
         block_size=block_size, **kv_budget)
     if args.kv_tokens is None:
         # Hybrid models: the linear-attention state pools (a slot per sequence, the graphs' scratch slot and the
         # prefix cache's snapshots) come out of the same budget.
-        slots = max(batch_sizes) + 1 + engine_config.state_snapshots(cfg.is_hybrid)
+        slots = max(engine_batches) + 1 + engine_config.state_snapshots(cfg.is_hybrid)
         kv_bytes += slots * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
         engine_config = engine_config.replace(kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20))
     plan["engine_config"] = engine_config
@@ -145,13 +158,14 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         llm = LLM(args.model, engine_config.replace(device="cuda"))
     else:
-        llm = build_synthetic_llm(cfg, dtype, device, engine_config)
+        draft = preset(args.draft_synthetic) if args.speculative == "draft_model" else None
+        llm = build_synthetic_llm(cfg, dtype, device, engine_config, draft=draft)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
-    per_token = decode_bytes_per_token(cfg, wbytes, args.decode_prompt_len + args.decode_tokens // 2, dtype.itemsize)
+    context, experts = args.decode_prompt_len + args.decode_tokens // 2, routed_expert_bytes(model)
+    per_token = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, 1, experts)
     read = result["ceilings"]["read_GBps"] * 1e9
-    b1 = timings["decode"].get(1)
     result["orinfer"] = {
         **timings, "weights_GiB": wbytes / 2**30, "bytes_per_decode_token": per_token,
         "roofline_tok_s": read / per_token,
@@ -161,9 +175,22 @@ def run_from_args(args: argparse.Namespace) -> int:
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
     }
-    if b1:
-        b1["GBps"] = b1["tok_s"] * per_token / 1e9
-        b1["pct_roofline"] = 100 * b1["tok_s"] * per_token / read
+    if args.speculative:
+        from orinfer.bench.spec_bench import bench_speculation
+        from orinfer.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
+                                 model=args.draft_synthetic if args.speculative == "draft_model" else None)
+        result["speculation"] = {"method": spec.method, "k": spec.num_speculative_tokens, "draft": spec.model,
+                                 "rows": bench_speculation(
+            llm, cfg, spec, [int(x) for x in args.spec_batch_sizes.split(",") if x], args.decode_tokens,
+            args.decode_prompt_len)}
+        name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
+    for batch, row in timings["decode"].items():
+        # A step of `batch` rows reads the dense weights once, the routed experts its tokens hit, each row's KV.
+        step_bytes = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, batch, experts)
+        row["GBps"] = step_bytes / row["step_ms"] * 1e3 / 1e9
+        row["pct_roofline"] = 100 * row["GBps"] * 1e9 / read
     for length, row in timings["prefill"].items():
         row["mfu_pct"] = 100 * row["tflops"] / result["ceilings"]["matmul_TFLOPs"]
     del llm, model
@@ -217,6 +244,12 @@ def markdown(r: dict) -> str:
     lines.extend(["", "Peak GPU memory: torch.cuda.max_memory_allocated from the model build to the end of orinfer's "
                   "runs (reset after the ceilings)."])
     lines.extend(f"Note: {note}." for note in o.get("notes", ()))
+    if "speculation" in r:
+        from orinfer.bench.spec_bench import speculation_markdown
+        from orinfer.spec_decode.config import SpeculativeConfig
+
+        s = r["speculation"]
+        lines.extend(speculation_markdown(SpeculativeConfig(s["method"], s["k"], model=s.get("draft")), s["rows"]))
     if "vision" in r:
         from orinfer.bench.vision_bench import vision_markdown
         lines.extend(vision_markdown(r["vision"]))

@@ -181,14 +181,25 @@ class BlockManager:
 
     # --- growth -----------------------------------------------------------------------------------------------------
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the sequence's newest token (whose KV this decode step writes) has, or can get, a slot."""
-        missing = seq.blocks_needed(self.block_size) - len(seq.block_table)
+    def can_append(self, seq: Sequence, num_drafts: int = 0) -> bool:
+        """Whether the sequence's newest token (whose KV this decode step writes) and `num_drafts` draft tokens after
+        it have, or can get, slots."""
+        missing = seq.blocks_needed(self.block_size, seq.num_tokens + num_drafts) - len(seq.block_table)
         return missing <= len(self.free_blocks)
 
-    def append_slot(self, seq: Sequence) -> None:
-        while len(seq.block_table) < seq.blocks_needed(self.block_size):
+    def append_slot(self, seq: Sequence, num_drafts: int = 0) -> None:
+        while len(seq.block_table) < seq.blocks_needed(self.block_size, seq.num_tokens + num_drafts):
             seq.block_table.append(self._take_free())
+
+    def trim(self, seq: Sequence) -> None:
+        """Returns the blocks past the sequence's tokens (those of rejected draft tokens) to the free list: they hold
+        nothing registered, so they go back as plain free blocks."""
+        while len(seq.block_table) > seq.blocks_needed(self.block_size):
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                self.free_blocks.move_to_end(block, last=False)  # handed out next: nothing to keep
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
         """Registers the sequence's blocks that its first `num_computed` tokens fill (K/V written by launched steps:

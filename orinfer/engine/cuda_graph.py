@@ -184,6 +184,16 @@ class DecodeGraphs:
         self.advanced = [(seq, seq.num_tokens + 1, table) for seq, table in zip(seqs, tables)]
         return logits[:batch]
 
+    def replay_advanced(self, batch: int, longest_context: int) -> torch.Tensor:
+        """Replays the last `run`'s bucket again on the inputs that replay advanced to: each row's input id is its own
+        greedy sample, one position further (greedy multi-step decode on the device: a draft model's proposals).
+        The rows' block tables must already hold the slots of the positions reached. Returns logits [batch]."""
+        bucket = next(b for b in self.buckets if b >= batch)
+        graph, logits = self.graph_for(bucket, longest_context)
+        graph.replay()
+        self.advanced = None  # the host no longer knows which tokens the inputs hold
+        return logits[:batch]
+
     def _advanced_tables(self, seqs: list) -> list[list[int]] | None:
         """The block tables last uploaded for `seqs` when the device's inputs already are this step's: the last
         replay ran these sequences in this order, each has gained exactly one token since, and the block of its

@@ -33,6 +33,13 @@ class HostSample:
     prompt_logprobs: list[float] | None = None        # the step's prompt entries (InFlightStep.spans), in order
     prompt_top_logprobs: list[list[float]] | None = None
     prompt_top_ids: list[list[int]] | None = None
+    num_accepted: list[int] | None = None             # a verify step: row i's accepted drafts (token_ids are lists)
+
+    def tokens_of(self, row: int) -> list[int]:
+        """The tokens row `row` emits, in order: one, or after a verify step its accepted drafts and one more."""
+        if self.num_accepted is None:
+            return [self.token_ids[row]]
+        return self.token_ids[row][:self.num_accepted[row] + 1]
 
 
 class InFlightStep:
@@ -52,6 +59,7 @@ class InFlightStep:
     def sampled(self, out: SamplerOutput) -> None:
         """The step's sampler output, queued on the device: copies to the host start behind it."""
         self.deferred = None
+        self.verifies = out.num_accepted is not None  # a verify step: no lookahead behind it (inputs unknown)
         self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
         host = {f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)
                 if f.name not in ("token_ids", "host_token_ids")}
@@ -80,7 +88,8 @@ class InFlightStep:
             return None if t is None else t.tolist()
 
         return HostSample(h.token_ids.tolist(), lists(h.logprobs), lists(h.top_logprobs), lists(h.top_ids),
-                          lists(h.prompt_logprobs), lists(h.prompt_top_logprobs), lists(h.prompt_top_ids))
+                          lists(h.prompt_logprobs), lists(h.prompt_top_logprobs), lists(h.prompt_top_ids),
+                          lists(h.num_accepted))
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

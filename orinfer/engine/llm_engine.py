@@ -33,20 +33,36 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
-from orinfer.engine.model_runner import ModelRunner
+from orinfer.engine.model_runner import ModelRunner, kv_bytes_per_block
 from orinfer.engine.multimodal import prepare_images
 from orinfer.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from orinfer.engine.scheduler import Scheduler, StepPlan, attention_keys_per_token
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.engine.thinking import ThinkingBudget, ThinkTokens
-from orinfer.errors import RequestError
+from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
+from orinfer.spec_decode.config import SpeculativeConfig
+from orinfer.spec_decode.draft_model import DraftModelProposer
+from orinfer.spec_decode.proposer import make_proposer
 from orinfer.structured.constraint import SequenceConstraint
 from orinfer.structured.grammar import GrammarCompiler
 from orinfer.thinking import THINK_END, THINK_START, ThinkState
 
 log = logging.getLogger(__name__)
+
+# Speculative decoding: tries in a row that do not pay before speculation pauses, and the longest pause in steps
+# (`_speculation_paid`).
+SPEC_MISSES_BEFORE_PAUSE = 2
+MAX_SPEC_PAUSE = 16
+
+
+@dataclass
+class DraftParts:
+    """A draft model for speculative decoding (method draft_model): same tokenizer as the target, built like it."""
+
+    model: nn.Module
+    model_config: ModelConfig
 
 
 @dataclass
@@ -61,6 +77,7 @@ class EngineParts:
     act_dtype: torch.dtype
     ops: Ops | None = None                # the backend the model was built with (its CUDA-graph hooks); None: eager
     image_processor: Any | None = None    # orinfer.multimodal.ImageProcessor for vision-language models
+    draft: DraftParts | None = None       # the draft model of speculative decoding (method draft_model)
 
 
 class LLMEngine:
@@ -72,15 +89,27 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         self.think_tokens = ThinkTokens.of(self.tokenizer)  # None: the model does not think (no budget applies)
+        hooks = parts.ops.graph_hooks if parts.ops is not None else None
+        draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
+                                                                       parts.act_dtype)
         self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
-                                  graph_hooks=parts.ops.graph_hooks if parts.ops is not None else None,
-                                  vision_warmup_patches=self._largest_image_patches())
+                                  graph_hooks=hooks, vision_warmup_patches=self._largest_image_patches(),
+                                  extra_bytes_per_block=draft_bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_state_slots=self.runner.state.num_slots,
                                           num_state_snapshots=self.runner.state.num_snapshots)
+        self.draft = None  # the draft-model proposer: the draft's runner, its KV pool on the target's block ids
+        if parts.draft is not None:
+            draft_runner = ModelRunner(parts.draft.model, parts.draft.model_config,
+                                       config.replace(num_kv_blocks=self.runner.num_blocks), parts.device,
+                                       parts.act_dtype, self.max_model_len, graph_hooks=hooks)
+            self.draft = DraftModelProposer(draft_runner, self.block_manager, 1, config.max_num_batched_tokens)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
+        self.spec: SpeculativeConfig | None = None
+        self.proposer = None
+        self.set_speculation(SpeculativeConfig.parse(config.speculative_config))
         self.in_flight: InFlightStep | None = None  # a launched step not yet processed (lookahead)
         self.num_lookahead_steps = 0                 # steps launched behind one still in flight
         self._request_ids = itertools.count()
@@ -116,6 +145,10 @@ class LLMEngine:
         length checks. `max_pixels` caps the resized image size for this request (default: preprocessor config).
         """
         params = (params or SamplingParams()).with_defaults(self.generation_config)
+        if not self.has_unfinished():
+            # An idle engine starts speculating afresh: a seeded request then repeats its output (its draws follow
+            # which steps verify drafts).
+            self._spec_misses = self._spec_pause = 0
         text, ids = self._encode(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -251,8 +284,11 @@ class LLMEngine:
         The step is the one left in flight by the previous call, if any, else a newly scheduled one. Before waiting
         for its tokens, the next decode step is launched behind it when that is safe (`_launch_lookahead`). A step
         that only ran prompt chunks returns no sequence."""
+        if self._spec_pause:
+            self._spec_pause -= 1
         current = self.in_flight
         if current is None:
+            self._propose_drafts()
             plan = self.scheduler.schedule()
             if not plan:
                 return []
@@ -317,8 +353,8 @@ class LLMEngine:
         it samples (their input ids are its samples, on the device) and the next chunks of running prompts; None
         (drain) whenever the plain next step could differ: a sequence to admit or a preemption. (Penalties read the
         pending tokens on the device: `ModelRunner.sampling_batch`.)"""
-        if not self.lookahead:
-            return None
+        if not self.lookahead or current.verifies or self._speculates():
+            return None  # (speculation: the next step's drafts need every token on the host)
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
         # then what the plain step would run. One that stops on a token or string may still be in it: its extra
         # row is skipped at resolve (its KV write goes to its own, freed blocks; later users are queued behind it).
@@ -335,6 +371,72 @@ class LLMEngine:
             return None
         self.num_lookahead_steps += 1
         return self._launch(plan, current, rows)
+
+    # --- speculative decoding ---------------------------------------------------------------------------------------
+
+    def set_speculation(self, spec: SpeculativeConfig | None) -> None:
+        """Turns speculative decoding on with `spec`, or off (None), from the next step on (the benchmark compares
+        settings on one engine)."""
+        if spec is not None and self.parts.model_config.is_hybrid:
+            raise ConfigError("speculative decoding does not support hybrid models (Qwen3.5 family) yet: their "
+                              "linear-attention state cannot be rolled back past rejected draft tokens")
+        self.spec = spec
+        self.proposer = make_proposer(spec, self.draft) if spec is not None else None
+        self._spec_misses = self._spec_pause = 0  # tries in a row that did not pay; steps until the next try
+        self.runner.forced_acceptance = spec.forced_acceptance if spec is not None else None
+        self.runner.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        if self.runner.forced_acceptance is not None:
+            log.warning("speculative decoding with forced acceptance %.2f: drafts are accepted at random, the output "
+                        "is meaningless (benchmarks only)", self.runner.forced_acceptance)
+
+    def _decoders(self) -> list[Sequence]:
+        return [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+
+    def _speculates(self) -> bool:
+        """Whether the next step would verify drafts: speculation is on, not paused after proposals that found
+        nothing, and few enough sequences decode (past SpeculativeConfig.max_batch verifying costs more than it saves).
+        Otherwise steps keep the lookahead."""
+        return (self.proposer is not None and self._spec_pause == 0
+                and 0 < len(self._decoders()) <= self.spec.max_batch)
+
+    def _propose_drafts(self) -> None:
+        """Gives each decoding sequence that may speculate its draft tokens for the next step: at most k, no more than
+        max_tokens and the context leave room for after the token the step samples, within the step budget.
+        Sequences under a grammar or a thinking budget do not speculate (their next tokens depend on host state that
+        each token advances)."""
+        if not self._speculates():
+            return
+        decoders = self._decoders()
+        budget = self.config.max_num_batched_tokens - len(decoders)
+        eligible, rooms = [], []
+        for seq in decoders:
+            if seq.constraint is not None or seq.thinking is not None or seq.num_pending:
+                continue
+            room = min(self.spec.num_speculative_tokens, budget,
+                       seq.params.max_tokens - seq.num_completion_tokens - 1,
+                       self.max_model_len - len(seq.token_ids) - 1)
+            if room > 0:
+                eligible.append(seq)
+                rooms.append(room)
+                budget -= room
+        if eligible:
+            for seq, draft in zip(eligible, self.proposer.propose_batch(eligible, rooms)):
+                seq.draft_token_ids = draft
+        self.proposer.keep_only(self.scheduler.running)
+        if not any(seq.draft_token_ids for seq in decoders):
+            self._speculation_paid(False)
+
+    def _speculation_paid(self, paid: bool) -> None:
+        """Records whether a try at speculating paid: drafts were found and some were accepted. A try that does not
+        pay costs a step (a verify step, or one without lookahead), so after SPEC_MISSES_BEFORE_PAUSE such tries in a
+        row the next ones wait 1, 2, 4 ... up to MAX_SPEC_PAUSE steps, which run as plain steps with lookahead (an
+        n-gram lookup that matches nothing, a draft model that the target keeps contradicting)."""
+        if paid:
+            self._spec_misses = 0
+            return
+        self._spec_misses += 1
+        if self._spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
+            self._spec_pause = min(2 ** (self._spec_misses - SPEC_MISSES_BEFORE_PAUSE), MAX_SPEC_PAUSE)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens so far, pending ones included, reach max_tokens or the context length."""
@@ -355,33 +457,72 @@ class LLMEngine:
         return [seq for _, seq in live]
 
     def _process(self, live: list[tuple[int, Sequence]], sample: HostSample, now: float) -> None:
-        """Row i of `sample` is the token of the sequence paired with i."""
+        """Row i of `sample` holds the token(s) of the sequence paired with i (a verify step: its accepted drafts and
+        the token after them, taken in order until one ends the sequence)."""
         for i, seq in live:
-            token = sample.token_ids[i]
-            seq.resolve_pending(token)
+            tokens = sample.tokens_of(i)
+            drafted = len(seq.draft_token_ids)  # (a sequence that finishes below drops its drafts)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if sample.logprobs is not None and seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                top = list(zip(sample.top_ids[i][:k], sample.top_logprobs[i][:k])) if sample.top_ids is not None else []
-                seq.logprobs.append(TokenLogprob(token, sample.logprobs[i], top))
-            if seq.thinking is not None and seq.thinking.stop_in_closing:
-                reason = "stop_str"  # the text already ends at the stop string (`_start_thinking_budget`)
-            else:
-                reason = self._stop_reason(seq, token)
-                if reason is None and seq.constraint is not None and self._constraint_done(seq, token):
-                    reason = "stop"
-                if reason is None and seq.thinking is not None:
-                    reason = self._count_thinking(seq, token)
-            if reason is not None:
-                seq.constraint = None
-                seq.finish_reason = reason
-                seq.finish_time = now
-                if seq.detokenizer is not None and reason != "stop_str":
-                    seq.output_text += seq.detokenizer.flush()
-                if reason == "stop_str":
-                    seq.finish_reason = "stop"
-                self.scheduler.finish(seq)
+            for position, token in enumerate(tokens):
+                if position == 0:
+                    seq.resolve_pending(token)
+                else:
+                    seq.append_token(token)
+                if self._process_token(seq, token, sample, i, position, now):
+                    break
+            if sample.num_accepted is not None:
+                self._end_verify(seq, drafted, sample.num_accepted[i])
+        if sample.num_accepted is not None and self.spec is not None:
+            self._speculation_paid(any(sample.num_accepted[i] for i, _ in live))
+
+    def _end_verify(self, seq: Sequence, drafted: int, num_accepted: int) -> None:
+        """After a verify step: the K/V of the rejected drafts is dropped (the next step overwrites it), and so are
+        the blocks that only they used; the acceptance counts grow."""
+        seq.draft_token_ids = []
+        if drafted:
+            seq.num_draft_tokens += drafted
+            seq.num_accepted_tokens += num_accepted
+            seq.num_verify_steps += 1
+        if not seq.is_finished:
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            self.block_manager.trim(seq)
+
+    def _process_token(self, seq: Sequence, token: int, sample: HostSample, row: int, position: int,
+                       now: float) -> bool:
+        """Records one new token of `seq` (its log-probabilities, stop checks, thinking budget); True when it ends the
+        sequence."""
+        if sample.logprobs is not None and seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            logprob, top_ids, top_logprobs = sample.logprobs[row], sample.top_ids, sample.top_logprobs
+            if sample.num_accepted is not None:  # per emitted token
+                logprob = logprob[position]
+                top_ids = top_ids and top_ids[row][position]
+                top_logprobs = top_logprobs and top_logprobs[row][position]
+            elif top_ids is not None:
+                top_ids, top_logprobs = top_ids[row], top_logprobs[row]
+            top = list(zip(top_ids[:k], top_logprobs[:k])) if top_ids is not None else []
+            seq.logprobs.append(TokenLogprob(token, logprob, top))
+        if seq.thinking is not None and seq.thinking.stop_in_closing:
+            reason = "stop_str"  # the text already ends at the stop string (`_start_thinking_budget`)
+        else:
+            reason = self._stop_reason(seq, token)
+            if reason is None and seq.constraint is not None and self._constraint_done(seq, token):
+                reason = "stop"
+            if reason is None and seq.thinking is not None:
+                reason = self._count_thinking(seq, token)
+        if reason is None:
+            return False
+        seq.constraint = None
+        seq.finish_reason = reason
+        seq.finish_time = now
+        if seq.detokenizer is not None and reason != "stop_str":
+            seq.output_text += seq.detokenizer.flush()
+        if reason == "stop_str":
+            seq.finish_reason = "stop"
+        self.scheduler.finish(seq)
+        return True
 
     def _count_thinking(self, seq: Sequence, token: int) -> str | None:
         """Counts a token against the sequence's thinking budget; at the budget, closes the reasoning (the closing

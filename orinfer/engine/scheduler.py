@@ -45,26 +45,35 @@ def attention_keys_per_token(cfg: ModelConfig) -> float:
     """The context length at which one token's attention (QK and PV over that many keys, all layers) takes as long
     as its projections and MLP: their FLOPs' ratio times ATTENTION_FLOP_EFFICIENCY (~12k keys for Qwen3-8B)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    linear = 2 * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    # The MLP a token runs: an average layer's (in an MoE model, its router, top_k experts and shared expert).
+    mlp = sum(cfg.mlp_parameters(index, active=True) for index in range(cfg.num_hidden_layers)) / cfg.num_hidden_layers
+    linear = 2 * (cfg.hidden_size * (2 * q + 2 * kv) + mlp)
     attention_per_key = 4 * q
     return linear / attention_per_key * ATTENTION_FLOP_EFFICIENCY
 
 
 @dataclass
 class StepPlan:
-    """One step: seqs[i] runs its tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i]).
+    """One step: seqs[i] runs its tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i]); the last
+    num_drafts[i] of them are speculative draft tokens (a verify row: its newest token, then its drafts).
 
     `sampled` and `is_decode` are read by the engine and the runner for the same step: each is worked out once, at
     its first read after the last `add` (before the launch advances the sequences' counts), and kept."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
     _sampled: list[Sequence] | None = field(default=None, repr=False, compare=False)
     _is_decode: bool | None = field(default=None, repr=False, compare=False)
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def __post_init__(self) -> None:
+        if not self.num_drafts:  # a plan given as lists of sequences and counts verifies no drafts
+            self.num_drafts = [0] * len(self.seqs)
+
+    def add(self, seq: Sequence, num_new: int, num_drafts: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
+        self.num_drafts.append(num_drafts)
         self._sampled = self._is_decode = None
 
     def __bool__(self) -> bool:
@@ -80,7 +89,7 @@ class StepPlan:
     def samples(self, index: int) -> bool:
         """Whether seqs[index] reaches its newest token this step (and so samples the next one)."""
         seq = self.seqs[index]
-        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[index] - self.num_drafts[index] == seq.num_tokens
 
     @property
     def sampled(self) -> list[Sequence]:
@@ -93,8 +102,13 @@ class StepPlan:
     def is_decode(self) -> bool:
         """Every row is a plain decode row (the CUDA-graph path)."""
         if self._is_decode is None:
-            self._is_decode = all(seq.is_decoding for seq in self.seqs)
+            self._is_decode = all(seq.is_decoding for seq in self.seqs) and not self.has_drafts
         return self._is_decode
+
+    @property
+    def has_drafts(self) -> bool:
+        """Some row verifies draft tokens (speculative decoding)."""
+        return any(self.num_drafts)
 
 
 class Scheduler:
@@ -139,8 +153,8 @@ class Scheduler:
                 budget -= self._cost(chunk, context, beside_decodes)
         return budget
 
-    def _plan(self, plan: StepPlan, seq: Sequence, num_new: int) -> None:
-        plan.add(seq, num_new)
+    def _plan(self, plan: StepPlan, seq: Sequence, num_new: int, num_drafts: int = 0) -> None:
+        plan.add(seq, num_new, num_drafts)
         # Register the full blocks this step computes at once: a prompt admitted after it, even in this same step (the
         # choices of an n > 1 request), reuses them. Every layer stores its K/V before it attends, and later steps
         # run after this one on the device. (A pending token's id is not known yet: its block registers later.)
@@ -185,16 +199,17 @@ class Scheduler:
             index += 1
             if seq.num_uncomputed_tokens != 1:
                 continue
-            while not self.block_manager.can_append(seq):
+            drafts = len(seq.draft_token_ids)
+            while not self.block_manager.can_append(seq, drafts):
                 victim = running.pop()  # never one already planned: those sit before `seq`
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
-                self._plan(plan, seq, 1)
+                self.block_manager.append_slot(seq, drafts)
+                self._plan(plan, seq, 1 + drafts, drafts)
         self.running = deque(running)
-        return len(plan)
+        return plan.num_tokens
 
     def _admit(self, plan: StepPlan, budget: float, beside_decodes: bool) -> None:
         prompts_in_plan = any(seq.num_uncomputed_tokens > 1 for seq in plan.seqs)
@@ -226,7 +241,7 @@ class Scheduler:
         if self.waiting and len(self.running) < self.config.max_num_seqs \
                 and self.block_manager.can_allocate(self.waiting[0]):
             return None
-        missing = sum(s.blocks_needed(self.block_manager.block_size) - len(s.block_table) for s in batch)
+        missing = sum(max(0, s.blocks_needed(self.block_manager.block_size) - len(s.block_table)) for s in batch)
         if missing > self.block_manager.num_free_blocks:
             return None
         plan = StepPlan()
@@ -251,6 +266,8 @@ class Scheduler:
         # The engine schedules only with no step in flight, so every token of a running sequence is known here.
         assert not seq.num_pending, "preempting a sequence whose newest token is still on the device"
         seq.status = SequenceStatus.WAITING
+        seq.draft_token_ids = []
+        seq.num_draft_computed = 0  # its blocks go: so does the draft model's K/V in them
         seq.num_preemptions += 1
         seq.num_computed_tokens = 0
         self.block_manager.free(seq)
@@ -262,6 +279,7 @@ class Scheduler:
         # A token still in flight (lookahead) is dropped. Its step writes KV into the blocks freed here, but any
         # later user of them is queued on the device behind that step, so its writes win.
         seq.num_pending = 0
+        seq.draft_token_ids = []
         if seq.mm is not None:
             seq.mm.encoded = None  # finished or aborted inside its prompt: the tower's outputs are not needed
         self.block_manager.free(seq)

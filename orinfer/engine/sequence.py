@@ -83,6 +83,13 @@ class Sequence:
         self.vision_seconds = 0.0      # time in the vision tower (again after a preemption's recompute)
         # Structured outputs: orinfer.structured.constraint.SequenceConstraint (set by the engine; None once finished)
         self.constraint = None
+        # Speculative decoding: draft tokens after the newest token, which the next step verifies (set just before
+        # scheduling, cleared when that step is processed), and the counts behind the acceptance metrics.
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0        # drafted and verified so far
+        self.num_accepted_tokens = 0     # of which the target accepted
+        self.num_verify_steps = 0        # steps that verified drafts
+        self.num_draft_computed = 0      # leading tokens whose K/V a draft model's cache holds (draft_model method)
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +134,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def row_token_ids(self, first: int, end: int) -> list[int]:
+        """Token ids of positions [first, end): known tokens, then draft tokens (0 for a pending token)."""
+        known = self.token_ids[first:end]
+        if end <= len(self.token_ids) or not self.draft_token_ids:
+            return known
+        drafts_from = max(0, first - len(self.token_ids))
+        return known + self.draft_token_ids[drafts_from:drafts_from + end - first - len(known)]
 
     def blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         n = self.num_tokens if num_tokens is None else num_tokens

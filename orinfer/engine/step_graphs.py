@@ -33,9 +33,10 @@ MAX_GRAPH_TOKENS = 1024
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 64, 128, then steps of 64 to 512 and of 128 beyond, up to max_tokens: past 128 tokens padding is under
-    a third of the bucket."""
-    buckets = [b for b in (16, 32, 64, 128) if b <= max_tokens]
+    """8, 16, 32, 64, 128, then steps of 64 to 512 and of 128 beyond, up to max_tokens: past 128 tokens padding is
+    under a third of the bucket. (8: a speculative verify step of a few sequences keeps its linears on the decode
+    GEMV, which takes up to 8 rows; at 16 rows they go to cuBLAS.)"""
+    buckets = [b for b in (8, 16, 32, 64, 128) if b <= max_tokens]
     buckets += [b for b in range(192, 513, 64) if b <= max_tokens]
     buckets += [b for b in range(640, max_tokens + 1, 128)]
     if not buckets or buckets[-1] < max_tokens:

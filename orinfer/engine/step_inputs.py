@@ -19,7 +19,7 @@ class StepInputs:
     starts: list[int]  # [B+1] row offsets of each sequence (query_start_loc)
     context_lens: list[int]  # [B] tokens in the cache after this step
     block_tables: list[list[int]]  # [B][blocks]
-    sample_rows: list[int]  # rows whose logits are needed: each sampling sequence's last row
+    sample_rows: list[int]  # rows whose logits are needed: each sampling sequence's last row (verify rows: 1 + k)
     from_start: bool  # every sequence starts at position 0 (nothing cached)
     state_slots: list[int]  # [B] linear-attention state slot of each sequence (hybrid models; else -1)
     has_initial_state: list[bool]  # [B] whether the sequence continues its slot's state (it has computed tokens)
@@ -43,7 +43,7 @@ def step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
     for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
         first = seq.num_computed_tokens
         end = first + num_new
-        chunk = seq.token_ids[first:end]
+        chunk = seq.row_token_ids(first, end)
         ids.extend(chunk + [0] * (num_new - len(chunk)))
         # Decode rows of an M-RoPE sequence: all three axes sit at index + delta, so plain RoPE at a shifted position.
         # (Its prompt rows take their positions from the MultimodalBatch instead.)
@@ -53,7 +53,9 @@ def step_inputs(plan: StepPlan, block_size: int) -> StepInputs:
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(first, end))
         starts.append(len(ids))
         if plan.samples(index):
-            sample_rows.append(len(ids) - 1)
+            # A verify row of speculative decoding samples after its newest token and after each draft.
+            drafts = plan.num_drafts[index]
+            sample_rows.extend(range(len(ids) - 1 - drafts, len(ids)))
     return StepInputs(
         ids=ids, positions=positions, slots=slots, starts=starts,
         context_lens=[seq.num_computed_tokens + n for seq, n in zip(plan.seqs, plan.num_new_tokens)],

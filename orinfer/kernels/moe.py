@@ -11,6 +11,9 @@ A sparse MoE block (Qwen3-MoE, the Qwen3.5-family MoE, Qwen3-VL-MoE) sends each 
 Expert weights are packed at load into two tensors: `w13` [E, 2I, H] (gate rows 0..I-1, then up rows I..2I-1, as HF
 transformers' `gate_up_proj`) and `w2` [E, H, I] (`down_proj`). A shared expert, when the model has one, is an ordinary
 MLP outside these ops.
+
+The Triton path (`kernels/moe_ops.py`) sorts the (token, slot) pairs by expert first (`moe_align_ref` is that
+intermediate's contract), so each expert's weights are read once per block of its rows.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import torch.nn.functional as F
 def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (weights [T, top_k] fp32, expert ids [T, top_k] int32).
 
-    Softmax over all experts in fp32, the top_k largest (ties: the lower expert id, as torch.topk), divided by their
-    sum when `renormalize`. The weights stay fp32; the expert op rounds them where it multiplies."""
+    Softmax over all experts in fp32, the top_k largest (ties: the lower expert id, by a stable sort: torch.topk
+    leaves the order of ties unspecified, and on the CPU takes the higher ids), divided by their sum when
+    `renormalize`. The weights stay fp32; the expert op rounds them where it multiplies."""
     probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
@@ -54,3 +59,36 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = F.linear(h, w2[expert])
         out.index_add_(0, rows, y.float() * flat_weights[pick, None])
     return out.to(x.dtype)
+
+
+def moe_align_size(pairs: int, num_experts: int, block_m: int) -> int:
+    """The fixed length of `moe_align`'s sorted list: every expert segment padded to a multiple of block_m takes at
+    most pairs + min(pairs, E) * (block_m - 1) entries (only chosen experts have a segment), rounded to whole
+    blocks. Known on the host from the shapes alone, so the buffers are CUDA-graph safe."""
+    used = min(pairs, num_experts)
+    return -(-(pairs + used * (block_m - 1)) // block_m) * block_m
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_pairs [P] int32, block_expert [P / block_m] int32), P = `moe_align_size`.
+
+    The pairs are numbered p = t * k + j (row-major over topk_ids). sorted_pairs lists them by expert, ascending,
+    and within an expert in ascending p (a stable sort); each expert's segment starts at a multiple of block_m and is
+    padded up to one with the value T * k (no pair); the tail after the last segment holds T * k too. block_expert[b]
+    is the expert whose segment holds block b, or -1 for the blocks past the last segment."""
+    flat = topk_ids.reshape(-1).long()
+    pairs = flat.numel()
+    size = moe_align_size(pairs, num_experts, block_m)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts                   # where each expert's pairs begin in `order`
+    expert_of = flat[order]
+    positions = starts[expert_of] + torch.arange(pairs, device=flat.device) - first[expert_of]
+    sorted_pairs = torch.full((size,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[positions] = order.to(torch.int32)
+    block_expert = torch.full((size // block_m,), -1, dtype=torch.int32, device=flat.device)
+    blocks = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_m)
+    block_expert[: blocks.numel()] = blocks.to(torch.int32)
+    return sorted_pairs, block_expert

@@ -18,14 +18,15 @@ from orinfer.errors import WeightsError
 from orinfer.layers.ops import Ops
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """dst <- src (a slice of a packed parameter may be dst); WeightsError naming `what` if the shapes differ."""
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightsError(f"{what}: expected shape {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
     dst.copy_(src)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
-    _copy_checked(param.data, loaded, name or "weight")
+    copy_checked(param.data, loaded, name or "weight")
 
 
 class LinearBase(nn.Module):
@@ -109,7 +110,7 @@ class PackedLinear(Linear):
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
         if shard not in self.shard_offsets:
             raise WeightsError(f"{name}: unknown shard {shard!r} of a packed layer")
-        _copy_checked(self.shard_view(param.data, shard, "weight"), loaded, name)
+        copy_checked(self.shard_view(param.data, shard, "weight"), loaded, name)
 
     def shard_view(self, tensor: torch.Tensor, shard: object, kind: str) -> torch.Tensor:
         """The rows of a weight or bias that hold `shard`."""

@@ -75,6 +75,9 @@ class SamplerOutput:
     prompt_logprobs: torch.Tensor | None = None
     prompt_top_logprobs: torch.Tensor | None = None
     prompt_top_ids: torch.Tensor | None = None
+    # A verify step of speculative decoding (spec_decode/verify.py): token_ids is then [B, K+1] (each sequence's
+    # accepted drafts and the token after them, -1 after those), logprobs [B, K+1], top_* [B, K+1, k]; this is [B].
+    num_accepted: torch.Tensor | None = None
 
 
 # Bound on penalised logits: far beyond any real logit, and still finite after the smallest temperature (1e-5).

@@ -18,6 +18,7 @@ from orinfer.kernels.gptq import pack_gptq_cols
 from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.ops import Ops
 from orinfer.loader.safetensors_loader import checkpoint_files, iter_safetensors
+from orinfer.moe_config import check_moe_weights
 from orinfer.models.registry import build_model
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,9 @@ def online_quantization(config: ModelConfig, method: str, source: str = "model")
     if config.quantization is not None:
         raise ConfigError(f"{source} is already quantized ({config.quantization.method}); quantization={method!r} "
                           "applies to 16/32-bit checkpoints")
-    return dataclasses.replace(config, quantization=FP8Config(online=True))
+    quantized = dataclasses.replace(config, quantization=FP8Config(online=True))
+    check_moe_weights(quantized, source)
+    return quantized
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -1,8 +1,11 @@
-"""Qwen2 / Qwen2.5 and Qwen3 decoders in one definition.
+"""Qwen2 / Qwen2.5, Qwen3 and Qwen3-MoE decoders in one definition.
 
-The two families differ in two flags of `ModelConfig`: `attention_bias` (Qwen2 adds a bias to q/k/v) and `qk_norm`
-(Qwen3 RMS-normalises each head of q and k before RoPE). Everything else - GQA, SwiGLU MLP, pre-norm residual
-blocks, tied or untied lm_head - is shared. Checkpoint names are HF's; q/k/v and gate/up are packed at load.
+The families differ in flags of `ModelConfig`: `attention_bias` (Qwen2 adds a bias to q/k/v), `qk_norm` (Qwen3
+RMS-normalises each head of q and k before RoPE), and the MoE fields (Qwen3-MoE: the layers `is_sparse_layer` picks
+route each token to experts, layers/moe.py; `make_mlp` chooses, for every family built from these layers).
+Everything else - GQA, SwiGLU MLP, pre-norm residual blocks, tied or untied lm_head - is shared. Checkpoint names
+are HF's; q/k/v and gate/up are packed at load, and so are the experts (fused checkpoints split by
+`per_expert_tensors`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import LinearBase
 from orinfer.layers.linear_types import make_linear, misplaced_tensor
+from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_checkpoint_name, expert_param_for,
+                                per_expert_tensors)
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
@@ -52,17 +57,27 @@ class QwenAttentionBlock(nn.Module):
 
 
 class QwenMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up packed into one [2I, H] weight."""
+    """down(silu(gate(x)) * up(x)); gate and up packed into one [2I, H] weight. I: `intermediate_size`, by default
+    the config's (a shared expert has its own)."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
-        quant = cfg.quantization
-        self.gate_up_proj = make_linear(quant, cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size},
-                                        False, ops, dtype)
-        self.down_proj = make_linear(quant, cfg.intermediate_size, cfg.hidden_size, False, ops, dtype)
+        quant, width = cfg.quantization, intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = make_linear(quant, cfg.hidden_size, {0: width, 1: width}, False, ops, dtype)
+        self.down_proj = make_linear(quant, width, cfg.hidden_size, False, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gate_up_silu(x))
+
+
+def make_mlp(cfg: ModelConfig, index: int, ops: Ops, dtype: torch.dtype) -> nn.Module:
+    """Decoder layer `index`'s feed-forward: routed experts (plus the gated shared expert where the model has one)
+    when the config makes that layer sparse (`ModelConfig.is_sparse_layer`, HF's rule), else the dense MLP."""
+    if not cfg.is_sparse_layer(index):
+        return QwenMLP(cfg, ops, dtype)
+    width = cfg.shared_expert_intermediate_size
+    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                     cfg.norm_topk_prob, ops, dtype, shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
 
 
 class QwenDecoderLayer(nn.Module):
@@ -71,12 +86,16 @@ class QwenDecoderLayer(nn.Module):
     norm_consumers = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.gate_up_proj"}
     attention_section = ("self_attn.qkv_proj", "self_attn.o_proj")
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype, index: int = 0
+                 ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.self_attn = QwenAttentionBlock(cfg, rotary, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.mlp = QwenMLP(cfg, ops, dtype)
+        self.mlp = make_mlp(cfg, index, ops, dtype)
+        if not isinstance(self.mlp, QwenMLP):
+            # A sparse layer's norm output goes to the router and the experts, not to one linear.
+            self.norm_consumers = {"input_layernorm": "self_attn.qkv_proj"}
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +130,7 @@ class QwenForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, ops)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(cfg, self.rotary, ops, weight_dtype) for _ in range(cfg.num_hidden_layers))
+            QwenDecoderLayer(cfg, self.rotary, ops, weight_dtype, index) for index in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
@@ -157,6 +176,9 @@ class QwenForCausalLM(nn.Module):
             return None  # tied: the head is the embedding matrix
         if "rotary_emb" in name:
             return None
+        expert = expert_param_for(name)
+        if expert is not None:
+            return expert
         for ckpt, (packed, shard) in self.packed.items():
             if f".{ckpt}." in name:
                 return name.replace(f".{ckpt}.", f".{packed}."), shard
@@ -167,6 +189,8 @@ class QwenForCausalLM(nn.Module):
         (`_expected_keys`). Returns what was loaded: (parameter name, shard id) pairs."""
         params = dict(self.named_parameters())
         expected = self._expected_keys()
+        if self.config.num_experts:
+            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size)
         loaded: set[tuple[str, object]] = set()
         for hf_name, tensor in tensors:
             target = self._param_for(hf_name)
@@ -193,7 +217,7 @@ class QwenForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             module_name, kind = name.rsplit(".", 1)
             module = self.get_submodule(module_name)
-            shards = (module.shards_of(kind) if isinstance(module, LinearBase)
+            shards = (module.shards_of(kind) if isinstance(module, (LinearBase, ExpertWeights))
                       else getattr(module, "shard_offsets", None))
             if shards is not None:
                 keys.update((name, shard) for shard in shards)
@@ -222,6 +246,10 @@ class QwenForCausalLM(nn.Module):
                         yield (prefix + _checkpoint_name(name, shard, self.packed),
                                module.shard_view(tensor, shard, kind))
                 continue
+            if isinstance(module, ExpertWeights):
+                for name, tensor in module.checkpoint_tensors():
+                    yield f"{prefix}{module_name}.{name}", tensor
+                continue
             for param_name, param in module.named_parameters(recurse=False):
                 if id(param) not in seen:
                     seen.add(id(param))
@@ -244,5 +272,6 @@ def _hf_name(ours: str, prefix: str = "model.", table: dict[str, tuple[str, obje
     """Our parameter name (with optional [shard]) back to the HF checkpoint name, for error messages."""
     base, _, shard = ours.partition("[")
     if shard:
-        base = _checkpoint_name(base, shard.rstrip("]"), table)
+        shard = shard.rstrip("]")
+        base = expert_checkpoint_name(base, shard) or _checkpoint_name(base, shard, table)
     return base if base.startswith("lm_head.") else prefix + base

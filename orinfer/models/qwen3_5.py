@@ -1,4 +1,4 @@
-"""Qwen3.5 / 3.6 / 3.8 dense decoders: hybrid Gated DeltaNet + gated attention.
+"""Qwen3.5 / 3.6 / 3.8 decoders, dense and MoE: hybrid Gated DeltaNet + gated attention.
 
 Each layer mixes tokens one of two ways (`config.layer_types`, e.g. three "linear_attention" then one
 "full_attention", repeated):
@@ -8,7 +8,8 @@ Each layer mixes tokens one of two ways (`config.layer_types`, e.g. three "linea
   follow (kernels/gated_delta.py has the math);
 - full attention over the paged KV cache, with q/k norms, RoPE on the first `rotary_dim` dims of each head, and the
   output multiplied by sigmoid of a gate that q_proj emits beside each query head.
-The norms are zero-centred (scale 1 + w). MLP, residual structure, embedding and head are Qwen3's. The MTP head
+The norms are zero-centred (scale 1 + w). MLP, residual structure, embedding and head are Qwen3's; in the MoE
+variants (Qwen3_5Moe*) every layer's MLP is routed experts plus a gated shared expert (`make_mlp`). The MTP head
 (`mtp.*`, one extra layer for speculative decoding) is loaded and kept when the checkpoint has it, not run yet.
 A Qwen3_5ForConditionalGeneration checkpoint (this decoder behind a vision tower) is models/qwen3_5_vl.py.
 """
@@ -29,7 +30,7 @@ from orinfer.layers.linear_types import make_linear
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
-from orinfer.models.qwen import QwenForCausalLM, QwenMLP
+from orinfer.models.qwen import QwenForCausalLM, make_mlp
 
 # checkpoint sub-name -> (packed parameter's sub-name, shard id)
 _PACKED = {
@@ -121,7 +122,8 @@ class GatedDeltaNetBlock(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype,
+                 index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
         if kind == "linear_attention":
@@ -129,7 +131,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttentionBlock(cfg, rotary, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
-        self.mlp = QwenMLP(cfg, ops, dtype)
+        self.mlp = make_mlp(cfg, index, ops, dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +158,10 @@ class MTPHead(nn.Module):
         self.fc = make_linear(None, 2 * cfg.hidden_size, cfg.hidden_size, False, ops, dtype)
         self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, "full_attention", rotary, ops, dtype)
-                                    for _ in range(cfg.mtp_num_hidden_layers))
+        # Numbered after the decoder's layers (an MoE model's are all sparse: so are these).
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, "full_attention", rotary, ops, dtype, index)
+                                    for index in range(cfg.num_hidden_layers, cfg.num_hidden_layers
+                                                       + cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
 
 
@@ -174,7 +178,8 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
                                       rotary_dim=cfg.rotary_dim)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(cfg, kind, self.rotary, ops, weight_dtype) for kind in cfg.layer_types)
+            Qwen3_5DecoderLayer(cfg, kind, self.rotary, ops, weight_dtype, index)
+            for index, kind in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype, zero_centered=True)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)

@@ -19,6 +19,12 @@ MODEL_CLASSES: dict[str, str] = {
     "Qwen3VLForConditionalGeneration": "orinfer.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3_5ForCausalLM": "orinfer.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "orinfer.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration",
+    # Mixture-of-experts variants: the same classes; each decoder layer builds its feed-forward from the config
+    # (models/qwen.py: make_mlp).
+    "Qwen3MoeForCausalLM": "orinfer.models.qwen:QwenForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration": "orinfer.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM": "orinfer.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "orinfer.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration",
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 

@@ -4,11 +4,12 @@ Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`)
 /v1/models/{id}, POST /tokenize and /detokenize (vLLM's, `tokenize`), GET /version, GET and HEAD /health,
 GET /metrics, GET /openapi.json; no redirects (a trailing slash is a 404). Every request goes through
 `guard.Guard` (request-head size, API key on every route but /health, HTTP metrics). Handlers read the body
-themselves (`request_body`: JSON content type in UTF-8, size limit, strict JSON without NaN), validate it with the
-pydantic models of `protocol`, render and tokenize the prompt (and decode images) in worker threads, then hand the
-token ids to the engine thread (`engine_loop`), which `orinfer serve` runs in a child process (`engine_process`:
-the event loop then never waits for the engine's interpreter). Every client mistake is a 4xx with an OpenAI-style
-error object (`errors`); a 5xx means a bug or a dead engine.
+themselves (`request_body`: JSON content type in UTF-8, size limit, strict JSON without NaN, a limit on its
+values) and validate it with the pydantic models of `protocol`, in a worker thread unless it is small; they render
+and tokenize the prompt (and decode images) in worker threads, then hand the token ids to the engine thread
+(`engine_loop`), which `orinfer serve` runs in a child process (`engine_process`: the event loop then never waits
+for the engine's interpreter). Every client mistake is a 4xx with an OpenAI-style error object (`errors`); a 5xx
+means a bug or a dead engine.
 
     app.py            this file: the app factory, routes, /openapi.json
     state.py          ServerLimits, ServerState (checks shared by the endpoints, submit, tokenize)
@@ -18,7 +19,8 @@ error object (`errors`); a 5xx means a bug or a dead engine.
     responses.py      non-streaming collection, SSE helpers    request_body.py  reading and validating bodies
     errors.py         APIError and the error handlers          guard.py         API key, head size, HTTP metrics
     engine_loop.py    the engine thread                        request_group.py one request's side of it
-    engine_process.py the engine thread in a child process
+    engine_process.py the engine thread in a child process     json_count.py    counting a body's values
+    heap.py           start-up objects out of the collector's full passes (the server and engine processes)
     metrics.py        Prometheus /metrics                      (the <think> split: orinfer/reasoning.py)
     tokenize.py       /tokenize and /detokenize
     cli.py            `orinfer serve`, BackgroundServer       tools.py         tools, tool_choice (parsing: tool_calls/)
@@ -42,7 +44,6 @@ from orinfer.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                      TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
                                      VersionResponse)
-from orinfer.server.request_body import read_json, validate_body
 from orinfer.server.state import ServerLimits, ServerState
 from orinfer.server.tokenize import detokenize, tokenize, tokenize_request_model
 
@@ -113,26 +114,22 @@ def _add_routes(app: FastAPI, srv: ServerState) -> None:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(request: Request) -> dict[str, Any]:
-        body = await read_json(request, srv.limits.max_body_bytes)
-        req = validate_body(tokenize_request_model(body), body)
+        req = await srv.bodies.read(request, tokenize_request_model)
         return (await tokenize(srv, req)).model_dump()
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(request: Request) -> dict[str, Any]:
-        body = await read_json(request, srv.limits.max_body_bytes)
-        req: DetokenizeRequest = validate_body(DetokenizeRequest, body)
+        req: DetokenizeRequest = await srv.bodies.read(request, DetokenizeRequest)
         return (await detokenize(srv, req)).model_dump()
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(request: Request) -> Response:
-        body = await read_json(request, srv.limits.max_body_bytes)
-        req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
+        req: ChatCompletionRequest = await srv.bodies.read(request, ChatCompletionRequest)
         return await chat(request, srv, req)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(request: Request) -> Response:
-        body = await read_json(request, srv.limits.max_body_bytes)
-        req: CompletionRequest = validate_body(CompletionRequest, body)
+        req: CompletionRequest = await srv.bodies.read(request, CompletionRequest)
         return await complete(request, srv, req)
 
 

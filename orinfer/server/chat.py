@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -18,12 +19,14 @@ from orinfer.engine.sequence import TokenLogprob
 from orinfer.errors import OrinferError, RequestError
 from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup
 from orinfer.server.errors import APIError, engine_error
-from orinfer.server.messages import chat_input
+from orinfer.server.messages import ChatInput, chat_input
 from orinfer.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
                                      TokenizeChatRequest, Usage)
 from orinfer.reasoning import ThinkState, initial_state
+from orinfer.sampling_params import SamplingParams
 from orinfer.server.request_body import template_kwargs
 from orinfer.server.structured import structured_outputs
+from orinfer.structured.params import StructuredOutputsParams
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, stream_usage_options, usage)
 from orinfer.server.state import ServerState
@@ -73,13 +76,32 @@ def text_length(content: Any) -> int:
     return 0
 
 
-async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -> Response:
+@dataclass
+class _Prepared:
+    """What the checks of a chat request produce before its prompt is rendered."""
+
+    n: int
+    tools: ChatTools
+    spec: StructuredOutputsParams | None
+    chat_in: ChatInput
+    max_pixels: int | None
+
+
+def _prepare(srv: ServerState, req: ChatCompletionRequest) -> _Prepared:
+    """The request's checks and template input: run in a worker thread, as each walks lists of the body (tools,
+    messages, parts) that can hold tens of thousands of items."""
     n = _check_fields(srv, req)
     tools = chat_tools(req, srv.tool_format)
     spec = structured_outputs(req)
     chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
     max_pixels = srv.images.check(len(chat_in.images), req.mm_processor_kwargs) if chat_in.images else None
     srv.check_prompt_chars(sum(text_length(m.get("content")) for m in chat_in.messages), "messages")
+    return _Prepared(n, tools, spec, chat_in, max_pixels)
+
+
+async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -> Response:
+    prep = await asyncio.to_thread(_prepare, srv, req)
+    n, tools, spec, chat_in, max_pixels = prep.n, prep.tools, prep.spec, prep.chat_in, prep.max_pixels
     prompt = await render_prompt(srv, req, chat_in.messages, tools.prompt_tools)
     ids = await srv.tokenize(prompt, "messages")
     srv.check_prompt(ids, "messages")
@@ -94,13 +116,18 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
     max_tokens = srv.max_tokens(req.max_completion_tokens or req.max_tokens, prompt_len, param)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     think = initial_state(prompt) if srv.reasoning else ThinkState.CONTENT
-    sampling = [srv.sampling(req, max_tokens, i, num_logprobs, thinking_token_budget=req.thinking_token_budget,
-                             structured_outputs=spec, think_state=think.value) for i in range(n)]
-    try:
-        params = [constrain_tool_choice(p, tools.choice, tools.prompt_tools, srv.tool_format, tools.max_calls is None)
-                  for p in sampling]
-    except RequestError as exc:  # the choice against the request's own constraint, or a tool the grammar cannot take
-        raise APIError(400, str(exc), param=getattr(exc, "param", None) or "tools") from None
+
+    def sampling() -> list[SamplingParams]:
+        """Per choice (n of them), with logit_bias and the tools' grammar: in a worker thread, like `_prepare`."""
+        out = [srv.sampling(req, max_tokens, i, num_logprobs, thinking_token_budget=req.thinking_token_budget,
+                            structured_outputs=spec, think_state=think.value) for i in range(n)]
+        try:
+            return [constrain_tool_choice(p, tools.choice, tools.prompt_tools, srv.tool_format,
+                                          tools.max_calls is None) for p in out]
+        except RequestError as exc:  # the choice against the request's constraint, or a tool the grammar can't take
+            raise APIError(400, str(exc), param=getattr(exc, "param", None) or "tools") from None
+
+    params = await asyncio.to_thread(sampling)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, [ids] * n, params, images=images, max_pixels=max_pixels)
     prompt_tokens = group.accepted.result()[0]  # as the engine counts it (visual tokens included)

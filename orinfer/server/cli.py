@@ -38,6 +38,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="split <think> output into reasoning_content (auto: when the tokenizer has the tags)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 beyond)")
+    p.add_argument("--max-body-values", type=_positive_int, default=None,
+                   help="JSON values in a request body, array items and object members (413 beyond; default "
+                        "65,536, or the context length + 4,096 if more)")
     p.add_argument("--max-header-bytes", type=int, default=64 * 1024, help="largest request head (431 beyond)")
     p.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt)")
     p.add_argument("--max-tokens-limit", type=int, default=None,
@@ -90,8 +93,8 @@ def serve_limits(args: argparse.Namespace) -> Any:
     from orinfer.server.app import ServerLimits
 
     allowed_hosts = LOOPBACK_HOSTS | {args.host.lower()} if _is_loopback(args.host) and not args.api_key else None
-    return ServerLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
-                        max_n=args.max_n, max_tokens=args.max_tokens_limit,
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_body_values=args.max_body_values,
+                        max_header_bytes=args.max_header_bytes, max_n=args.max_n, max_tokens=args.max_tokens_limit,
                         max_pending_sequences=args.max_pending,
                         max_images_per_request=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
                         max_image_pixels=args.max_image_pixels, max_request_image_pixels=args.max_request_image_pixels,
@@ -110,6 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from orinfer.args import engine_args_from_namespace
     from orinfer.llm import LLM
+    from orinfer.server.heap import freeze_startup_heap
 
     limits = serve_limits(args)
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
@@ -130,6 +134,8 @@ def run_serve(args: argparse.Namespace) -> int:
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
                     reasoning=reasoning, tool_call_parser=engine_args.tool_call_parser)
+    # Everything loaded so far lives as long as the server: out of the collector's full passes (heap.py says why).
+    freeze_startup_heap()
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level)).run()
     return 0
 

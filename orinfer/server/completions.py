@@ -6,6 +6,7 @@ the prompt only (scoring a text by its logprobs, as vLLM allows): the engine sam
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -13,6 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from orinfer.sampling_params import SamplingParams
 from orinfer.server.engine_loop import EngineDeadError, EngineStepError, RequestGroup, SeqUpdate
 from orinfer.server.errors import APIError, engine_error
 from orinfer.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
@@ -60,18 +62,24 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
             ids = await srv.tokenize(p, param) if p else []
         else:
             ids = p
-            if any(not 0 <= t < srv.vocab_size for t in ids):
+            if ids and max(ids) >= srv.vocab_size:  # ids are >= 0 (validated); max() at C speed over a long prompt
                 raise APIError(400, f"{param}: token ids must be in 0..{srv.vocab_size - 1}", param=param)
         srv.check_prompt(ids, param)
         ids_list.append(ids)
         texts.append(p if isinstance(p, str) else (srv.tokenizer.decode(ids) if req.echo and srv.tokenizer else ""))
-    prompts_rep, params = [], []
-    for ids in ids_list:
-        max_tokens = srv.max_tokens(req.max_tokens or (1 if req.max_tokens == 0 else None), len(ids), "max_tokens")
-        for i in range(n):
-            prompts_rep.append(ids)
-            params.append(srv.sampling(req, max_tokens, i, req.logprobs,
-                                       prompt_logprobs=req.logprobs if req.echo else None, structured_outputs=spec))
+    prompts_rep = [ids for ids in ids_list for _ in range(n)]
+
+    def sampling() -> list[SamplingParams]:
+        """Per prompt and choice (up to max_sequences), with logit_bias: in a worker thread."""
+        params = []
+        for ids in ids_list:
+            max_tokens = srv.max_tokens(req.max_tokens or (1 if req.max_tokens == 0 else None), len(ids),
+                                        "max_tokens")
+            params += [srv.sampling(req, max_tokens, i, req.logprobs, structured_outputs=spec,
+                                    prompt_logprobs=req.logprobs if req.echo else None) for i in range(n)]
+        return params
+
+    params = await asyncio.to_thread(sampling)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, prompts_rep, params)
     created = int(time.time())

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from orinfer.server.engine_loop import EngineLoop
+from orinfer.server.heap import freeze_startup_heap
 from orinfer.server.request_group import EngineDeadError, RequestGroup, deliver
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ def _engine_main(factory: Callable[[], Any], inbox: Any, outbox: Any, log_level:
         engine = llm.engine
         engine.allow_local_files = False  # the server decodes images itself; the engine never reads a path
         loop = EngineLoop(engine, metrics=_MetricsRelay(relay))
+        # The model and its libraries stay for the life of the process: a full collection that walked them all
+        # would stall the engine's steps for a tenth of a second (server/heap.py).
+        freeze_startup_heap()
         loop.start()
         relay.send(("info", engine_info(engine)))
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start, then exit

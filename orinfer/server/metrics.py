@@ -150,9 +150,16 @@ class ServerMetrics:
                               "Mean time between output tokens of a sequence (after the first).", lock, TPOT_BUCKETS)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish of a sequence.", lock,
                              LATENCY_BUCKETS)
+        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens_total",
+                                    "Speculative decoding: draft tokens verified.", lock)
+        self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens_total",
+                                       "Speculative decoding: draft tokens the model accepted.", lock)
+        self.verify_steps = Counter(p + "spec_decode_num_drafts_total",
+                                    "Speculative decoding: steps that verified a sequence's drafts (per sequence).",
+                                    lock)
         self._metrics: list[_Metric] = [
             self.http_requests, self.requests_finished, self.prompt_tokens, self.generation_tokens, self.ttft,
-            self.tpot, self.e2e,
+            self.tpot, self.e2e, self.draft_tokens, self.accepted_tokens, self.verify_steps,
             Gauge(p + "num_requests_running", "Sequences in the running batch.", lock, lambda: self._stat("running")),
             Gauge(p + "num_requests_waiting", "Sequences waiting for a prefill (new or preempted).", lock,
                   lambda: self._stat("waiting")),
@@ -176,10 +183,17 @@ class ServerMetrics:
         return 1.0 - s.get("free_blocks", 0) / total if total else 0.0
 
     def observe_sequence(self, finish_reason: str, num_completion_tokens: int, arrival: float | None,
-                         first_token: float | None, finish: float | None) -> None:
-        """Called once per sequence when it finishes or is aborted (perf_counter timestamps)."""
+                         first_token: float | None, finish: float | None,
+                         speculation: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """Called once per sequence when it finishes or is aborted (perf_counter timestamps). `speculation`: its draft
+        tokens, accepted draft tokens and verify steps."""
         self.requests_finished.inc(finish_reason=finish_reason)
         self.generation_tokens.inc(num_completion_tokens)
+        drafted, accepted, steps = speculation
+        if steps:
+            self.draft_tokens.inc(drafted)
+            self.accepted_tokens.inc(accepted)
+            self.verify_steps.inc(steps)
         if finish_reason in ("abort", "error"):
             return  # a cancelled request's latencies would only describe the client
         if arrival is not None and first_token is not None:

@@ -1,18 +1,38 @@
-"""Reading a request body: JSON content type in UTF-8, size limit and strict JSON (`read_json`), validation against a
-pydantic model with one clear 400 naming the field (`validate_body`), and the checked `chat_template_kwargs`."""
+"""Reading a request body: JSON content type in UTF-8, size limit (`read_body`), strict JSON with a limit on its
+number of values (`parse_json`; `json_count` says why), validation against a pydantic model with one clear 400 naming
+the field (`validate_body`), all three for a handler in `BodyReader.read`; and the checked `chat_template_kwargs`.
+
+Parsing and validating cost time in proportion to the values of a body, so `BodyReader` does both in a worker thread
+unless the body is small, one body at a time: the parser holds the interpreter lock while it runs, but the value
+limit bounds how long (a few milliseconds), and the pydantic validators in Python let the event loop in between."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from orinfer.server import json_count
 from orinfer.server.errors import APIError
 
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token",
                              "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}
+
+# A body up to this size is parsed and validated on the event loop (at most a few thousand values: well under a
+# millisecond, about what the hand-off to a thread costs); a larger one in a worker thread.
+SMALL_BODY_BYTES = 16 * 1024
+
+# The pydantic model of a body, or a function choosing it from the parsed body (/tokenize takes two kinds).
+BodyModel = type[BaseModel] | Callable[[Any], type[BaseModel]]
+
+
+# Nesting beyond which the parser gives up (it recurses once per level, up to Python's recursion limit of 1000):
+# a body refused for its number of values that also nests this deep gets the parser's own error.
+MAX_DEPTH = 900
+_NESTED_TOO_DEEPLY = "invalid JSON: nested too deeply"
 
 
 def _reject_constant(name: str) -> Any:
@@ -39,7 +59,8 @@ def _check_content_type(ctype: str | None) -> None:
                            code="unsupported_media_type")
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes, after the Content-Type check; 413 beyond `limit` bytes, 400 for an empty body."""
     _check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length")
     if length is not None:
@@ -56,6 +77,17 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
+    return raw
+
+
+def parse_json(raw: bytes, max_values: int) -> Any:
+    """`raw` as strict UTF-8 JSON (400 for anything else); 413 for more than `max_values` values, before parsing."""
+    excess = json_count.check(raw, max_values, MAX_DEPTH)
+    if excess is json_count.Excess.DEPTH:
+        raise APIError(400, _NESTED_TOO_DEEPLY)
+    if excess is json_count.Excess.VALUES:
+        raise APIError(413, f"the request body holds more than {max_values} JSON values (array items and object "
+                            "members)", code="request_too_large")
     try:
         text = raw.decode("utf-8-sig")  # a leading BOM is allowed (RFC 8259 lets a parser ignore it)
     except UnicodeDecodeError as exc:
@@ -63,12 +95,37 @@ async def read_json(request: Request, limit: int) -> Any:
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
-        raise APIError(400, "invalid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, NaN/Infinity
+        raise APIError(400, _NESTED_TOO_DEEPLY) from None
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, an integer of too many digits
         raise APIError(400, f"invalid JSON: {exc}") from None
 
 
+def parse_request(raw: bytes, model: BodyModel, max_values: int) -> Any:
+    """`raw` parsed (`parse_json`) and validated (`validate_body`) as `model`."""
+    body = parse_json(raw, max_values)
+    return validate_body(model if isinstance(model, type) else model(body), body)
+
+
+class BodyReader:
+    """Reads, parses and validates request bodies for the handlers, under the server's limits: small bodies on the
+    event loop, the others in worker threads, `max_concurrent` at a time (the interpreter lock lets one run at a
+    time anyway, and the default thread pool also tokenizes, renders prompts and decodes images)."""
+
+    def __init__(self, max_bytes: int, max_values: int, max_concurrent: int = 1) -> None:
+        self.max_bytes, self.max_values = max_bytes, max_values
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    async def read(self, request: Request, model: BodyModel) -> Any:
+        """The body of `request` as a validated `model` (APIError: 4xx)."""
+        raw = await read_body(request, self.max_bytes)
+        if len(raw) <= SMALL_BODY_BYTES:
+            return parse_request(raw, model, self.max_values)
+        async with self._slots:
+            return await asyncio.to_thread(parse_request, raw, model, self.max_values)
+
+
 def validate_body(model: type[BaseModel], body: Any) -> Any:
+    """`body` (parsed JSON) validated as `model`; 400 naming the most specific field at fault."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:

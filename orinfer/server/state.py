@@ -20,6 +20,7 @@ from orinfer.server.images import ImageLoader
 from orinfer.server.logprobs import LogprobFormatter
 from orinfer.server.metrics import ServerMetrics
 from orinfer.server.protocol import I64_MAX, I64_MIN, ChatLogprobs, CompletionLogprobs, SamplingFields
+from orinfer.server.request_body import BodyReader
 from orinfer.tool_calls import resolve_format
 
 
@@ -28,6 +29,10 @@ class ServerLimits:
     """What one request may ask for. Beyond these the answer is a 4xx, never a slow or crashed server."""
 
     max_body_bytes: int = 4 * 1024 * 1024    # request body (413 beyond)
+    # JSON values in a body (array items and object members; 413 beyond): handling a body costs time per value, up to
+    # seconds for a few MB of small ones. None: 65,536, or the context length + 4,096 if that is more (a prompt of
+    # token ids as long as the context fits).
+    max_body_values: int | None = None
     max_header_bytes: int = 64 * 1024        # request line + headers (uvicorn's h11_max_incomplete_event_size)
     # Host names (without port) requests may name in their Host header; None: any. `orinfer serve` sets the loopback
     # names when it binds a loopback address without an API key: a web page a user visits can then not reach the
@@ -46,6 +51,7 @@ class ServerLimits:
     max_stop: int = 16                       # stop strings
     max_stop_chars: int = 256                # characters per stop string
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024               # logit_bias entries (each is checked, per choice, and applied per step)
     max_pending_sequences: int = 4096        # sequences in or queued for the engine (429 beyond; 400 for a request
                                              # larger than this alone, which could never be admitted)
     # Images (vision-language models).
@@ -59,11 +65,16 @@ class ServerLimits:
     allowed_local_media_path: str | None = None  # local image files only below this directory (None: none)
 
     def __post_init__(self) -> None:
+        if self.max_body_values is not None and self.max_body_values <= 0:
+            raise ValueError(f"ServerLimits.max_body_values must be positive, got {self.max_body_values}")
         for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels", "max_concurrent_image_decodes",
                      "max_request_image_pixels"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServerLimits.{name} must be positive, got {getattr(self, name)}")
 
+
+# The default of ServerLimits.max_body_values for models of a short context.
+MIN_BODY_VALUES = 65_536
 
 # Natural text averages 1.5-5 characters per token (Chinese to English, code in between): 16 leaves a wide margin.
 CHARS_PER_TOKEN_LIMIT = 16
@@ -88,6 +99,8 @@ class ServerState:
         self.max_model_len, self.vocab_size, self.multimodal = info.max_model_len, info.vocab_size, info.multimodal
         self.kv_capacity = info.kv_capacity
         self.max_prompt_chars = limits.max_prompt_chars or CHARS_PER_TOKEN_LIMIT * self.max_model_len
+        max_values = limits.max_body_values or max(MIN_BODY_VALUES, self.max_model_len + 4096)
+        self.bodies = BodyReader(limits.max_body_bytes, max_values)
         self.created = int(time.time())
         self.images = ImageLoader(info.image_processor, limits)
         self.metrics = ServerMetrics(self.loop.stats)
@@ -137,6 +150,9 @@ class ServerState:
         """OpenAI's logit_bias (token id as a string -> bias in [-100, 100]) as the engine takes it."""
         if not bias:
             return None
+        if len(bias) > self.limits.max_logit_bias:
+            raise APIError(400, f"logit_bias: at most {self.limits.max_logit_bias} entries are allowed",
+                           param="logit_bias")
         out = {}
         for key, value in bias.items():
             token = int(key) if key.isascii() and key.isdigit() and len(key) < 20 else -1

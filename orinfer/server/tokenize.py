@@ -9,7 +9,7 @@ from typing import Any
 
 from orinfer.server.chat import render_prompt, text_length
 from orinfer.server.errors import APIError
-from orinfer.server.messages import chat_input
+from orinfer.server.messages import ChatInput, chat_input
 from orinfer.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                      TokenizeCompletionRequest, TokenizeResponse)
 from orinfer.server.state import ServerState
@@ -25,15 +25,22 @@ def _need_tokenizer(srv: ServerState) -> None:
         raise APIError(400, "this model has no tokenizer")
 
 
+def _template_input(srv: ServerState, req: TokenizeChatRequest) -> ChatInput:
+    """The template messages of a chat, refused by their characters: in a worker thread, as it walks every message
+    and part of the body."""
+    chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
+    if chat_in.images:
+        raise APIError(400, "/tokenize does not take images (their token count depends on their size)",
+                       param="messages")
+    srv.check_prompt_chars(sum(text_length(m.get("content")) for m in chat_in.messages), "messages")
+    return chat_in
+
+
 async def tokenize(srv: ServerState, req: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
     srv.check_model(req.model)
     _need_tokenizer(srv)
     if isinstance(req, TokenizeChatRequest):
-        chat_in = chat_input(req.messages, srv.limits.max_messages, srv.multimodal)
-        if chat_in.images:
-            raise APIError(400, "/tokenize does not take images (their token count depends on their size)",
-                           param="messages")
-        srv.check_prompt_chars(sum(text_length(m.get("content")) for m in chat_in.messages), "messages")
+        chat_in = await asyncio.to_thread(_template_input, srv, req)
         prompt = await render_prompt(srv, req, chat_in.messages, req.tools)
         param = "messages"
     else:
@@ -51,8 +58,9 @@ async def tokenize(srv: ServerState, req: TokenizeChatRequest | TokenizeCompleti
 async def detokenize(srv: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
     srv.check_model(req.model)
     _need_tokenizer(srv)
-    bad = next((t for t in req.tokens if t >= srv.vocab_size), None)
-    if bad is not None:
+    # The cheap checks first (length, then max() at C speed); the first id out of range only when there is one.
+    if req.tokens and max(req.tokens) >= srv.vocab_size:
+        bad = next(t for t in req.tokens if t >= srv.vocab_size)
         raise APIError(400, f"tokens: {bad} is outside the vocabulary (0..{srv.vocab_size - 1})", param="tokens")
     if len(req.tokens) > srv.max_prompt_chars:
         raise APIError(400, f"tokens: at most {srv.max_prompt_chars} ids", param="tokens")

@@ -1,0 +1,73 @@
+"""The MoE entry points of the triton backend: `moe_route` (kernels/moe_route.py) and `fused_moe`, which checks its
+inputs and runs the path its config names (kernels/moe_config.py: the current GPU's tuned table, else defaults):
+
+  decode  (a few tokens)   `moe_decode`: per-expert GEMVs over the pairs as routed, two launches (three with a split)
+  grouped (larger batches) `moe_align` + `moe_gemm`: expert-sorted blocks, grouped gate/up and down GEMMs, the sum
+
+Both have `fused_moe_ref`'s contract and are CUDA-graph capturable (no host sync, buffers sized from the shapes).
+Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit weights (mixed); other pairs take
+`fused_moe_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orinfer.kernels.gemv import check_device
+from orinfer.kernels.moe import fused_moe_ref
+from orinfer.kernels.moe_config import MoeConfig, pick_config, valid
+from orinfer.kernels.moe_decode import fused_moe_decode
+from orinfer.kernels.moe_gemm import fused_moe_grouped
+from orinfer.kernels.moe_route import moe_route
+
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+__all__ = ["fused_moe", "moe_route"]
+
+
+def _supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.dtype in _FLOAT_TYPES and w.dtype in _FLOAT_TYPES and (x.dtype == w.dtype or x.dtype == torch.float32)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    check_device(x)
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe takes x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    tokens, hidden = x.shape
+    experts, two_inter, _ = w13.shape
+    if w13.shape[2] != hidden or two_inter % 2 or tuple(w2.shape) != (experts, hidden, two_inter // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not match x {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be "
+                         f"[T, k] with T = {tokens}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_ids must be int32/int64 and topk_weights a float tensor, got {topk_ids.dtype}, "
+                         f"{topk_weights.dtype}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights must have unit stride along their last dim")
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"w13 and w2 must have one dtype, got {w13.dtype} and {w2.dtype}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (fp32; other float dtypes are widened),
+    topk_ids [T, k] int32/int64 -> [T, H] in x's dtype, as `fused_moe_ref`. `config` forces a path and tiles (tests,
+    the tuner); it must suit T (`valid`). A token's k ids must be distinct (top-k's are) on the decode path."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    if not _supported(x, w13):
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    if tokens == 0:
+        return torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    topk_weights, topk_ids = topk_weights.float().contiguous(), topk_ids.contiguous()
+    cfg = pick_config(x, w13, top_k) if config is None else config
+    if not valid(cfg, tokens):
+        raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    if cfg.path == "decode":
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, cfg)
+    return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, cfg)

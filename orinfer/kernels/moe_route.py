@@ -1,0 +1,97 @@
+"""MoE router: softmax over the experts, top-k and renormalisation in one kernel (`moe_route_ref`'s contract).
+
+Math, per token t (row of router_logits [T, E], any float dtype, E <= 512), in fp32:
+
+    m = max_e x[e];  p[e] = exp(x[e] - m) / sum_e' exp(x[e'] - m)
+    ids[t, :] = the top_k experts by x (softmax is monotonic), ties to the lower id; weights[t, j] = p[ids[t, j]]
+    renormalize: weights[t, :] /= sum_j weights[t, j]
+
+Outputs weights [T, k] fp32 and ids [T, k] int32 (k <= 16). The choice is made on the logits, not on the rounded
+probabilities: equal logits go to the lower id as torch.topk does; two different logits whose fp32 probabilities
+happen to round to the same value (|x| below ~1e-7 apart) are ordered by the logits, where the reference would take
+the lower id (same weight either way).
+
+Kernel: a program owns BLOCK_T rows and holds each as a [BLOCK_E] fp32 register row (E padded to a power of two with
+-inf); k rounds of (max, lowest index at the max, mark taken) pick the experts. Traffic: T*E logits read, T*k*8
+bytes written: a few microseconds at any batch; one launch, no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from orinfer.kernels.gemv import check_device
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+
+
+@triton.jit
+def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # Rows past T read row T - 1 (never stored), so every row has a finite maximum.
+    src = tl.minimum(rows, T - 1).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    pad = offs_e[None, :] >= E
+    x = tl.load(logits_ptr + src[:, None] * stride_t + offs_e[None, :], mask=~pad, other=float("-inf"))
+    x = x.to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+    m = tl.max(x, axis=1)
+    e = tl.exp(x - m[:, None])                                  # padding: exp(-inf) = 0
+    total = tl.sum(e, axis=1)
+    offs_k = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    taken = tl.broadcast_to(pad, [BLOCK_T, BLOCK_E])            # padding is never picked
+    for j in range(TOP_K):
+        cand = tl.where(taken, float("-inf"), x)
+        best = tl.max(cand, axis=1)
+        at_best = (cand == best[:, None]) & ~taken
+        pick = tl.min(tl.where(at_best, offs_e[None, :], BLOCK_E), axis=1)     # ties: the lower id
+        hit = offs_e[None, :] == pick[:, None]
+        taken = taken | hit
+        p = tl.sum(tl.where(hit, e, 0.0), axis=1) / total
+        weights = tl.where(offs_k[None, :] == j, p[:, None], weights)
+        ids = tl.where(offs_k[None, :] == j, pick[:, None], ids)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=1)[:, None]     # slots >= TOP_K hold 0
+    out = rows.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
+    mask = (rows[:, None] < T) & (offs_k[None, :] < TOP_K)
+    tl.store(w_ptr + out, weights, mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (fp32/fp16/bf16, unit last stride) -> (weights [T, top_k] fp32, ids [T, top_k] int32),
+    as `moe_route_ref`; E <= 512 and top_k <= 16."""
+    check_device(router_logits)
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    tokens, experts = router_logits.shape
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"moe_route handles 1..{MAX_EXPERTS} experts, got {experts}")
+    if not 1 <= top_k <= min(experts, MAX_TOP_K):
+        raise ValueError(f"top_k must be in 1..min(E, {MAX_TOP_K}), got {top_k} for E = {experts}")
+    if router_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"router_logits must be a float tensor, got {router_logits.dtype}")
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if tokens == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(experts)
+    block_t = min(triton.next_power_of_2(tokens), max(1, 4096 // block_e))   # ~4K fp32 values per program
+    pdl = use_pdl(router_logits)
+    _moe_route_kernel[(triton.cdiv(tokens, block_t),)](
+        router_logits, weights, ids, tokens, experts, router_logits.stride(0), TOP_K=top_k, RENORM=renormalize,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl, num_warps=4,
+        launch_pdl=pdl)
+    return weights, ids

@@ -1,0 +1,158 @@
+"""Times the MoE kernel configs for one expert shape on this GPU and writes the table `fused_moe` then loads.
+
+    python -m orinfer.kernels.moe_tune --preset qwen3-30b-a3b
+    python -m orinfer.kernels.moe_tune --experts 128 --hidden 2048 --inter 768 --top-k 8 \\
+        [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16] [--out DIR] [--quick]
+
+For each token count T: random routing (`moe_route` of normal logits: every expert about equally loaded), then every
+candidate of each stage is timed alone and the fastest sum wins:
+  decode (T <= 16): the up kernel per tile (block_m 1, the FMA loop, only at T = 1; block_m 16, tensor cores), the
+                    down kernel per (tile, split), the split's sum included;
+  grouped:          per block_m, the alignment, the up GEMM per tile, the down GEMM per tile, and the sum.
+Timing: `triton.testing.do_bench` (median; the L2 is flushed before each call, so the weights come from HBM as they do
+in a decode step). A candidate that does not compile or fit (shared memory, registers) is skipped. The table goes
+to orinfer/kernels/moe_configs/ (or --out), named and laid out as `kernels/moe_config.py` documents; each entry
+keeps its measured microseconds ("us") and the defaults' ("default_us") for comparison. A table that exists already
+keeps its entries for the token counts not tuned again, so a preset can be tuned in parts (--tokens 1,2,4,8,16, then
+the rest). Without --quick a full preset takes several minutes (much of it compiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GROUPED_BLOCK_M, TABLE_DIR, MoeConfig, Tile,
+                                        config_to_json, default_config, load_table, table_name)
+
+PRESETS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8)}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# (block_n, block_k, num_warps, num_stages). FMA: one token, a [block_n, block_k] fp32 tile per weight (two for
+# gate/up) in registers, no pipelining (num_stages 1).
+FMA_UP = [Tile(4, 512, 4, 1), Tile(2, 1024, 4, 1), Tile(8, 256, 4, 1), Tile(4, 1024, 4, 1), Tile(8, 512, 8, 1),
+          Tile(2, 2048, 4, 1), Tile(16, 256, 8, 1), Tile(2, 512, 2, 1)]
+FMA_DOWN = [Tile(2, 256, 2, 1), Tile(4, 256, 4, 1), Tile(2, 512, 4, 1), Tile(4, 512, 4, 1), Tile(8, 256, 4, 1),
+            Tile(1, 1024, 4, 1), Tile(2, 1024, 4, 1), Tile(1, 512, 2, 1)]
+# Decode on tensor cores: 64 or 128 weight rows per tile map onto Hopper's wgmma (the tokens are its N = 16).
+DOT_DECODE = [Tile(64, 128, 4, 3), Tile(64, 64, 4, 4), Tile(64, 256, 4, 2), Tile(128, 64, 4, 3),
+              Tile(128, 128, 8, 3), Tile(32, 128, 4, 3)]
+SPLITS_FMA = (1, 2, 4, 8)
+SPLITS_DOT = (1, 2, 4, 8, 16)
+GROUPED = [Tile(64, 64, 4, 3), Tile(64, 64, 4, 4), Tile(128, 64, 4, 3), Tile(128, 64, 8, 3), Tile(64, 128, 4, 3),
+           Tile(128, 128, 8, 3), Tile(256, 64, 8, 3), Tile(32, 64, 4, 4)]
+
+
+def _time(fn: Callable[[], object]) -> float:
+    """Median microseconds of fn() with a cold L2; inf when it does not compile or run."""
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1000.0
+    except Exception:  # out of shared memory / registers, or an invalid tile
+        return float("inf")
+
+
+def _best(timings: dict) -> tuple[object, float]:
+    key = min(timings, key=timings.get)
+    return key, timings[key]
+
+
+def tune_tokens(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, quick: bool = False
+                ) -> tuple[MoeConfig, float, float]:
+    """(the fastest config, its us, the default config's us) for one token count."""
+    from orinfer.kernels import moe_decode, moe_gemm
+    from orinfer.kernels.moe_align import moe_align
+    from orinfer.kernels.moe_ops import fused_moe, moe_route
+
+    experts, _, hidden = w13.shape
+    dev, dtype = w13.device, w13.dtype
+    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+    weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
+    few = (lambda c: c[:2]) if quick else (lambda c: c)
+    results: dict[MoeConfig, float] = {}
+    if tokens <= DECODE_MAX_TOKENS:
+        for block_m in ((1, 16) if tokens == 1 else (16,)):
+            ups, downs = (FMA_UP, FMA_DOWN) if block_m == 1 else (DOT_DECODE, DOT_DECODE)
+            splits = SPLITS_FMA if block_m == 1 else SPLITS_DOT
+            up, up_us = _best({t: _time(lambda t=t: moe_decode.decode_up(x, w13, ids, block_m, t)) for t in few(ups)})
+            h = moe_decode.decode_up(x, w13, ids, block_m, up)
+            down_t = {(t, s): _time(lambda t=t, s=s: moe_decode.decode_down(h, w2, weights, ids, block_m, t, s))
+                      for t in few(downs) for s in few(splits) if s <= tokens * top_k}
+            (down, split), down_us = _best(down_t)
+            results[MoeConfig("decode", block_m, up, down, split)] = up_us + down_us
+    rows = tokens * top_k / experts
+    for block_m in GROUPED_BLOCK_M:
+        if (block_m > 16 and rows < block_m / 4) or (quick and block_m > 32):
+            continue
+        align = moe_align(ids, experts, block_m)
+        align_us = _time(lambda: moe_align(ids, experts, block_m))
+        up, up_us = _best({t: _time(lambda t=t: moe_gemm.grouped_up(x, w13, align, top_k, t)) for t in few(GROUPED)})
+        h = moe_gemm.grouped_up(x, w13, align, top_k, up)
+        down, down_us = _best({t: _time(lambda t=t: moe_gemm.grouped_down(h, w2, align, tokens * top_k, t))
+                               for t in few(GROUPED)})
+        y = moe_gemm.grouped_down(h, w2, align, tokens * top_k, down)
+        sum_us = _time(lambda: moe_gemm.moe_sum(y, weights, tokens, top_k, top_k, 1, dtype))
+        results[MoeConfig("grouped", block_m, up, down)] = align_us + up_us + down_us + sum_us
+    best, best_us = _best(results)
+    default = default_config(tokens, experts, top_k, wide=False)
+    default_us = _time(lambda: fused_moe(x, w13, w2, weights, ids, config=default))
+    return best, best_us, default_us
+
+
+def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, ...] = TOKENS,
+         dtype: torch.dtype = torch.bfloat16, out_dir: Path = TABLE_DIR, quick: bool = False,
+         log: Callable[[str], None] = print) -> Path:
+    """Tunes every token count and writes the table; returns its path."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=dev) * inter ** -0.5).to(dtype)
+    name = torch.cuda.get_device_name(dev)
+    configs = {}
+    for t in tokens:
+        cfg, us, default_us = tune_tokens(t, w13, w2, top_k, quick)
+        configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
+        log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / table_name(name, experts, hidden, inter, top_k, dtype)
+    if path.is_file():                          # entries of other token counts (an earlier run) are kept
+        configs = {**json.loads(path.read_text())["configs"], **configs}
+    configs = dict(sorted(configs.items(), key=lambda item: int(item[0])))
+    table = {"device": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
+             "dtype": str(dtype).removeprefix("torch."), "configs": configs}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    load_table.cache_clear()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), help="E, H, I and k of a released model")
+    p.add_argument("--experts", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--inter", type=int, help="the expert FFN's intermediate size I (w2 is [E, H, I])")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--out", type=Path, default=TABLE_DIR, help="folder of the table (default: the package's)")
+    p.add_argument("--quick", action="store_true", help="two candidates per stage (a smoke run)")
+    args = p.parse_args(argv)
+    shape = PRESETS[args.preset] if args.preset else (args.experts, args.hidden, args.inter, args.top_k)
+    if None in shape:
+        p.error("give --preset, or all of --experts --hidden --inter --top-k")
+    if not torch.cuda.is_available():
+        print("tuning the MoE kernels needs a CUDA device")
+        return 1
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    path = tune(*shape, tokens=tokens, dtype=getattr(torch, args.dtype), out_dir=args.out, quick=args.quick)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,331 @@
+"""The MoE kernels (router, expert sorting, grouped GEMMs, decode path) against their references (kernels/moe.py).
+
+On the CPU they run in Triton's interpreter at small shapes with explicit configs that cover each code path (odd
+H and I, several K steps, ragged tiles); the GPU tests (marked gpu) add 16-bit dtypes at the real shapes of
+Qwen3-30B-A3B and Qwen3.5-35B-A3B, every tuning candidate, and CUDA-graph capture. Outputs are poisoned: floating
+allocations are NaN-filled and integer ones filled with -7777, so an element a kernel forgets to write fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+from kernel_checks import DEVICE, gpu, poison_allocations, randn, skip_module_without_kernels, tol
+from orinfer.kernels import moe_config, moe_tune
+from orinfer.kernels.moe import fused_moe_ref, moe_align_ref, moe_route_ref
+from orinfer.kernels.moe_align import moe_align
+from orinfer.kernels.moe_config import MoeConfig, Tile
+from orinfer.kernels.moe_ops import fused_moe, moe_route
+
+skip_module_without_kernels()
+
+MIXED = (torch.float32, torch.bfloat16)      # fp32 activations, bf16 weights
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+               MIXED]
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    poison_allocations(monkeypatch)
+    empty = torch.empty
+
+    def poisoned_ints(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t if t.is_floating_point() else t.fill_(-7777)
+
+    monkeypatch.setattr(torch, "empty", poisoned_ints)
+
+
+def routing(tokens: int, experts: int, top_k: int, mode: str = "random") -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids): the router's top-k of normal logits; "skip": expert 1 is never chosen; "same": every token
+    takes experts 0..k-1 (one expert gets every token)."""
+    logits = randn(tokens, experts)
+    if mode == "skip":
+        logits[:, 1] = -1e4
+    elif mode == "same":
+        logits[:, :top_k] += 100.0
+    return moe_route_ref(logits, top_k, True)
+
+
+def experts(n: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, H] and w2 [E, H, I], scaled so that each product is O(1)."""
+    return randn(n, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5), randn(n, hidden, inter, dtype=dtype,
+                                                                                 scale=inter ** -0.5)
+
+
+def check_fused(tokens: int, n_experts: int, top_k: int, hidden: int, inter: int, dtypes: tuple, cfg: MoeConfig | None,
+                mode: str = "random") -> None:
+    x_dtype, w_dtype = dtypes
+    x = randn(tokens, hidden, dtype=x_dtype)
+    w13, w2 = experts(n_experts, hidden, inter, w_dtype)
+    weights, ids = routing(tokens, n_experts, top_k, mode)
+    got = fused_moe(x, w13, w2, weights, ids, config=cfg)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights, ids)
+    assert got.dtype == x_dtype and got.shape == (tokens, hidden)
+    torch.testing.assert_close(got.double(), ref, **tol(x_dtype, 2))
+
+
+# --- router -----------------------------------------------------------------------------------------------------------
+
+slow = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tokens,n_experts,top_k,dtype,renormalize", [
+    (1, 4, 1, torch.float32, True), (3, 8, 2, torch.bfloat16, True), (17, 60, 8, torch.float16, False),
+    (100, 128, 8, torch.bfloat16, True), (3, 512, 16, torch.float32, True), (17, 8, 8, torch.float32, False),
+    (5, 512, 10, torch.bfloat16, True),
+    pytest.param(100, 512, 16, torch.bfloat16, False, marks=slow), pytest.param(100, 60, 8, torch.float32, True,
+                                                                                marks=slow)])
+def test_moe_route(tokens, n_experts, top_k, dtype, renormalize):
+    logits = randn(tokens, n_experts, dtype=dtype, scale=3)
+    weights, ids = moe_route(logits, top_k, renormalize)
+    ref_weights, ref_ids = moe_route_ref(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=4e-6)   # fp32: a few ulps
+
+
+def test_moe_route_ties_go_to_the_lower_id():
+    logits = torch.zeros(3, 8, device=DEVICE)
+    logits[1, [2, 5, 6]] = 1.0                          # three equal maxima, k = 2: experts 2 and 5
+    logits[2, 3] = -float("inf")                        # a masked-out expert is never picked before finite ones
+    weights, ids = moe_route(logits, 2, False)
+    assert ids.tolist() == [[0, 1], [2, 5], [0, 1]]
+    ref_weights, ref_ids = moe_route_ref(logits, 2, False)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-7, rtol=1e-6)
+
+
+def test_moe_route_strided_logits_and_bad_arguments():
+    wide = randn(5, 40)
+    logits = wide[:, 4:36]                                  # a strided view of 32 experts
+    for got, ref in zip(moe_route(logits, 4, True), moe_route_ref(logits, 4, True)):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=4e-6)
+    with pytest.raises(ValueError, match="experts"):
+        moe_route(randn(2, 513), 8, True)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(randn(2, 8), 9, True)
+    assert moe_route(randn(0, 8), 2, True)[1].shape == (0, 2)
+
+
+# --- sorting and block alignment --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,n_experts,top_k,block_m,mode,id_dtype", [
+    (1, 4, 1, 16, "random", torch.int32), (3, 8, 2, 16, "random", torch.int64), (17, 60, 8, 16, "random", torch.int32),
+    (100, 4, 1, 32, "random", torch.int64), (100, 60, 8, 64, "skip", torch.int32), (17, 8, 2, 16, "same", torch.int32),
+    (100, 8, 8, 128, "same", torch.int64), pytest.param(40, 512, 16, 16, "random", torch.int32, marks=slow)])
+def test_moe_align(tokens, n_experts, top_k, block_m, mode, id_dtype):
+    ids = routing(tokens, n_experts, top_k, mode)[1].to(id_dtype)
+    got = moe_align(ids, n_experts, block_m)
+    ref_pairs, ref_blocks = moe_align_ref(ids, n_experts, block_m)
+    assert torch.equal(got.sorted_pairs, ref_pairs)
+    assert torch.equal(got.block_expert, ref_blocks)
+
+
+def test_moe_align_ref_layout():
+    """The contract on a hand-made case: pairs of one expert in order, segments padded to block_m, -1 past them."""
+    ids = torch.tensor([[2, 0], [2, 3]], device=DEVICE)        # pairs 0..3 chose 2, 0, 2, 3
+    pairs, blocks = moe_align_ref(ids, 5, 16)
+    assert pairs.numel() == 64 and blocks.tolist() == [0, 2, 3, -1]
+    assert pairs[0].item() == 1 and pairs[16:18].tolist() == [0, 2] and pairs[32].item() == 3
+    assert (pairs == 4).sum().item() == 60
+
+
+# --- fused MoE: grouped GEMMs and the decode path ---------------------------------------------------------------------
+
+# Explicit configs: every inner loop, several K steps and output tiles, ragged tails (H = 72, I = 40) and whole tiles
+# (64, 32: EVEN_K), at sizes the interpreter runs in a few seconds.
+GROUPED_16 = MoeConfig("grouped", 16, Tile(32, 32, 4, 1), Tile(64, 32, 4, 1))
+GROUPED_32 = MoeConfig("grouped", 32, Tile(16, 64, 4, 1), Tile(32, 16, 4, 1))
+GROUPED_64 = MoeConfig("grouped", 64, Tile(64, 64, 4, 1), Tile(64, 64, 4, 1))
+DECODE_FMA = MoeConfig("decode", 1, Tile(8, 32, 4, 1), Tile(16, 16, 4, 1))
+DECODE_FMA_SPLIT = MoeConfig("decode", 1, Tile(16, 64, 4, 1), Tile(32, 32, 4, 1), split=3)
+DECODE_DOT = MoeConfig("decode", 16, Tile(16, 32, 4, 1), Tile(32, 32, 4, 1))
+DECODE_DOT_SPLIT = MoeConfig("decode", 16, Tile(32, 16, 4, 1), Tile(64, 64, 4, 1), split=4)
+
+
+@pytest.mark.parametrize("tokens,n_experts,top_k,mode,cfg,hidden,inter", [
+    # grouped GEMMs (None: the default grouped config)
+    (1, 4, 1, "random", GROUPED_16, 72, 40), (3, 8, 2, "random", GROUPED_32, 64, 32),
+    (17, 60, 2, "skip", GROUPED_16, 72, 40), (100, 8, 2, "random", GROUPED_32, 72, 40),
+    (100, 4, 1, "same", GROUPED_64, 64, 32), (17, 8, 8, "same", None, 72, 40),
+    pytest.param(17, 60, 8, "skip", GROUPED_32, 72, 40, marks=slow),
+    pytest.param(100, 60, 8, "random", GROUPED_64, 72, 40, marks=slow),
+    pytest.param(100, 8, 2, "same", GROUPED_16, 64, 32, marks=slow),
+    # the decode path: one token on the FMA loop, up to 16 on dots; "same": the first pair of each expert runs it
+    # for every token that chose it
+    (1, 8, 2, "random", DECODE_FMA, 72, 40), (1, 60, 8, "random", DECODE_FMA_SPLIT, 64, 32),
+    (1, 4, 1, "random", DECODE_DOT, 72, 40), (3, 8, 2, "same", DECODE_DOT, 64, 32),
+    (3, 60, 2, "skip", DECODE_DOT_SPLIT, 72, 40), (16, 4, 2, "random", DECODE_DOT_SPLIT, 64, 32),
+    (3, 12, 3, "random", DECODE_DOT, 64, 32), (5, 12, 3, "random", GROUPED_16, 64, 32),    # k not a power of 2
+    pytest.param(3, 60, 8, "skip", DECODE_DOT_SPLIT, 72, 40, marks=slow),
+    pytest.param(8, 8, 8, "same", DECODE_DOT, 72, 40, marks=slow),
+    pytest.param(1, 60, 8, "random", DECODE_FMA_SPLIT, 72, 40, marks=slow)])
+def test_fused_moe(tokens, n_experts, top_k, mode, cfg, hidden, inter):
+    """Each path in fp32 against the fp64 reference."""
+    check_fused(tokens, n_experts, top_k, hidden, inter, (torch.float32, torch.float32), cfg, mode)
+
+
+@pytest.mark.pairwise
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=["fp32", "fp16", "bf16", "mixed"])
+@pytest.mark.parametrize("tokens,cfg", [(1, DECODE_FMA), (5, DECODE_DOT), (9, GROUPED_16)],
+                         ids=["b1-fma", "b5-dot", "b9-grouped"])
+def test_fused_moe_dtypes(dtypes, tokens, cfg):
+    """16-bit activations and weights (h and y rounded as the reference rounds them) and mixed mode."""
+    check_fused(tokens, 4, 2, 40, 24, dtypes, cfg)
+
+
+def test_fused_moe_default_configs_and_dispatch():
+    """Without a table: one token -> decode FMA, up to 8 -> decode dot, more -> grouped; all give the reference."""
+    w13 = torch.empty(8, 80, 72, device=DEVICE)
+    for tokens, path, block_m in ((1, "decode", 1), (8, "decode", 16), (9, "grouped", 16)):
+        x = torch.empty(tokens, 72, device=DEVICE)
+        cfg = moe_config.pick_config(x, w13, 2)
+        assert (cfg.path, cfg.block_m) == (path, block_m) and moe_config.valid(cfg, tokens)
+    check_fused(12, 8, 2, 72, 40, (torch.float32, torch.float32), None)
+
+
+def test_fused_moe_rejects_bad_inputs_and_falls_back_for_other_dtypes():
+    x = randn(3, 16)
+    w13, w2 = experts(4, 16, 8, torch.float32)
+    weights, ids = routing(3, 4, 2)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_moe(x, w13, w2[:, :, :4], weights, ids)
+    with pytest.raises(ValueError, match="topk"):
+        fused_moe(x, w13, w2, weights[:2], ids[:2])
+    with pytest.raises(ValueError, match="cannot run"):
+        fused_moe(x, w13, w2, weights, ids, config=DECODE_FMA)      # the FMA loop takes one token
+    x16 = x.to(torch.bfloat16)                                      # 16-bit x with fp32 weights: the reference
+    torch.testing.assert_close(fused_moe(x16, w13, w2, weights, ids), fused_moe_ref(x16, w13, w2, weights, ids))
+    assert fused_moe(randn(0, 16), w13, w2, weights[:0], ids[:0]).shape == (0, 16)
+
+
+# --- config tables ----------------------------------------------------------------------------------------------------
+
+def test_config_table_round_trip_and_lookup(tmp_path):
+    decode = MoeConfig("decode", 1, Tile(4, 512, 4, 1), Tile(2, 256, 2, 1), 1)
+    dot = MoeConfig("decode", 16, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3), 8)
+    grouped = MoeConfig("grouped", 32, Tile(128, 64, 8, 3), Tile(64, 64, 4, 4))
+    name = moe_config.table_name("NVIDIA H200 (x)", 128, 2048, 768, 8, torch.bfloat16)
+    assert name == "NVIDIA_H200_x_E128_H2048_I768_k8_bfloat16.json"
+    entries = {"1": decode, "8": dot, "256": grouped}
+    path = tmp_path / name
+    path.write_text(json.dumps({"configs": {t: {**moe_config.config_to_json(c), "us": 1.0}
+                                            for t, c in entries.items()}}))
+    table = moe_config.load_table(str(path))
+    assert table == {1: decode, 8: dot, 256: grouped}
+    assert moe_config.table_config(1, table) == decode
+    assert moe_config.table_config(2, table) == dot and moe_config.table_config(8, table) == dot
+    assert moe_config.table_config(9, table) == grouped and moe_config.table_config(5000, table) == grouped
+    assert moe_config.table_config(20, {8: dot}) is None                 # decode entry beyond its 16 tokens
+    assert moe_config.load_table(str(tmp_path / "missing.json")) == {}
+
+
+def test_tune_command_needs_a_shape():
+    with pytest.raises(SystemExit):
+        moe_tune.main(["--experts", "8"])
+
+
+# --- GPU: real shapes, 16-bit, every candidate, CUDA graphs -----------------------------------------------------------
+
+QWEN3_30B = (128, 2048, 768, 8)
+QWEN3_5_35B = (256, 2048, 512, 8)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_experts,top_k", [(128, 8), (256, 8), (512, 10), (60, 4)])
+@pytest.mark.parametrize("tokens", [1, 7, 2048])
+def test_gpu_moe_route(n_experts, top_k, tokens):
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = randn(tokens, n_experts, dtype=dtype, scale=2)
+        weights, ids = moe_route(logits, top_k, True)
+        ref_weights, ref_ids = moe_route_ref(logits, top_k, True)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=4e-6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3_30B, QWEN3_5_35B], ids=["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=["fp32", "fp16", "bf16", "mixed"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64, 300, 2048])
+def test_gpu_fused_moe_real_shapes(shape, dtypes, tokens):
+    n_experts, hidden, inter, top_k = shape
+    check_fused(tokens, n_experts, top_k, hidden, inter, dtypes, None)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,mode", [(2048, "same"), (64, "skip"), (16, "same")])
+def test_gpu_fused_moe_skewed_routing(dtype, tokens, mode):
+    """Every token to the same k experts: one expert segment of T rows (many blocks of one expert)."""
+    n_experts, hidden, inter, top_k = QWEN3_30B
+    check_fused(tokens, n_experts, top_k, hidden, inter, (dtype, dtype), None, mode)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_every_tuning_candidate_is_correct():
+    """Whatever tile the tuner writes into a table computes the reference (bf16, Qwen3-30B-A3B's expert shape); the
+    splits and row blocks cycle over the tiles, so each kernel variant compiles once."""
+    n_experts, hidden, inter, top_k = QWEN3_30B
+    t = moe_tune
+    cases = [(1, MoeConfig("decode", 1, up, down, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
+             for i, (up, down) in enumerate(zip(t.FMA_UP, t.FMA_DOWN))]
+    cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
+              for i, tile in enumerate(t.DOT_DECODE)]
+    block_m = moe_config.GROUPED_BLOCK_M
+    cases += [(256, MoeConfig("grouped", block_m[i % len(block_m)], tile, tile)) for i, tile in enumerate(t.GROUPED)]
+    w13, w2 = experts(n_experts, hidden, inter, torch.bfloat16)
+    inputs = {n: (randn(n, hidden, dtype=torch.bfloat16), *routing(n, n_experts, top_k)) for n in (1, 8, 256)}
+    refs = {n: fused_moe_ref(x.double(), w13.double(), w2.double(), w, i) for n, (x, w, i) in inputs.items()}
+    for tokens, cfg in cases:
+        x, weights, ids = inputs[tokens]
+        try:
+            got = fused_moe(x, w13, w2, weights, ids, config=cfg)
+        except OutOfResources:  # a tile that does not fit this GPU (the tuner skips it too)
+            continue
+        torch.testing.assert_close(got.double(), refs[tokens], **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_fused_moe_cuda_graph(tokens):
+    """Route + experts captured in a CUDA graph (no host sync inside), replayed on new inputs: the eager results."""
+    n_experts, hidden, inter, top_k = QWEN3_30B
+    w13, w2 = experts(n_experts, hidden, inter, torch.bfloat16)
+    x, logits = randn(tokens, hidden, dtype=torch.bfloat16), randn(tokens, n_experts)
+
+    def step():
+        return fused_moe(x, w13, w2, *moe_route(logits, top_k, True))
+
+    step()                                                   # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        x.copy_(randn(tokens, hidden, dtype=torch.bfloat16))
+        logits.copy_(randn(tokens, n_experts))
+        graph.replay()
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_tune_writes_a_table_that_fused_moe_loads(tmp_path, monkeypatch):
+    path = moe_tune.tune(8, 256, 128, 2, tokens=(1, 4, 64), out_dir=tmp_path, quick=True, log=lambda s: None)
+    table = moe_config.load_table(str(path))
+    assert sorted(table) == [1, 4, 64] and all(moe_config.valid(c, t) for t, c in table.items())
+    monkeypatch.setattr(moe_config, "TABLE_DIR", tmp_path)
+    x = randn(4, 256, dtype=torch.bfloat16)
+    w13, _ = experts(8, 256, 128, torch.bfloat16)
+    assert moe_config.pick_config(x, w13, 2) == table[4]
+    check_fused(4, 8, 2, 256, 128, (torch.bfloat16, torch.bfloat16), None)

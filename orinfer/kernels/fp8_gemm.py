@@ -29,8 +29,8 @@ from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
 from orinfer.kernels.fp8_mm import sm_count
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.splitk import counters, plan, splitk_publish, splitk_release, splitk_total
-from orinfer.kernels.tiles import grouped_tile, store_tile, tile_rows
+from orinfer.kernels.splitk import counters, plan, splitk_store
+from orinfer.kernels.tiles import grouped_tile, tile_rows
 
 
 @triton.jit
@@ -76,13 +76,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr
     if PDL:
         gdc_launch_dependents()
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if SPLIT > 1:
-        if splitk_publish(acc, ws_ptr, cnt_ptr, tl.program_id(0), 0, offs_m, offs_n, mask, M, N, SPLIT, 1):
-            acc = splitk_total(ws_ptr, 0, offs_m, offs_n, mask, M, N, SPLIT, 1)
-            store_tile(out_ptr, acc, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, False, CLAMP16)
-            splitk_release(cnt_ptr, tl.program_id(0))
-    else:
-        store_tile(out_ptr, acc, acc, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, False, CLAMP16)
+    splitk_store(acc, acc, ws_ptr, cnt_ptr, tl.program_id(0), out_ptr, b_ptr, rn, offs_m, offs_n, mask, M, N,
+                 stride_om, SPLIT, HAS_BIAS, False, CLAMP16)
 
 
 class Fp8GemmConfig(NamedTuple):

@@ -40,8 +40,8 @@ import triton.language as tl
 from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
 from orinfer.kernels.gemv import as_rows, check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.splitk import counters, plan, splitk_publish, splitk_release, splitk_total
-from orinfer.kernels.tiles import grouped_tile, store_tile, tile_rows
+from orinfer.kernels.splitk import counters, plan, splitk_store
+from orinfer.kernels.tiles import grouped_tile, tile_rows
 
 A16_BF16, A16_FP16, PLAIN = 0, 1, 2
 
@@ -150,19 +150,8 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     g = tl.trans(acc_g)                               # [BLOCK_M, BLOCK_N]: row-major, coalesced stores
     u = tl.trans(acc_u)
     mask = (offs_m < M)[:, None] & (offs_n < N_OUT)[None, :]
-    if SPLIT > 1:
-        parts: tl.constexpr = 2 if GATED else 1
-        last = splitk_publish(g, ws_ptr, cnt_ptr, pid, 0, offs_m, offs_n, mask, M, N_OUT, SPLIT, parts)
-        if GATED:
-            last = splitk_publish(u, ws_ptr, cnt_ptr, pid, 1, offs_m, offs_n, mask, M, N_OUT, SPLIT, parts)
-        if last:
-            g = splitk_total(ws_ptr, 0, offs_m, offs_n, mask, M, N_OUT, SPLIT, parts)
-            if GATED:
-                u = splitk_total(ws_ptr, 1, offs_m, offs_n, mask, M, N_OUT, SPLIT, parts)
-            store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
-            splitk_release(cnt_ptr, pid)
-    else:
-        store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
+    splitk_store(g, u, ws_ptr, cnt_ptr, pid, out_ptr, b_ptr, rn, offs_m, offs_n, mask, M, N_OUT, stride_om, SPLIT,
+                 HAS_BIAS, GATED, CLAMP16)
 
 
 class Fp8MmConfig(NamedTuple):

@@ -4,7 +4,8 @@ A decode-sized GEMM has only N / BLOCK_N output tiles (Qwen3-8B's o projection: 
 programs to keep enough bytes in flight on 132 SMs, so K is split over SPLIT programs per tile. Each stores its fp32
 partial sums [BLOCK_M, BLOCK_N] in a workspace [SPLIT, PARTS, M, N] (PARTS = 2 for gate and up), then increments the
 tile's counter; the program that finds SPLIT - 1 there (the last to finish) adds the SPLIT partials in split order
-(deterministic: no float atomics), finishes the tile and sets the counter back to 0. One launch (a separate reduce
+(deterministic: no float atomics), finishes the tile and sets the counter back to 0 (`splitk_store`, which a kernel
+calls with its tile's fp32 sums; it stores them directly when SPLIT == 1). One launch (a separate reduce
 kernel would cost a launch per projection, ~4 per layer at batch 1), CUDA-graph safe: the counters live in one
 persistent zeroed buffer per device (`counters`) and every launch leaves them at 0.
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from orinfer.kernels.tiles import store_tile
 
 MAX_TILES = 1 << 16   # counters per device: more tiles than any split launch has (lm_head at 128 rows: 1187)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -49,27 +52,35 @@ def plan(tiles: int, steps: int, split_k: int, sms: int, min_steps: int = 4) -> 
 
 
 @triton.jit
-def splitk_publish(acc, ws_ptr, cnt_ptr, tile, part: tl.constexpr, offs_m, offs_n, mask, M, N, SPLIT: tl.constexpr,
+def _plane_offsets(plane, offs_m, offs_n, M, N):
+    """int64 offsets of the tile's elements in workspace plane `plane` ([M, N] each, SPLIT * PARTS of them). The
+    launcher turns an int argument equal to 1 (M = 1) into a constexpr: `plane * M` may be a plain int, so the row
+    index becomes a tensor (+ offs_m) before the widening."""
+    return (plane * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+
+
+@triton.jit
+def splitk_publish(g, u, ws_ptr, cnt_ptr, tile, offs_m, offs_n, mask, M, N, SPLIT: tl.constexpr,
                    PARTS: tl.constexpr):
-    """Stores partial sums `acc` [BLOCK_M, BLOCK_N] as part `part` of this program's split (program_id(1)) and
-    returns whether this program is the tile's last (then it must call `splitk_total` and `splitk_release`).
-    All parts of a program are stored before its call with part == PARTS - 1, which counts it."""
-    slot = (tl.program_id(1) * PARTS + part) * M
-    tl.store(ws_ptr + (slot + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
-    last = False
-    if part == PARTS - 1:
-        tl.debug_barrier()                  # every thread's partials are issued before the release below
-        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    return last
+    """Stores this program's partial sums [BLOCK_M, BLOCK_N] (`g`, and `u` when PARTS == 2) as its split's parts
+    (program_id(1)), counts the program in, and returns whether it is the tile's last (an i1 scalar, the same type on
+    every path): then it must call `splitk_total` and `splitk_release`."""
+    split = tl.program_id(1)
+    tl.store(ws_ptr + _plane_offsets(split * PARTS, offs_m, offs_n, M, N), g, mask=mask)
+    if PARTS == 2:
+        tl.store(ws_ptr + _plane_offsets(split * PARTS + 1, offs_m, offs_n, M, N), u, mask=mask)
+    tl.debug_barrier()                      # every thread's partials are issued before the release below
+    return tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
 
 
 @triton.jit
 def splitk_total(ws_ptr, part: tl.constexpr, offs_m, offs_n, mask, M, N, SPLIT: tl.constexpr, PARTS: tl.constexpr):
-    """Sum over the splits, in split order, of part `part` of the tile's partials [BLOCK_M, BLOCK_N] fp32."""
-    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    total = tl.load(ws_ptr + part * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT):
-        total += tl.load(ws_ptr + ((s * PARTS + part) * M).to(tl.int64) * N + offs, mask=mask, other=0.0,
+    """Sum over the splits, in split order, of part `part` of the tile's partials [BLOCK_M, BLOCK_N] fp32. A loop, not
+    unrolled: unrolled, the compiler issued all SPLIT loads at once (the W8A8 GEMM's 64 x 128 tile at 8 splits: 255
+    registers and spills; looped: 196, none)."""
+    total = tl.load(ws_ptr + _plane_offsets(part, offs_m, offs_n, M, N), mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLIT):
+        total += tl.load(ws_ptr + _plane_offsets(s * PARTS + part, offs_m, offs_n, M, N), mask=mask, other=0.0,
                          cache_modifier=".cg")
     return total
 
@@ -78,3 +89,24 @@ def splitk_total(ws_ptr, part: tl.constexpr, offs_m, offs_n, mask, M, N, SPLIT: 
 def splitk_release(cnt_ptr, tile):
     """Sets the tile's counter back to 0 for the next launch (called once, by the tile's last program)."""
     tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def splitk_store(g, u, ws_ptr, cnt_ptr, tile, out_ptr, b_ptr, rn, offs_m, offs_n, mask, M, N, stride_om,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr):
+    """Stores a tile's result (`tiles.store_tile` of the fp32 sums g, u [BLOCK_M, BLOCK_N]): directly when SPLIT == 1,
+    else through the workspace by the tile's last program (`tile`: its counter). The runtime branch on "last" assigns
+    only names of its own, so no value changes type across it (what the GPU compiler requires of a runtime `if`,
+    and the interpreter does not check)."""
+    if SPLIT == 1:
+        store_tile(out_ptr, g, u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, CLAMP16)
+    else:
+        PARTS: tl.constexpr = 2 if GATED else 1
+        if splitk_publish(g, u, ws_ptr, cnt_ptr, tile, offs_m, offs_n, mask, M, N, SPLIT, PARTS):
+            total_g = splitk_total(ws_ptr, 0, offs_m, offs_n, mask, M, N, SPLIT, PARTS)
+            total_u = total_g
+            if GATED:
+                total_u = splitk_total(ws_ptr, 1, offs_m, offs_n, mask, M, N, SPLIT, PARTS)
+            store_tile(out_ptr, total_g, total_u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED,
+                       CLAMP16)
+            splitk_release(cnt_ptr, tile)

@@ -53,11 +53,33 @@ def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
 
 
-def compile_in_child(script: str, *args: str) -> dict:
-    """Runs a compile script in a child process without the CPU interpreter (conftest.py turns it on, and interpreted
-    @triton.jit functions cannot be compiled) and returns the JSON it prints."""
+def _child_env() -> dict[str, str]:
+    """The environment of a compile script: without the CPU interpreter (conftest.py turns it on, and interpreted
+    @triton.jit functions cannot be compiled), the repository on the path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout)
+    return env
+
+
+def compile_in_child(script: str, *args: str) -> dict:
+    """Runs a compile script in a child process without the CPU interpreter and returns the JSON it prints."""
+    return compile_in_children(script, [args])[0]
+
+
+def compile_in_children(script: str, arg_lists: list[tuple[str, ...]], timeout: float = 600) -> list:
+    """Runs the compile script once per argument list, the runs side by side (one process each), and returns the
+    JSON each printed, in order."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args], env=_child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in arg_lists]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"compiling for sm_90 failed:\n{err[-3000:]}"
+            results.append(json.loads(out))
+    finally:
+        for proc in procs:               # the others, after a failure or a timeout
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results

@@ -324,15 +324,19 @@ def test_gpu_fp8_model_triton_matches_torch_backend(tmp_path, cuda_graph):
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_fp8_kernel_bench_runs(monkeypatch):
-    """`python -m orinfer.bench.fp8_kernels` end to end on small shapes (its sections, its sweep, the markdown)."""
+def test_gpu_fp8_kernel_bench_runs(monkeypatch, tmp_path):
+    """`python -m orinfer.bench.fp8_kernels --sweep --out DIR` end to end on small shapes (its sections, its sweep,
+    the markdown and JSON files)."""
+    import json
+
     from orinfer.bench import fp8_kernels
 
     monkeypatch.setattr(fp8_kernels, "SHAPES", {"o": (512, 256), "gate_up": (1024, 256)})
-    rows = fp8_kernels.run_fp8_bench(iters=2, sweep=True)
+    assert fp8_kernels.main(["--iters", "2", "--sweep", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "fp8-kernels.json").read_text())["rows"]
     assert {r["section"] for r in rows} == {"ceiling", "decode", "M=64", "prefill"}
     assert all(r["us"] > 0 for r in rows if r.get("us") is not None)
-    assert "| decode: gate_up |" in fp8_kernels.markdown(rows)
+    assert "| decode: gate_up |" in (tmp_path / "out" / "fp8-kernels.md").read_text()
 
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter; CI's slow tier and the GPU run it

@@ -11,13 +11,15 @@
 Timing: each op is captured in a CUDA graph over enough copies of its weights (rotated call after call, 4x the L2
 size in all) that every call reads its weights from HBM, as a decode step does; a graph replays the calls back to
 back (no launch gaps), the median of `--iters` replays is divided by the calls. Run:
-`python -m orinfer.bench.fp8_kernels [--sweep] [--json out.json]` (needs a CUDA device; importing this module does not).
+`python -m orinfer.bench.fp8_kernels [--sweep] [--out DIR] [--json out.json]` (needs a CUDA device; importing this
+module does not); --out writes DIR/fp8-kernels.md and DIR/fp8-kernels.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable
 
 import torch
@@ -174,13 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time every candidate tile of each FP8 kernel")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--out", help="also write fp8-kernels.md (the table) and fp8-kernels.json (the rows) in this folder")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("the FP8 kernel benchmark needs a CUDA device")
         return 1
     rows = run_fp8_bench(args.device, args.iters, args.sweep)
+    out = (lambda ext: os.path.join(args.out, f"fp8-kernels.{ext}")) if args.out else (lambda ext: None)
     report(rows, markdown(rows), f"FP8 block-wise kernels vs bf16 on {{device}} (Qwen3-8B shapes, torch "
-           f"{torch.__version__})", args.device, args.json, torch=torch.__version__)
+           f"{torch.__version__})", args.device, args.json or out("json"), out("md"), torch=torch.__version__)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Callable
 
 import torch
@@ -319,14 +320,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(rows: list[dict], table: str, title: str, device: str, json_path: str | None, **meta: object) -> None:
-    """Prints `title` ({device} filled in) and the table; writes {device, **meta, rows} to `json_path` if given."""
+def report(rows: list[dict], table: str, title: str, device: str, json_path: str | None, md_path: str | None = None,
+           **meta: object) -> None:
+    """Prints `title` ({device} filled in) and the table; writes {device, **meta, rows} to `json_path` and the title
+    and table to `md_path` if given (their folders made)."""
     name = torch.cuda.get_device_name(torch.device(device))
-    print(f"# {title.format(device=name)}\n")
-    print(table)
+    text = f"# {title.format(device=name)}\n\n{table}\n"
+    print(text)
     if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
         with open(json_path, "w") as f:
             json.dump({"device": name, **meta, "rows": rows}, f, indent=1, default=str)
+    if md_path:
+        os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
+        with open(md_path, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

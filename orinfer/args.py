@@ -84,6 +84,9 @@ class EngineArgs:
         "hybrid models (Qwen3.5) with prefix caching: linear-attention states kept at prompt ends for later prompts "
         "that start with the same tokens (default: a quarter of max_num_seqs, at least 1); each is one sequence's "
         "state, from the KV-cache budget", metavar="N"))
+    tensor_parallel_size: int = field(default=1, metadata=_cli(
+        "split the model over N GPUs of this host (one process each, NCCL; on the CPU: N processes over gloo); "
+        "Qwen2/Qwen3 and Qwen3-MoE 16-bit models", metavar="N"))
     cuda_graph: bool = field(default=True, metadata=_cli(
         "replay decode steps as CUDA graphs (triton backend); --no-cuda-graph runs them eagerly (debugging)"))
     fused_ffn: bool = field(default=True, metadata=_cli(
@@ -109,7 +112,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raises ConfigError naming the first setting out of range."""
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -11,6 +11,10 @@ import torch
 
 from orinfer.args import EngineArgs
 from orinfer.config import QWEN3_VL_MOE_ARCHITECTURE, VL_ARCHITECTURE, ModelConfig, resolve_dtype
+from orinfer.distributed.executor import TensorParallelExecutor
+from orinfer.distributed.group import rank_local
+from orinfer.distributed.shard_source import ShardSource
+from orinfer.distributed.sharding import check_supported
 from orinfer.engine.llm_engine import DraftParts, EngineParts, LLMEngine
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError, RequestError
@@ -52,8 +56,23 @@ def _load_draft(args: EngineArgs, target: ModelConfig, ops: Any, weight_dtype: t
     if config.is_hybrid or config.is_multimodal:
         raise ConfigError(f"speculative_config: the draft model must be a text-only decoder without linear attention "
                           f"(e.g. Qwen3-0.6B), not {config.architecture}")
-    model = load_hf_model(draft_dir, ops, weight_dtype, act_dtype, device, config, progress=args.progress)
+    with rank_local():  # tensor parallelism: the draft is whole, on rank 0 only, and runs without collectives
+        model = load_hf_model(draft_dir, ops, weight_dtype, act_dtype, device, config, progress=args.progress)
     return DraftParts(model, config)
+
+
+def start_tensor_parallel(source: ShardSource) -> TensorParallelExecutor:
+    """Checks that `source` can be split over `args.tensor_parallel_size` ranks, then starts them (rank 0 here)."""
+    world = source.args.tensor_parallel_size
+    check_supported(source.config, world)
+    if source.device_type == "cuda":
+        if source.args.device not in (None, "cuda"):
+            raise ConfigError(f"tensor_parallel_size {world} runs rank r on cuda:r; device must be 'cuda', "
+                              f"not {source.args.device!r}")
+        if torch.cuda.device_count() < world:
+            raise ConfigError(f"tensor_parallel_size {world} needs {world} GPUs; this machine has "
+                              f"{torch.cuda.device_count()}")
+    return TensorParallelExecutor(source, world)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -95,7 +114,14 @@ class LLM:
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
         home = _home(model_dir, args, seed_bin)
         tok = _load_tokenizer(args.tokenizer, home, model_config.architecture in _QWEN3_VL_TEMPLATE)
-        if seed_bin:
+        executor = None
+        if args.tensor_parallel_size > 1:
+            if seed_bin:
+                raise ConfigError("tensor_parallel_size > 1 needs a Hugging Face directory, not the seed's .bin file")
+            executor = start_tensor_parallel(ShardSource(model_config, str(model_dir), weight_dtype, act_dtype, args,
+                                                         dev.type))
+            net, ops, dev = executor.driver_model(), executor.shard.ops, executor.shard.device
+        elif seed_bin:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
             net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=args.progress)
@@ -106,12 +132,28 @@ class LLM:
         image_processor = _image_processor(home, args.max_pixels) if model_config.is_multimodal else None
         parts = EngineParts(net, model_config, tok, read_generation_config(home), dev, act_dtype, ops=ops,
                             image_processor=image_processor,
-                            draft=_load_draft(args, model_config, ops, weight_dtype, act_dtype, dev))
-        self.engine = LLMEngine(parts, args)
+                            draft=_load_draft(args, model_config, ops, weight_dtype, act_dtype, dev),
+                            executor=executor)
+        try:
+            self.engine = LLMEngine(parts, args)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
         self.tokenizer = tok
         self.device = dev
         log.info("loaded %s (%s, %s weights, %s activations, %s backend)", model_dir, model_config.architecture,
                  weight_dtype, act_dtype, ops.name)
+
+    def close(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism; nothing to do otherwise). Also run at exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def load_tokenizer(model: str | Path, args: EngineArgs | None = None) -> Any:
@@ -128,7 +170,12 @@ class LLM:
     def from_parts(cls, parts: EngineParts, args: EngineArgs | None = None) -> "LLM":
         """An LLM over an already built model (random weights for benchmarks, models made in tests)."""
         self = cls.__new__(cls)
-        self.engine = LLMEngine(parts, args or EngineArgs())
+        try:
+            self.engine = LLMEngine(parts, args or EngineArgs())
+        except BaseException:
+            if parts.executor is not None:
+                parts.executor.shutdown()
+            raise
         self.tokenizer = parts.tokenizer
         self.device = parts.device
         return self

@@ -209,8 +209,9 @@ def test_short_context_graphs_serve_short_contexts(tiny_path, monkeypatch):
             g = llm.engine.runner.graphs
             assert g.short_buckets == [1, 2] and g.short_tokens == 64 and g.short_blocks == 4
             short, full = g.short_graphs[1], g.graphs[1]
-            assert g.graph_for(1, 64)[0] is short and g.graph_for(1, 65)[0] is full
-            assert g.graph_for(2, 1)[0] is g.short_graphs[2] and g.graph_for(4, 1)[0] is g.graphs[4]
+            assert g.graph_for(g.graph_key(1, 64))[0] is short and g.graph_for(g.graph_key(1, 65))[0] is full
+            assert g.graph_for(g.graph_key(2, 1))[0] is g.short_graphs[2]
+            assert g.graph_for(g.graph_key(4, 1))[0] is g.graphs[4]
             # 47 decode steps at contexts 41..87 tokens: those up to 64 replay the short graph.
             assert sum(r is short for r in replayed) == 24 and sum(r is full for r in replayed) == 23
     assert outs[True] == outs[False]

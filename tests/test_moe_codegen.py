@@ -46,12 +46,13 @@ for x, w in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf1
             bm, dot = cfg.block_m, cfg.block_m > 1
             common = dict(TOP_K=K, BLOCK_P=triton.next_power_of_2(tokens * K), BLOCK_T=bm, BLOCK_KS=K, USE_DOT=dot,
                           DOT_F32=wide, PDL=True)
-            up = {"x_ptr": f"*{x}", "w_ptr": f"*{w}", "h_ptr": f"*{x}", "ids_ptr": "*i32", "T": "i32", "I": "i32",
-                  "H": "i32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_hm": "i32"}
+            up = {"x_ptr": f"*{x}", "w_ptr": f"*{w}", "h_ptr": f"*{x}", "ids_ptr": "*i32", "T": "i32", "E": "i32",
+                  "I": "i32", "H": "i32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
+                  "stride_hm": "i32"}
             out[name + "-decode-up"] = build(moe_decode._decode_up_kernel, up, common | dict(
                 BLOCK_N=cfg.up.block_n, BLOCK_K=cfg.up.block_k, EVEN_K=H % cfg.up.block_k == 0), *cfg.up[2:])
             down = {"h_ptr": f"*{x}", "w_ptr": f"*{w}", "wts_ptr": "*fp32", "ids_ptr": "*i32",
-                    "out_ptr": "*fp32" if cfg.split > 1 else f"*{x}", "T": "i32", "H": "i32", "I": "i32",
+                    "out_ptr": "*fp32" if cfg.split > 1 else f"*{x}", "T": "i32", "E": "i32", "H": "i32", "I": "i32",
                     "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32",
                     "PAIRS_PER_SPLIT": "i32"}
             out[name + "-decode-down"] = build(moe_decode._decode_down_kernel, down, common | dict(

@@ -204,6 +204,180 @@ def test_fused_moe_rejects_bad_inputs_and_falls_back_for_other_dtypes():
     assert fused_moe(randn(0, 16), w13, w2, weights[:0], ids[:0]).shape == (0, 16)
 
 
+# --- CUDA-graph replay: one capture serves every routing of its token count -------------------------------------------
+
+class Captured:
+    """A CUDA graph of `fn()` on a GPU; in the interpreter, its stand-in: the Triton launches `fn()` made (kernel,
+    grid, arguments), run again in order on the same tensors, with no host code in between, which is what a graph's
+    replay does. While `fn()` runs the first time, the torch ops issued outside the launches are logged: only
+    allocations and views may appear (no host read, no data-dependent shape, no computation the stand-in would skip).
+    Before each stand-in replay, every tensor the launches touch apart from `inputs` is poisoned again (NaN, -7777),
+    so anything a kernel reads without writing it in the same replay fails the comparison."""
+
+    HOST_OPS = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "alias", "as_strided", "detach",
+                "t", "transpose", "expand", "fill_"}           # fill_: the poisoned allocations of this file
+
+    def __init__(self, fn, inputs: list[torch.Tensor]) -> None:
+        self.launches, self.host_ops, self.graph = [], set(), None
+        if DEVICE.type == "cuda":
+            fn()                                                 # compile and load outside the capture
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fn()
+            return
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.real_run, launching = InterpretedFunction.run, [False]
+        captured = self
+
+        def run(kernel, *args, grid, warmup, **kwargs):
+            captured.launches.append((kernel, args, grid, kwargs))
+            launching[0] = True
+            try:
+                return captured.real_run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                launching[0] = False
+
+        class HostOps(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not launching[0]:
+                    captured.host_ops.add(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        InterpretedFunction.run = run
+        try:
+            with HostOps():
+                self.out = fn()
+        finally:
+            InterpretedFunction.run = self.real_run
+        assert self.host_ops <= self.HOST_OPS, f"host ops in the captured path: {self.host_ops - self.HOST_OPS}"
+        keep = {t.untyped_storage().data_ptr() for t in inputs}
+        self.scratch = {a.untyped_storage().data_ptr(): a for _, args, _, _ in self.launches for a in args
+                        if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in keep}
+
+    def replay(self):
+        if self.graph is not None:
+            self.graph.replay()
+            torch.cuda.synchronize()
+            return self.out
+        for t in self.scratch.values():
+            t.fill_(float("nan") if t.is_floating_point() else -7777)
+        for kernel, args, grid, kwargs in self.launches:
+            self.real_run(kernel, *args, grid=grid, warmup=False, **kwargs)
+        return self.out
+
+
+def logits_choosing(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Router logits [T, E] whose top-k are `ids` [T, k], in that order: normal logits, the chosen ones raised
+    above them all (with random gaps, so that the routing weights vary)."""
+    tokens, top_k = ids.shape
+    logits = randn(tokens, n_experts)
+    chosen = 8.0 + torch.arange(top_k, 0, -1, device=DEVICE, dtype=torch.float32) + torch.rand(tokens, top_k,
+                                                                                             device=DEVICE) * 0.5
+    return logits.scatter_(1, ids.long(), chosen.sort(dim=1, descending=True).values)
+
+
+def replay_routings(tokens: int, n_experts: int, top_k: int) -> dict[str, torch.Tensor]:
+    """Routings [T, k] of one token count, from the fewest sorted blocks to the most: every token to the last k
+    experts; random; pairs dealt round-robin over all the experts (every expert used, most padding)."""
+    pairs = torch.arange(tokens * top_k, device=DEVICE).view(tokens, top_k)
+    last = torch.arange(n_experts - top_k, n_experts, device=DEVICE).expand(tokens, top_k)
+    return {"one-set": last, "random": torch.randn(tokens, n_experts, device=DEVICE).topk(top_k).indices,
+            "spread": pairs % n_experts}
+
+
+@pytest.mark.parametrize("tokens,n_experts,top_k,cfg", [
+    (1, 8, 2, DECODE_FMA), (4, 8, 2, DECODE_DOT_SPLIT), (5, 12, 3, DECODE_DOT), (16, 8, 2, GROUPED_16),
+    (13, 12, 3, GROUPED_32), (8, 8, 2, None), (16, 8, 2, None)])
+def test_one_capture_replays_every_routing(tokens, n_experts, top_k, cfg):
+    """Route + experts captured once on what a mixed-step graph's capture sees (every row padding: NaN hidden states,
+    so NaN router logits), then replayed on routings that need many more sorted blocks than the capture's (the
+    grids and buffers were sized for the worst case, unused blocks return on the device), with some rows NaN again
+    (padding beside real rows): the real rows equal the reference, the NaN rows stay in their own rows."""
+    hidden, inter = 40, 24
+    w13, w2 = experts(n_experts, hidden, inter, torch.float32)
+    x = randn(tokens, hidden)
+    logits = torch.full((tokens, n_experts), float("nan"), device=DEVICE)
+
+    def step():
+        weights, ids = moe_route(logits, top_k, True)
+        return fused_moe(x, w13, w2, weights, ids, config=cfg), ids
+
+    graph = Captured(step, [x, logits, w13, w2])
+    assert graph.replay()[1].tolist() == [list(range(top_k))] * tokens   # NaN rows: valid, distinct ids
+    path = cfg or moe_config.pick_config(x, w13, top_k)
+
+    def used_blocks(ids):                                  # the sorted blocks (grouped) or leading pairs (decode)
+        if path.path == "grouped":
+            return int((moe_align_ref(ids, n_experts, path.block_m)[1] >= 0).sum())
+        return len(set(ids.reshape(-1).tolist()))
+
+    captured_blocks, most_blocks = used_blocks(graph.out[1]), 0
+    for name, ids in replay_routings(tokens, n_experts, top_k).items():
+        for nan_rows in ([], [tokens - 1] if tokens > 1 else []):
+            new_logits = logits_choosing(ids, n_experts)
+            new_logits[nan_rows] = float("nan")
+            logits.copy_(new_logits)
+            x.copy_(randn(tokens, hidden))
+            out, got_ids = graph.replay()
+            real = [t for t in range(tokens) if t not in nan_rows]
+            assert torch.equal(got_ids[real], ids[real].to(torch.int32)), name
+            assert got_ids.min() >= 0 and got_ids.max() < n_experts
+            weights = moe_route_ref(new_logits[real], top_k, True)[0]
+            ref = fused_moe_ref(x[real].double(), w13.double(), w2.double(), weights, ids[real])
+            torch.testing.assert_close(out[real].double(), ref, **tol(torch.float32, 2), msg=lambda m: f"{name}: {m}")
+            most_blocks = max(most_blocks, used_blocks(ids))
+    if tokens > 1:
+        assert most_blocks > captured_blocks      # the replays needed blocks the capture's routing never used
+
+
+def test_moe_route_keeps_ids_valid_for_nan_and_infinite_rows():
+    """Garbage rows (a graph's padding) still get k distinct ids in 0..E-1, for E a power of two (where an unmatched
+    pick used to be id E) and not; finite rows are as the reference, whatever rows sit beside them."""
+    for n_experts, top_k in ((8, 2), (12, 3), (60, 8)):
+        logits = randn(6, n_experts, scale=3)
+        logits[1] = float("nan")                                   # all NaN
+        logits[2, ::2] = float("nan")                              # some NaN
+        logits[3] = float("-inf")
+        logits[4, 1] = float("inf")
+        weights, ids = moe_route(logits, top_k, True)
+        assert ids.min() >= 0 and ids.max() < n_experts
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+        assert ids[1].tolist() == ids[3].tolist() == list(range(top_k))
+        assert ids[2].tolist() == moe_route_ref(logits[2:3].nan_to_num(nan=-float("inf")), top_k, True)[1][0].tolist()
+        assert ids[4, 0] == 1
+        for row in (0, 5):
+            ref_weights, ref_ids = moe_route_ref(logits[row:row + 1], top_k, True)
+            assert torch.equal(ids[row:row + 1], ref_ids)
+            torch.testing.assert_close(weights[row:row + 1], ref_weights, atol=1e-6, rtol=4e-6)
+
+
+@pytest.mark.parametrize("cfg", [DECODE_DOT, DECODE_DOT_SPLIT, GROUPED_16], ids=["decode", "decode-split", "grouped"])
+def test_ids_out_of_range_select_no_expert(cfg):
+    """Ids outside 0..E-1 (against the contract) are never used as offsets: the other tokens' rows are exact, the
+    sorted list holds only the valid pairs, and on the decode path such a token gets no expert (a zero row)."""
+    tokens, n_experts, top_k, hidden, inter = 5, 8, 2, 40, 24
+    x = randn(tokens, hidden)
+    w13, w2 = experts(n_experts, hidden, inter, torch.float32)
+    weights, ids = routing(tokens, n_experts, top_k)
+    ids[1] = torch.tensor([n_experts, -1])                          # no valid id
+    ids[3] = torch.tensor([n_experts + 8, 2 ** 20])
+    out = fused_moe(x, w13, w2, weights, ids, config=cfg)
+    valid = [0, 2, 4]
+    ref = fused_moe_ref(x[valid].double(), w13.double(), w2.double(), weights[valid], ids[valid])
+    torch.testing.assert_close(out[valid].double(), ref, **tol(torch.float32, 2))
+    if cfg.path == "decode":
+        assert torch.equal(out[[1, 3]], torch.zeros(2, hidden, device=DEVICE))
+    align = moe_align(ids, n_experts, 16)
+    pairs = align.sorted_pairs[align.sorted_pairs < tokens * top_k]
+    assert sorted(pairs.tolist()) == [t * top_k + j for t in valid for j in range(top_k)]
+    blocks = align.block_expert.repeat_interleave(16)
+    assert torch.equal(ids.view(-1)[align.sorted_pairs.clamp(max=tokens * top_k - 1).long()][
+        align.sorted_pairs < tokens * top_k], blocks[align.sorted_pairs < tokens * top_k])
+
+
 # --- config tables ----------------------------------------------------------------------------------------------------
 
 def test_config_table_round_trip_and_lookup(tmp_path):

@@ -12,6 +12,7 @@ from orinfer.args import EngineArgs
 from orinfer.bench.roofline import prefill_flops
 from orinfer.config import ModelConfig
 from orinfer.engine.llm_engine import EngineParts
+from orinfer.errors import ConfigError
 from orinfer.llm import LLM
 from orinfer.sampling_params import SamplingParams
 
@@ -57,10 +58,24 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     token-id prompts only), with `args`' backend and engine settings. `args.pre_dequant` (AWQ configs): dense copies
     of the random packed weights for prefill, as `LLM(pre_dequant=True)`. `draft`: also a random draft model of
     these shapes, for speculative decoding (method draft_model)."""
+    from orinfer.distributed.group import rank_local
+    from orinfer.distributed.shard_source import ShardSource
     from orinfer.engine.llm_engine import DraftParts
+    from orinfer.llm import start_tensor_parallel
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
 
+    if args.tensor_parallel_size > 1:
+        if args.pre_dequant:
+            raise ConfigError("bench: pre_dequant is not supported with tensor parallelism yet")
+        executor = start_tensor_parallel(ShardSource(cfg, None, dtype, dtype, args, device.type))
+        shard = executor.shard
+        with rank_local():  # the draft is whole, on rank 0 only
+            draft_parts = None if draft is None else DraftParts(
+                random_model(draft, shard.ops, dtype, dtype, shard.device), draft)
+        parts = EngineParts(executor.driver_model(), cfg, tokenizer, {}, shard.device, dtype, ops=shard.ops,
+                            executor=executor, draft=draft_parts)
+        return LLM.from_parts(parts, args)
     ops = get_ops(args.backend, device, fused_ffn=args.fused_ffn)
     model = random_model(cfg, ops, dtype, dtype, device)
     if args.pre_dequant:
@@ -91,7 +106,6 @@ def kv_plan(kv_tokens: int, block_size: int, prompt_lens: list[int], batch_sizes
     that repeats is run once); prefill lengths that do not fit (prompt + 1 generated token) are left out. Returns
     {"num_blocks", "kv_tokens" (the pool's capacity), "max_batch", "prompt_lens", "batch_sizes", "notes"}; a
     ConfigError when not even one decode sequence fits."""
-    from orinfer.errors import ConfigError
 
     if kv_tokens <= 0:
         raise ConfigError(f"--kv-tokens must be positive, got {kv_tokens}")

@@ -25,7 +25,7 @@ def routed_expert_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_bytes_per_step(cfg: ModelConfig, weight_bytes: int, context: int, kv_elem: int, batch: int = 1,
-                          expert_bytes: int | None = None) -> int:
+                          expert_bytes: int | None = None, world_size: int = 1) -> int:
     """Bytes one decode step of `batch` sequences, each `context` tokens long, must move: every weight but the
     embedding table (one row per sequence is read) and the routed experts no token of the step uses, plus the lm_head
     (the same matrix when tied), plus each sequence's KV cache in the full-attention layers and (hybrid models) its
@@ -33,8 +33,10 @@ def decode_bytes_per_step(cfg: ModelConfig, weight_bytes: int, context: int, kv_
 
     Routed experts: `expected_experts_hit(E, k, batch)` of each sparse layer's E (uniform routing; the shared
     expert, router and attention are dense weights, read once). `expert_bytes` is what all routed experts take
-    (part of `weight_bytes`: `routed_expert_bytes(model)`); by default cfg's shapes at 2 bytes a weight."""
-    embed = cfg.vocab_size * cfg.hidden_size * 2
+    (part of `weight_bytes`: `routed_expert_bytes(model)`); by default cfg's shapes at 2 bytes a weight.
+    Tensor parallelism: `cfg` and `weight_bytes` are one rank's shard, whose embedding holds ceil(V / world_size)
+    rows."""
+    embed = -(-cfg.vocab_size // world_size) * cfg.hidden_size * 2
     weights = weight_bytes - (0 if cfg.tie_word_embeddings else embed)
     if cfg.is_moe:
         routed = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_parameters * 2 if expert_bytes is None \

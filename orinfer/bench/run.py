@@ -67,7 +67,7 @@ SYNTHETIC_QUANT = {"awq": QuantConfig(group_size=128), "fp8": FP8Config(), "gptq
                    "gptq8": GPTQConfig(bits=8)}
 
 BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant",
-                         "enable_prefix_caching")
+                         "enable_prefix_caching", "tensor_parallel_size")
 
 
 def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -164,7 +164,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
     context, experts = args.decode_prompt_len + args.decode_tokens // 2, routed_expert_bytes(model)
-    per_token = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, 1, experts)
+    # Tensor parallelism: bytes and ceilings are one GPU's (rank 0's shard and its KV heads); FLOPs are shared by all.
+    world, rank_cfg = engine_config.tensor_parallel_size, llm.engine.runner.model_config
+    per_token = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, 1, experts, world)
     read = result["ceilings"]["read_GBps"] * 1e9
     result["orinfer"] = {
         **timings, "weights_GiB": wbytes / 2**30, "bytes_per_decode_token": per_token,
@@ -174,6 +176,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "pre_dequant_GiB": pre_dequant_bytes(model) / 2**30, "notes": plan["notes"],
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
+        "tensor_parallel_size": world,
     }
     if args.speculative:
         from orinfer.bench.spec_bench import bench_speculation
@@ -188,11 +191,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
     for batch, row in timings["decode"].items():
         # A step of `batch` rows reads the dense weights once, the routed experts its tokens hit, each row's KV.
-        step_bytes = decode_bytes_per_step(cfg, wbytes, context, dtype.itemsize, batch, experts)
+        step_bytes = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, batch, experts, world)
         row["GBps"] = step_bytes / row["step_ms"] * 1e3 / 1e9
         row["pct_roofline"] = 100 * row["GBps"] * 1e9 / read
     for length, row in timings["prefill"].items():
-        row["mfu_pct"] = 100 * row["tflops"] / result["ceilings"]["matmul_TFLOPs"]
+        row["mfu_pct"] = 100 * row["tflops"] / (world * result["ceilings"]["matmul_TFLOPs"])
+    llm.close()  # tensor parallelism: stops the workers before the HF baseline takes the GPUs
     del llm, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -221,7 +225,9 @@ def markdown(r: dict) -> str:
     c, o = r["ceilings"], r["orinfer"]
     hf = r.get("hf")
     lines = [f"## {r['model']} ({r['dtype']}) on {r['device']}, {r['date']}", "",
-             f"Command: `{r['command']}`  ", f"torch {r['torch']}, backend {o['backend']}, CUDA graphs {o['cuda_graph']}",
+             f"Command: `{r['command']}`  ", f"torch {r['torch']}, backend {o['backend']}, CUDA graphs {o['cuda_graph']}"
+             + (f", tensor parallel over {o['tensor_parallel_size']} GPUs (bytes, roofline and memory are one GPU's; "
+                "MFU is of all of them)" if o.get("tensor_parallel_size", 1) > 1 else ""),
              "", f"Ceilings (same run): read {c['read_GBps']:.0f} GB/s, copy {c['copy_GBps']:.0f} GB/s, "
              f"matmul {c['matmul_TFLOPs']:.0f} TFLOP/s. Decode roofline at batch 1: {o['roofline_tok_s']:.0f} tok/s "
              f"({o['bytes_per_decode_token'] / 1e9:.2f} GB per token).", "",

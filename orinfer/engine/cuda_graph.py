@@ -10,6 +10,7 @@ attend over one harmless cached slot. Kernels must not sync with the host (the t
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -101,6 +102,9 @@ class DecodeGraphs:
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_logits: dict[int, torch.Tensor] = {}
         self.pool = pool
+        # Tensor parallelism (rank 0): called with each replay's key and input buffers just before the replay, so
+        # that the workers replay theirs on the same inputs (distributed/mirror.py).
+        self.before_replay: Callable[[tuple, list[torch.Tensor]], None] | None = None
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The decode step over the first `blocks` columns of the block table (contexts of up to that many blocks)."""
@@ -145,11 +149,27 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s (and %s for contexts of up to %d tokens)",
                  self.buckets, self.short_buckets, self.short_tokens)
 
-    def graph_for(self, bucket: int, longest_context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph (and its logits) that replays `bucket` rows whose longest context is `longest_context` tokens."""
-        if bucket in self.short_graphs and longest_context <= self.short_tokens:
+    def graph_key(self, bucket: int, longest_context: int) -> tuple[str, int, bool]:
+        """Names the graph that replays `bucket` rows whose longest context is `longest_context` tokens."""
+        return "decode", bucket, bucket in self.short_graphs and longest_context <= self.short_tokens
+
+    def graph_for(self, key: tuple[str, int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of `key` and its logits."""
+        _, bucket, short = key
+        if short:
             return self.short_graphs[bucket], self.short_logits[bucket]
         return self.graphs[bucket], self.logits[bucket]
+
+    def graph_inputs(self, key: tuple[str, int, bool]) -> list[torch.Tensor]:
+        """The device buffers graph `key` reads its inputs from (tensor parallelism broadcasts rank 0's)."""
+        return [self.dev_i64, self.dev_i32[:self.max_batch + key[1] * self.max_blocks]]
+
+    def _replay(self, key: tuple[str, int, bool]) -> torch.Tensor:
+        graph, logits = self.graph_for(key)
+        if self.before_replay is not None:
+            self.before_replay(key, self.graph_inputs(key))
+        graph.replay()
+        return logits
 
     def run(self, seqs: list, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the bucket for these decoding sequences; returns logits [B, V] (a view of the graph's output).
@@ -178,8 +198,7 @@ class DecodeGraphs:
             tables = self._upload(stage, seqs, bucket, first_row=1 if in_place else 0)
         if device_ids is not None and not in_place:
             self.input_ids[:batch].copy_(device_ids)  # queued after any upload above, so it wins
-        graph, logits = self.graph_for(bucket, max(seq.num_tokens for seq in seqs))
-        graph.replay()
+        logits = self._replay(self.graph_key(bucket, max(seq.num_tokens for seq in seqs)))
         stage.replayed.record()
         self.advanced = [(seq, seq.num_tokens + 1, table) for seq, table in zip(seqs, tables)]
         return logits[:batch]
@@ -189,8 +208,7 @@ class DecodeGraphs:
         greedy sample, one position further (greedy multi-step decode on the device: a draft model's proposals).
         The rows' block tables must already hold the slots of the positions reached. Returns logits [batch]."""
         bucket = next(b for b in self.buckets if b >= batch)
-        graph, logits = self.graph_for(bucket, longest_context)
-        graph.replay()
+        logits = self._replay(self.graph_key(bucket, longest_context))
         self.advanced = None  # the host no longer knows which tokens the inputs hold
         return logits[:batch]
 

@@ -78,6 +78,9 @@ class EngineParts:
     ops: Ops | None = None                # the backend the model was built with (its CUDA-graph hooks); None: eager
     image_processor: Any | None = None    # orinfer.multimodal.ImageProcessor for vision-language models
     draft: DraftParts | None = None       # the draft model of speculative decoding (method draft_model)
+    # Tensor parallelism (orinfer/distributed/executor.py): the workers that hold the other shards; `model` then is
+    # rank 0's shard, which mirrors its calls to them.
+    executor: Any | None = None
 
 
 class LLMEngine:
@@ -92,9 +95,13 @@ class LLMEngine:
         hooks = parts.ops.graph_hooks if parts.ops is not None else None
         draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
                                                                        parts.act_dtype)
-        self.runner = ModelRunner(parts.model, mcfg, config, parts.device, parts.act_dtype, self.max_model_len,
+        # A tensor-parallel rank's runner sizes its KV cache by its shard's heads.
+        runner_cfg = mcfg if parts.executor is None else parts.executor.shard.config
+        self.runner = ModelRunner(parts.model, runner_cfg, config, parts.device, parts.act_dtype, self.max_model_len,
                                   graph_hooks=hooks, vision_warmup_patches=self._largest_image_patches(),
                                   extra_bytes_per_block=draft_bytes)
+        if parts.executor is not None:
+            parts.executor.attach(self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_state_slots=self.runner.state.num_slots,
                                           num_state_snapshots=self.runner.state.num_snapshots)
@@ -259,6 +266,11 @@ class LLMEngine:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return None, ids
 
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.parts.executor is not None:
+            self.parts.executor.shutdown()
+
     def abort(self, request_id: str) -> None:
         """Stops a request now and frees its KV blocks (unknown or finished ids are ignored)."""
         seq = self.sequences.pop(request_id, None)
@@ -283,7 +295,17 @@ class LLMEngine:
 
         The step is the one left in flight by the previous call, if any, else a newly scheduled one. Before waiting
         for its tokens, the next decode step is launched behind it when that is safe (`_launch_lookahead`). A step
-        that only ran prompt chunks returns no sequence."""
+        that only ran prompt chunks returns no sequence. Tensor parallelism: a collective that failed because a
+        worker died raises WorkerDiedError."""
+        if self.parts.executor is None:
+            return self._step()
+        try:
+            return self._step()
+        except RuntimeError as exc:
+            self.parts.executor.explain(exc)
+            raise
+
+    def _step(self) -> list[Sequence]:
         if self._spec_pause:
             self._spec_pause -= 1
         current = self.in_flight

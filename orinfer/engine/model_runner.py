@@ -17,6 +17,7 @@ from torch import nn
 
 from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
+from orinfer.distributed.group import min_over_ranks
 from orinfer.engine.cuda_graph import DecodeGraphs
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs
@@ -88,12 +89,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: MixedStepGraphs | None = None
         # Graphs need a backend whose forward never syncs with the host (the torch reference does): one that has
-        # graph hooks.
-        # MoE models run eagerly for now: capturing their steps hit an illegal memory access on the H200 (NOTES run
-        # 284; eager steps run), to be found before graphs are turned on for them.
-        if model_config.is_moe and engine_config.cuda_graph and device.type == "cuda":
-            log.warning("CUDA graphs are off for mixture-of-experts models (their capture is not fixed yet)")
-        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None and not model_config.is_moe:
+        # graph hooks. MoE models too: their router and expert kernels launch from the shapes alone and stay in
+        # bounds whatever a padding row holds (kernels/moe_ops.py).
+        if engine_config.cuda_graph and device.type == "cuda" and graph_hooks is not None:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             max_seqs = engine_config.max_num_seqs
             scratch = self.state.scratch_slot if self.state.num_slots else None
@@ -125,6 +123,7 @@ class ModelRunner:
             budget = CPU_DEFAULT_KV_BYTES
         budget -= self.state.bytes  # the state pools come out of the same budget
         blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
+        blocks = min_over_ranks(blocks, self.device)  # tensor parallelism: every rank indexes the same blocks
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "
                                "or raise gpu_memory_utilization")

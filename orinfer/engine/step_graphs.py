@@ -7,7 +7,9 @@ of the forward (embedding -> final norm); a step of T tokens replays the smalles
 millisecond of host time.
 
 Shapes are fixed per bucket, so the batch is padded:
-- rows past the real T: id 0, position 0, KV slot -1 (they store nothing); their hidden states are never read;
+- rows past the real T: id 0, position 0, KV slot -1 (they store nothing); their hidden states are never read, and
+  they are garbage (attention leaves their rows unwritten; at capture every row is padding), NaN included: a kernel
+  that turns a row's values into addresses must stay in bounds for any values (MoE routing: kernels/moe_route.py);
 - sequences past the real B, up to max_seqs: empty (query_start_loc repeats T), so attention gives them no work;
 - block tables at their full width; only the real sequences' rows are uploaded.
 Attention launches from these shapes alone (`AttentionMetadata.fixed_launch`). The logits stay outside the graph: the
@@ -17,6 +19,7 @@ sampling rows are gathered eagerly from the graph's hidden states (their count v
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,6 +75,8 @@ class MixedStepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
+        # Tensor parallelism (rank 0): see DecodeGraphs.before_replay.
+        self.before_replay: Callable[[tuple, list[torch.Tensor]], None] | None = None
 
     def _forward(self, tokens: int) -> torch.Tensor:
         meta = AttentionMetadata(
@@ -127,5 +132,16 @@ class MixedStepGraphs:
         self.dev_i32[:i32.size].copy_(torch.from_numpy(i32).pin_memory(), non_blocking=True)
         if device_ids is not None:
             self.input_ids[:device_ids.shape[0]].copy_(device_ids)  # queued after the upload, so it wins
+        key = ("mixed", bucket, i32.size)
+        if self.before_replay is not None:
+            self.before_replay(key, self.graph_inputs(key))
         self.graphs[bucket].replay()
         return self.hidden[bucket][:tokens]
+
+    def graph_for(self, key: tuple[str, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of `key` and its hidden states."""
+        return self.graphs[key[1]], self.hidden[key[1]]
+
+    def graph_inputs(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        """The device buffers graph `key` reads (its int32 buffer up to the step's last block table)."""
+        return [self.dev_i64, self.dev_i32[:key[2]]]

@@ -18,6 +18,11 @@ Three launches, deterministic (no atomics), for N pairs cut into chunks of CHUNK
   3. `_scatter_kernel`, grid (chunks,): pair p of chunk c goes to start[e] + counts[c, e] + (pairs of e before p in
      the chunk: a [CHUNK, CHUNK] comparison).
 Traffic: N ids read twice, P + N + P/BLOCK_M int32 written, chunks*E*4*3 of counts: microseconds next to the GEMMs.
+
+Every size, grid and loop bound above comes from N, E and BLOCK_M alone, never from the ids, so a CUDA graph captured
+on one routing replays correctly on any other of the same N: P covers the worst case and the GEMMs skip the -1 blocks
+on the device. An id outside 0..E-1 (the contract excludes them) is counted nowhere and placed nowhere, rather than
+read as an offset out of bounds: memory stays safe whatever the ids hold, and the pair gets no expert.
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def _scatter_kernel(ids_ptr, counts_ptr, start_ptr, sorted_ptr, N, E, CHUNK: tl.
     c = tl.program_id(0)
     offs_j = tl.arange(0, CHUNK)
     offs = c * CHUNK + offs_j
-    valid = offs < N
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
+    valid = (offs < N) & (ids >= 0) & (ids < E)                 # an id out of range was not counted: not placed
     before = (ids[:, None] == ids[None, :]) & (offs_j[None, :] < offs_j[:, None])
     rank = tl.sum(before.to(tl.int32), axis=1)
     base = tl.load(start_ptr + ids, mask=valid, other=0) + tl.load(counts_ptr + c * E + ids, mask=valid, other=0)

@@ -16,7 +16,9 @@ Two launches, no sorting, no host sync, shapes fixed by T, k, E, H, I (CUDA-grap
 Inner loops (block_m of the config): 1 (T == 1): FMA on the CUDA cores, a [BLOCK_N, BLOCK_K] fp32 register tile and one
 reduction at the end (few rows per program, long K tiles: many programs, bandwidth-bound); 16: the expert's weight
 tile times the tokens' x^T [BLOCK_K, 16] on the tensor cores (swap-AB: the weight rows are the MMA's M side).
-A token's k ids must be distinct (top-k's are): a token is matched to an expert once.
+A token's k ids must be distinct (top-k's are): a token is matched to an expert once. An id outside 0..E-1 (also
+against the contract) leads no expert and reads no weights: its pair contributes nothing, and memory stays safe
+whatever the ids hold (a CUDA graph's padding rows route garbage; kernels/moe_route.py keeps its ids valid anyway).
 
 Traffic per step: the distinct selected experts' 3*I*H weights once (Qwen3-30B-A3B at batch 1, bf16: 8 experts x
 9.4 MB = 75.5 MB per layer, 18 us at 4.1 TB/s), plus T*(H + 2*k*I + H) activations and SPLIT*T*H*4 partials.
@@ -34,11 +36,12 @@ from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
 @triton.jit
-def _leads(ids_ptr, p, e, BLOCK_P: tl.constexpr):
-    """Whether pair p is the first pair that chose expert e (the program that runs e for all its tokens)."""
+def _leads(ids_ptr, p, e, E, BLOCK_P: tl.constexpr):
+    """Whether pair p is the first pair that chose expert e (the program that runs e for all its tokens); never for
+    an id outside 0..E-1, which would index the weights out of bounds (it selects no expert)."""
     offs = tl.arange(0, BLOCK_P)
     earlier = tl.load(ids_ptr + offs, mask=offs < p, other=-1)
-    return tl.sum((earlier == e).to(tl.int32), axis=0) == 0
+    return (tl.sum((earlier == e).to(tl.int32), axis=0) == 0) & (e >= 0) & (e < E)
 
 
 @triton.jit
@@ -50,7 +53,10 @@ def _expert_tokens(ids_ptr, e, T, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BL
                   mask=(offs_t < T)[:, None] & (offs_j < TOP_K)[None, :], other=-1)
     hit = ids == e
     chose = tl.sum(hit.to(tl.int32), axis=1) > 0
-    return chose, offs_t * TOP_K + tl.sum(tl.where(hit, offs_j[None, :], 0), axis=1)
+    # The first j with ids[t, j] == e (the only one: a token's ids are distinct); a minimum, not a sum, so that
+    # repeated ids (against the contract) still name one of the token's own k rows, never a row past them.
+    first = tl.minimum(tl.min(tl.where(hit, offs_j[None, :], BLOCK_KS), axis=1), TOP_K - 1)
+    return chose, offs_t * TOP_K + first
 
 
 @triton.jit
@@ -103,7 +109,7 @@ def _expert_dot(a_ptr, rows, ok, stride_a, w_ptrs, up_off, K, GATED: tl.constexp
 
 
 @triton.jit
-def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, I, H, stride_xt, stride_we, stride_wn, stride_hm,
+def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, E, I, H, stride_xt, stride_we, stride_wn, stride_hm,
                       TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
                       USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
@@ -111,7 +117,7 @@ def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, I, H, stride_xt, stride_w
         gdc_wait()
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p)
-    if _leads(ids_ptr, p, e, BLOCK_P):
+    if _leads(ids_ptr, p, e, E, BLOCK_P):
         chose, pair_rows = _expert_tokens(ids_ptr, e, T, TOP_K, BLOCK_T, BLOCK_KS)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rn = tl.minimum(offs_n, I - 1).to(tl.int64)              # rows past I re-read the last (not stored)
@@ -126,7 +132,7 @@ def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, I, H, stride_xt, stride_w
 
 
 @triton.jit
-def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, H, I, stride_hm, stride_we, stride_wn,
+def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, E, H, I, stride_hm, stride_we, stride_wn,
                         stride_om, PAIRS_PER_SPLIT, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
@@ -140,7 +146,7 @@ def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, H, I, stride
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for p in range(s * PAIRS_PER_SPLIT, tl.minimum(s * PAIRS_PER_SPLIT + PAIRS_PER_SPLIT, T * TOP_K)):
         e = tl.load(ids_ptr + p)
-        if _leads(ids_ptr, p, e, BLOCK_P):
+        if _leads(ids_ptr, p, e, E, BLOCK_P):
             chose, pair_rows = _expert_tokens(ids_ptr, e, T, TOP_K, BLOCK_T, BLOCK_KS)
             w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
             y, _ = _expert_dot(h_ptr, pair_rows, chose, stride_hm, w_ptrs, 0, I, False, USE_DOT, DOT_F32,
@@ -171,7 +177,8 @@ def decode_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, block_
     hidden, inter = x.shape[1], w13.shape[1] // 2
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _decode_up_kernel[(tokens * top_k, triton.cdiv(inter, tile.block_n))](
-        x, w13, h, topk_ids, tokens, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x, w13, h, topk_ids, tokens, w13.shape[0], inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        h.stride(0),
         **_meta(tokens, top_k, block_m, tile, hidden, x, w13))
     return h
 
@@ -189,8 +196,8 @@ def decode_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, t
     else:
         out = torch.empty(split * tokens, hidden, dtype=torch.float32, device=h.device)
     _decode_down_kernel[(triton.cdiv(hidden, tile.block_n), split)](
-        h, w2, topk_weights, topk_ids, out, tokens, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), per_split, PARTIAL=split > 1, **_meta(tokens, top_k, block_m, tile, inter, h, w2))
+        h, w2, topk_weights, topk_ids, out, tokens, w2.shape[0], hidden, inter, h.stride(0), w2.stride(0),
+        w2.stride(1), out.stride(0), per_split, PARTIAL=split > 1, **_meta(tokens, top_k, block_m, tile, inter, h, w2))
     return out if split == 1 else moe_sum(out, None, tokens, split, 1, tokens, h.dtype)
 
 

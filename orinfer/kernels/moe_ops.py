@@ -4,9 +4,13 @@ inputs and runs the path its config names (kernels/moe_config.py: the current GP
   decode  (a few tokens)   `moe_decode`: per-expert GEMVs over the pairs as routed, two launches (three with a split)
   grouped (larger batches) `moe_align` + `moe_gemm`: expert-sorted blocks, grouped gate/up and down GEMMs, the sum
 
-Both have `fused_moe_ref`'s contract and are CUDA-graph capturable (no host sync, buffers sized from the shapes).
+Both have `fused_moe_ref`'s contract and are CUDA-graph capturable: no host sync, and every buffer, grid and loop
+bound comes from the shapes (T, k, E, H, I) and the config (picked from T on the host), never from the routing, so a
+graph captured on one routing replays any other of the same T (the grouped path sizes its sorted rows for the worst
+case and skips unused blocks on the device). Ids outside 0..E-1 select no expert instead of indexing out of bounds,
+and the router never emits them, even for rows of NaN (a mixed-step graph's padding rows; kernels/moe_route.py).
 Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit weights (mixed); other pairs take
-`fused_moe_ref`.
+`fused_moe_ref`, which syncs with the host (not capturable: refused inside a capture).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     the tuner); it must suit T (`valid`). A token's k ids must be distinct (top-k's are) on the decode path."""
     _check(x, w13, w2, topk_weights, topk_ids)
     if not _supported(x, w13):
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"fused_moe: {x.dtype} activations with {w13.dtype} weights take the reference, which "
+                             "syncs with the host and cannot be captured in a CUDA graph")
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
     if tokens == 0:

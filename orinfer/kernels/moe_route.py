@@ -11,6 +11,14 @@ probabilities: equal logits go to the lower id as torch.topk does; two different
 happen to round to the same value (|x| below ~1e-7 apart) are ordered by the logits, where the reference would take
 the lower id (same weight either way).
 
+Any row, whatever its values, gets k distinct ids in 0..E-1: NaN logits count as -inf (below every number), so a row
+of NaN or -inf picks experts 0..k-1 (its weights are then NaN: garbage in, garbage out, but only in that row). This
+matters under CUDA graphs: a mixed-step graph's padding rows (past the step's real tokens) hold whatever attention
+left unwritten there (kernels/extend_attention.py), often NaN after the norms; an all-NaN row used to match no expert
+and pick id BLOCK_E (>= E) k times, and the expert kernels then indexed weights, offsets and sorted lists out of
+bounds: the illegal memory access of the MoE graph capture (benchmarks/NOTES.md, run 284). Eager steps have no padding
+rows, so they never saw it. (The reference sorts NaN first; no real row has one.)
+
 Kernel: a program owns BLOCK_T rows and holds each as a [BLOCK_E] fp32 register row (E padded to a power of two with
 -inf); k rounds of (max, lowest index at the max, mark taken) pick the experts. Traffic: T*E logits read, T*k*8
 bytes written: a few microseconds at any batch; one launch, no host sync (CUDA-graph safe).
@@ -40,7 +48,10 @@ def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.cons
     offs_e = tl.arange(0, BLOCK_E)
     pad = offs_e[None, :] >= E
     x = tl.load(logits_ptr + src[:, None] * stride_t + offs_e[None, :], mask=~pad, other=float("-inf"))
+    # NaN ranks below every number: without this an all-NaN row (a CUDA-graph padding row's garbage) matches no
+    # expert and picks id BLOCK_E, out of range for the expert kernels (see the module docstring).
     x = x.to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))
     if PDL:
         gdc_launch_dependents()
     m = tl.max(x, axis=1)

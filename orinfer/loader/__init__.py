@@ -17,7 +17,7 @@ from orinfer.fp8_config import FP8Config
 from orinfer.kernels.gptq import pack_gptq_cols
 from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.ops import Ops
-from orinfer.loader.safetensors_loader import checkpoint_files, iter_safetensors
+from orinfer.loader.safetensors_loader import Slicer, checkpoint_files, iter_safetensors
 from orinfer.moe_config import check_moe_weights
 from orinfer.models.registry import build_model
 
@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 def load_hf_model(model_dir: str | Path, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype,
-                  device: torch.device, config: ModelConfig | None = None, progress: bool = True) -> nn.Module:
-    """Builds the model for `model_dir`'s config.json and fills it from its safetensors files."""
+                  device: torch.device, config: ModelConfig | None = None, progress: bool = True,
+                  slicer: Slicer | None = None) -> nn.Module:
+    """Builds the model for `model_dir`'s config.json and fills it from its safetensors files. `slicer` (a tensor-
+    parallel rank, whose `config` is its shard's): which part of each tensor it reads."""
     config = config or ModelConfig.from_hf(model_dir)
     if config.quantization is not None:
         config.quantization.check_loadable(config)
@@ -34,7 +36,7 @@ def load_hf_model(model_dir: str | Path, ops: Ops, weight_dtype: torch.dtype, ac
     model = build_model(config, ops, weight_dtype, act_dtype, device)
     online = getattr(config.quantization, "online", False)
     desc = "Loading weights (quantizing to FP8)" if online else "Loading weights"
-    model.load_weights(iter_safetensors(files, device=device, progress=progress, desc=desc))
+    model.load_weights(iter_safetensors(files, device=device, progress=progress, desc=desc, slicer=slicer))
     finish_loading(model)
     return model
 

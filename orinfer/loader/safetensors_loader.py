@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from orinfer.errors import WeightsError
+
+Slicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                     progress: bool = True, desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor in `files`, converted to `dtype` and moved to `device`."""
+                     progress: bool = True, desc: str = "Loading weights",
+                     slicer: Slicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor in `files`, converted to `dtype` and moved to `device`. `slicer`
+    (tensor parallelism): (name, shape) -> the part of the tensor to read, for a rank that holds only that part
+    (only those bytes are read from the file)."""
     total = 0
     names_by_file = []
     for path in files:
@@ -63,7 +68,8 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
             with safe_open(str(path), framework="pt") as handle:
                 for name in names:
                     try:
-                        tensor = handle.get_tensor(name)
+                        part = None if slicer is None else slicer(name, tuple(handle.get_slice(name).get_shape()))
+                        tensor = read_slice(handle, name, part)
                     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                         raise WeightsError(f"{path}: tensor {name} is corrupt ({exc})") from None
                     if dtype is not None and tensor.is_floating_point():
@@ -72,3 +78,11 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
                     bar.update(1)
     finally:
         bar.close()
+
+
+def read_slice(handle, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """Only `part` (dimension, first index, length) of tensor `name` of an open safetensors file; None: all of it."""
+    if part is None:
+        return handle.get_tensor(name)
+    dim, start, length = part
+    return handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]

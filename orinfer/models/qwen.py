@@ -122,6 +122,12 @@ class QwenForCausalLM(nn.Module):
     hf_prefix = "model."
     # Checkpoint matrices packed into one of our linears: checkpoint sub-name -> (our sub-name, shard id).
     packed = _PACKED
+    # How tensor parallelism splits the model (orinfer/distributed/sharding.py): by checkpoint sub-names, and the
+    # blocks whose outputs are partial sums over the ranks.
+    tensor_parallel_plan = {
+        "heads": ("q_proj",), "kv_heads": ("k_proj", "v_proj"), "columns": ("gate_proj", "up_proj"),
+        "rows": ("o_proj", "down_proj"), "vocab": ("embed_tokens", "lm_head"), "reduce_outputs": ("self_attn", "mlp"),
+    }
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         super().__init__()

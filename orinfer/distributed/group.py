@@ -1,0 +1,151 @@
+"""This process's place in the tensor-parallel group, and the collectives the sharded layers use.
+
+A process that never joined a group is rank 0 of 1: every collective is then the identity, so layers call them
+unconditionally and single-GPU runs pay nothing. Collectives are queued on the device like any kernel (no host
+wait on NCCL), so they also record into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from typing import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from orinfer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+_group = TensorParallelGroup()
+
+
+def current() -> TensorParallelGroup:
+    """The group this process runs in (rank 0 of 1 unless `init_group` ran)."""
+    return _group
+
+
+@contextmanager
+def rank_local() -> Iterator[None]:
+    """Within it, this process builds and runs models as if alone (rank 0 of 1): no split layers, no collectives. For
+    what only rank 0 holds, e.g. a speculative-decoding draft model beside a tensor-parallel target."""
+    global _group
+    saved, _group = _group, TensorParallelGroup()
+    try:
+        yield
+    finally:
+        _group = saved
+
+
+def init_group(rank: int, world_size: int, init_method: str, device: torch.device,
+               timeout_s: float = 600.0) -> TensorParallelGroup:
+    """Joins the group: NCCL for CUDA devices (bound to `device`, whose communicator is made now, before any CUDA
+    graph could capture its first use), gloo on the CPU. `init_method`: a file:// or tcp:// rendezvous all ranks
+    share."""
+    global _group
+    if dist.is_initialized():
+        raise ConfigError("this process already belongs to a tensor-parallel group that could not be left (see the "
+                          "log); start the new engine in a new process")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    _group = TensorParallelGroup(rank, world_size)
+    return _group
+
+
+def destroy_group(abort: bool = False) -> None:
+    """Leaves the group (this process is rank 0 of 1 again). Every rank leaves together after a clean stop (NCCL's
+    finalize waits for its peers to finalize too); `abort` (a peer died, or rank 0 is gone) drops this rank's
+    communicators without waiting for anyone."""
+    global _group
+    _group = TensorParallelGroup()
+    _symmetric.clear()
+    if not dist.is_initialized():
+        return
+    if abort and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+# All-reduces of at most this many bytes go through torch's symmetric memory on GPUs (one-shot: each rank stages its
+# tensor in a buffer its peers can read over NVLink, then reads theirs and sums), not NCCL: a decode step makes two
+# per layer, of [B, H] each, where NCCL's latency per call dominates (benchmarks/NOTES.md, run 288). Larger ones, and
+# any when ORINFER_TP_ALLREDUCE=nccl, use NCCL. NVLink multicast is never used (no multimem operation).
+SYMMETRIC_MAX_BYTES = 1 << 20
+_symmetric: dict[torch.dtype, torch.Tensor] = {}
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums `x` over the ranks, in place; returns it."""
+    if not _group.enabled:
+        return x
+    nbytes = x.numel() * x.element_size()
+    if (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float32) and os.environ.get("ORINFER_TP_ALLREDUCE") != "nccl"):
+        staging = _symmetric_buffer(x.dtype, x.device)[:x.numel()]
+        staging.copy_(x.view(-1))
+        torch.ops.symm_mem.one_shot_all_reduce_out(staging, "sum", dist.group.WORLD.group_name, x.view(-1))
+    else:
+        dist.all_reduce(x)
+    return x
+
+
+def _symmetric_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The staging buffer of `dtype`, made (a collective: every rank's first all-reduce of this dtype comes at the same
+    point of the same warm-up forward, never inside a CUDA-graph capture) on first use."""
+    buffer = _symmetric.get(dtype)
+    if buffer is None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(SYMMETRIC_MAX_BYTES // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                                device=device)
+        symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+        _symmetric[dtype] = buffer
+    return buffer
+
+
+def all_gather_columns(x: torch.Tensor) -> torch.Tensor:
+    """[R, n] per rank -> [R, world * n]: rank r's columns at [r * n, (r + 1) * n) (a vocab-parallel head's
+    logits)."""
+    if not _group.enabled:
+        return x
+    x = x.contiguous()
+    stacked = torch.empty((_group.world_size, *x.shape), dtype=x.dtype, device=x.device)
+    if x.device.type == "cuda":
+        dist.all_gather_into_tensor(stacked, x)
+    else:  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(stacked.unbind(0)), x)
+    return stacked.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+def broadcast_(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` into every rank's `x` (contiguous, same shape and dtype everywhere), in place."""
+    if _group.enabled:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (ranks that size something alike, e.g. the KV-cache blocks)."""
+    if not _group.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

@@ -1,0 +1,113 @@
+"""Rank 0's model calls, repeated by every worker: the call goes down each worker's pipe, then its input tensors
+follow as broadcasts from rank 0 (device to device: a lookahead step's ids never visit the host).
+
+A call's arguments are flattened: each tensor becomes a `TensorSpec` (the worker makes an empty tensor of that shape
+and receives into it), dataclasses (AttentionMetadata) keep their type and fields, other values travel pickled.
+CUDA-graph replays are mirrored the same way: the graph's key goes down the pipes, then its input buffers are
+broadcast into the workers' own buffers, and every rank replays its copy (NCCL's collectives inside included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from orinfer.distributed.group import broadcast_
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _DataclassValue:
+    cls: type
+    fields: dict[str, Any]
+
+
+def flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """`value` with each tensor replaced by its TensorSpec (the tensors are appended to `tensors`, in order)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return TensorSpec(tuple(value.shape), value.dtype)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _DataclassValue(type(value), {f.name: flatten(getattr(value, f.name), tensors)
+                                             for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (list, tuple)):
+        return type(value)(flatten(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: flatten(v, tensors) for k, v in value.items()}
+    return value
+
+
+def receive(skeleton: Any, device: torch.device) -> Any:
+    """The worker's side of `flatten` + `send_tensors`: rebuilds the value, receiving each tensor from rank 0 in
+    the order they were flattened."""
+    if isinstance(skeleton, TensorSpec):
+        return broadcast_(torch.empty(skeleton.shape, dtype=skeleton.dtype, device=device))
+    if isinstance(skeleton, _DataclassValue):
+        return skeleton.cls(**{name: receive(v, device) for name, v in skeleton.fields.items()})
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(receive(v, device) for v in skeleton)
+    if isinstance(skeleton, dict):
+        return {k: receive(v, device) for k, v in skeleton.items()}
+    return skeleton
+
+
+class Mirror:
+    """Sends rank 0's calls to the workers (`conns`: one pipe each). Inactive while the ranks build their runners:
+    they then make the same calls each on its own, in the same order."""
+
+    def __init__(self, conns: list, check_alive) -> None:
+        self.conns, self.active = conns, False
+        self.check_alive = check_alive  # raises when a worker has died (executor.py)
+
+    def send(self, message: tuple) -> None:
+        self.check_alive()
+        for conn in self.conns:
+            conn.send(message)
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> None:
+        """Has every worker call `model.<method>(*args, **kwargs)` on rank 0's arguments."""
+        tensors: list[torch.Tensor] = []
+        skeleton = flatten((args, kwargs), tensors)
+        self.send(("call", method, skeleton))
+        for tensor in tensors:
+            broadcast_(tensor.contiguous())
+
+    def replay(self, key: tuple, buffers: list[torch.Tensor]) -> None:
+        """Has every worker replay its graph `key` on rank 0's graph inputs `buffers` (contiguous)."""
+        self.send(("replay", key))
+        for buffer in buffers:
+            broadcast_(buffer)
+
+    def mirrors_now(self, device: torch.device) -> bool:
+        # A capture runs on every rank at once (runner set-up): nothing to send.
+        return self.active and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+class DriverModel:
+    """Rank 0's shard of the model, as the runner sees it: the forward and the logits are mirrored to the workers
+    before they run here; every other attribute is the shard's own."""
+
+    def __init__(self, model: nn.Module, mirror: Mirror, device: torch.device) -> None:
+        self.__dict__.update(_model=model, _mirror=mirror, _device=device)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._mirror.mirrors_now(self._device):
+            self._mirror.call("__call__", args, kwargs)
+        return self._model(*args, **kwargs)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._mirror.mirrors_now(self._device):
+            self._mirror.call("compute_logits", (hidden,), {})
+        return self._model.compute_logits(hidden)

@@ -86,7 +86,8 @@ class EngineArgs:
         "state, from the KV-cache budget", metavar="N"))
     tensor_parallel_size: int = field(default=1, metadata=_cli(
         "split the model over N GPUs of this host (one process each, NCCL; on the CPU: N processes over gloo); "
-        "Qwen2/Qwen3 and Qwen3-MoE 16-bit models", metavar="N"))
+        "Qwen2/Qwen3, Qwen3-MoE and Qwen3.5-family (dense, MoE, with images) models; 16-bit, or AWQ, GPTQ, FP8 and "
+        "--quantization fp8 for all but the Qwen3.5 family", metavar="N"))
     cuda_graph: bool = field(default=True, metadata=_cli(
         "replay decode steps as CUDA graphs (triton backend); --no-cuda-graph runs them eagerly (debugging)"))
     fused_ffn: bool = field(default=True, metadata=_cli(

@@ -125,7 +125,7 @@ class LLM:
             net, _ = load_bin_model(model_dir, ops, weight_dtype, act_dtype, dev)
         else:
             net = load_hf_model(model_dir, ops, weight_dtype, act_dtype, dev, model_config, progress=args.progress)
-        if args.pre_dequant:
+        if args.pre_dequant and executor is None:  # tensor parallelism: each rank's own (build_shard)
             from orinfer.layers.awq_linear import pre_dequantize_model
 
             pre_dequantize_model(net, act_dtype)

@@ -79,11 +79,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # --- shared fixtures -----------------------------------------------------------------------------------------------
 
 import itertools  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -91,6 +87,8 @@ import pytest  # noqa: E402
 
 # tests/ holds helper modules (hf_models.py) imported by several test files.
 sys.path.insert(0, str(Path(__file__).parent))
+
+from prebuilt import NAMES as PREBUILT_NAMES, Prebuilt, build as build_prebuilt  # noqa: E402
 
 
 # --- test tiers: `make test` runs -m "not slow", `make test-slow` -m slow ---------------------------------------------
@@ -135,55 +133,62 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.slow)
 
 
-# --- the trained tiny model ------------------------------------------------------------------------------------------
+# --- the shared models, made in the background (tests/prebuilt.py) ---------------------------------------------------
 
-TINY_ARGS = dict(arch="qwen3", train_steps=160, progress=False)
-# make-tiny's training is the longest single piece of work of the run (about half a minute of one core). When the
-# collected tests use `tiny_dir`, a child process makes the model while the tests before the first of them run.
-_tiny_build: dict[str, object] = {}
+_prebuilt: list[Prebuilt] = []   # the child process building them, once tests need any
+
+
+def _prebuilt_uses(item) -> set[str]:
+    return set(getattr(item, "fixturenames", ())) & set(PREBUILT_NAMES)
+
+
+def _model_files_last(items: list) -> None:
+    """Reorders `items` in place: the files of which a test uses a prebuilt model after the others, each file's tests
+    kept together and in their order (module fixtures are made once). Measured on the 2-core box: the first test of
+    make-tiny's model waited 63 s for it (test_awq, third file of the run), while about 4 minutes of tests need no
+    model."""
+    files = {item.nodeid.split("::")[0] for item in items if _prebuilt_uses(item)}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in files)  # stable: the order within each group stays
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly or not any(
-            "tiny_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+    needed = set().union(*map(_prebuilt_uses, session.items))
+    if session.config.option.collectonly or not needed:
         return
-    out = Path(tempfile.mkdtemp(prefix="orinfer-tests-tiny-qwen3-"))
-    log = open(out / "make_tiny.log", "w+")
-    # The child inherits OMP_NUM_THREADS=1 (set above); make_tiny also trains on one thread whatever it is. It exits
-    # when its stdin, a pipe nobody writes to, closes: when this process ends, however it ends.
-    script = ("import json, os, sys, threading; "
-              "threading.Thread(target=lambda: sys.stdin.read() or os._exit(1), daemon=True).start(); "
-              "from orinfer.tiny import make_tiny; make_tiny(sys.argv[1], **json.loads(sys.argv[2]))")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(out / "model"), json.dumps(TINY_ARGS)],
-                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
-    _tiny_build.update(proc=proc, out=out, log=log)
+    _model_files_last(session.items)
+    _prebuilt.append(Prebuilt([name for name in PREBUILT_NAMES if name in needed]))
 
 
 def pytest_unconfigure(config):
-    proc = _tiny_build.pop("proc", None)
-    if proc is not None:
-        if proc.poll() is None:  # the run ended (or was interrupted) before any test waited for it
-            proc.kill()
-            proc.wait()
-        proc.stdin.close()
-        _tiny_build.pop("log").close()
-        shutil.rmtree(_tiny_build.pop("out"), ignore_errors=True)
+    while _prebuilt:
+        _prebuilt.pop().close()
+
+
+def _model(name: str, tmp_path_factory) -> Path:
+    """The prebuilt model `name`: from the child process, or made here when there is none (or it does not make it)."""
+    if _prebuilt and name in _prebuilt[0].names:
+        try:
+            return _prebuilt[0].wait(name)
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+    out = tmp_path_factory.mktemp(name) / name
+    build_prebuilt(name, out)
+    return out
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    """A Qwen3 model made by `make-tiny` (trained 160 steps on the bundled text), shared by the whole run: from the
-    child process `pytest_collection_finish` started, or made here when there is none."""
-    proc = _tiny_build.get("proc")
-    if proc is None:
-        from orinfer.tiny import make_tiny
+    """A Qwen3 model made by `make-tiny` (trained 160 steps on the bundled text), shared by the whole run."""
+    return _model("tiny_dir", tmp_path_factory)
 
-        return make_tiny(tmp_path_factory.mktemp("tiny-qwen3"), **TINY_ARGS)
-    if proc.wait() != 0:
-        log = _tiny_build["log"]
-        log.seek(0)
-        pytest.fail(f"make_tiny(**{TINY_ARGS}) failed in its child process (exit {proc.returncode}):\n{log.read()}")
-    return _tiny_build["out"] / "model"
+
+@pytest.fixture(scope="session")
+def tool_dirs(tmp_path_factory):
+    """The tool-calling models of tool_model.py ("json", "xml": the same weights under two chat templates)."""
+    from tool_model import TEMPLATES
+
+    root = _model("tool_dirs", tmp_path_factory)
+    return {kind: root / kind for kind in TEMPLATES}
 
 
 @pytest.fixture(scope="session")

@@ -152,10 +152,12 @@ QWEN3_5_CONFIGS = {
 }
 
 
-def qwen3_5_text_config(kind: str, vocab_size: int = 211):
+def qwen3_5_text_config(kind: str, vocab_size: int = 211, **overrides):
+    """The HF text config of QWEN3_5_CONFIGS[kind]; `overrides` replace its fields (e.g. more value heads per key
+    head)."""
     from transformers import Qwen3_5TextConfig
 
-    spec = dict(QWEN3_5_CONFIGS[kind])
+    spec = dict(QWEN3_5_CONFIGS[kind]) | overrides
     factor = spec.pop("partial_rotary_factor")
     if "layer_types" not in spec:
         interval = spec.pop("full_attention_interval")
@@ -179,11 +181,12 @@ QWEN3_5_TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_he
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
 
 
-def build_hf_qwen3_5(kind: str, seed: int = 0, vision: bool = False):
-    """An HF Qwen3_5ForCausalLM (or, with `vision`, a Qwen3_5ForConditionalGeneration with a tiny vision tower)."""
+def build_hf_qwen3_5(kind: str, seed: int = 0, vision: bool = False, **overrides):
+    """An HF Qwen3_5ForCausalLM (or, with `vision`, a Qwen3_5ForConditionalGeneration with a tiny vision tower);
+    `overrides` replace fields of QWEN3_5_CONFIGS[kind]."""
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-    text = qwen3_5_text_config(kind, vocab_size=300 if vision else 211)
+    text = qwen3_5_text_config(kind, vocab_size=300 if vision else 211, **overrides)
     classes = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if vision else Qwen3_5ForCausalLM
     return _hf_qwen3_5_family(text, seed, classes)
 

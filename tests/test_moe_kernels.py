@@ -288,9 +288,12 @@ def replay_routings(tokens: int, n_experts: int, top_k: int) -> dict[str, torch.
             "spread": pairs % n_experts}
 
 
+# The default tier replays one decode and one grouped configuration; the rest are slow.
 @pytest.mark.parametrize("tokens,n_experts,top_k,cfg", [
-    (1, 8, 2, DECODE_FMA), (4, 8, 2, DECODE_DOT_SPLIT), (5, 12, 3, DECODE_DOT), (16, 8, 2, GROUPED_16),
-    (13, 12, 3, GROUPED_32), (8, 8, 2, None), (16, 8, 2, None)])
+    (1, 8, 2, DECODE_FMA), (16, 8, 2, GROUPED_16),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (4, 8, 2, DECODE_DOT_SPLIT), (5, 12, 3, DECODE_DOT), (13, 12, 3, GROUPED_32), (8, 8, 2, None),
+        (16, 8, 2, None)])])
 def test_one_capture_replays_every_routing(tokens, n_experts, top_k, cfg):
     """Route + experts captured once on what a mixed-step graph's capture sees (every row padding: NaN hidden states,
     so NaN router logits), then replayed on routings that need many more sorted blocks than the capture's (the

@@ -1,7 +1,9 @@
 """Nothing a client sends holds the server's event loop (issue 34), checked by structure rather than by timing: the
-start-up heap is out of the collector's full passes (server and engine processes), a body is counted before it is
-parsed (too many values: 413 without parsing it), bodies beyond a small size are parsed and validated in a worker
-thread, and validation stops at the first bad item of a list instead of formatting a body's worth of errors."""
+start-up heap is out of the collector's full passes (server and engine processes), busy worker threads hand the
+interpreter lock back to the event loop sooner, a body is counted before it is parsed (too many values: 413 without
+parsing it), bodies beyond a small size are parsed and validated in a worker thread, validation stops at the first
+bad item of a list instead of formatting a body's worth of errors, and the handlers' walks over a body's lists run
+in worker threads."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from orinfer.server import json_count, request_body  # noqa: E402
 from orinfer.server.app import ServerLimits, build_app  # noqa: E402
 from orinfer.server.cli import BackgroundServer  # noqa: E402
 from orinfer.server.errors import APIError  # noqa: E402
-from orinfer.server.heap import freeze_startup_heap  # noqa: E402
+from orinfer.server.interpreter import freeze_startup_heap  # noqa: E402
 from orinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest  # noqa: E402
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
@@ -60,17 +62,33 @@ def test_full_collections_skip_the_startup_heap():
         gc.unfreeze()
 
 
-def test_orinfer_serve_freezes_its_heap_before_it_serves(tiny_dir, monkeypatch):
+def test_orinfer_serve_sets_up_its_interpreter_before_it_serves(tiny_dir, monkeypatch):
+    """The heap is frozen and the switch interval shortened once the app is built, before uvicorn takes traffic."""
     import uvicorn
 
     from orinfer.cli import main
-    from orinfer.server import heap
+    from orinfer.server import interpreter
 
     events = []
-    monkeypatch.setattr(heap, "freeze_startup_heap", lambda: events.append("freeze") or 0)
+    monkeypatch.setattr(interpreter, "freeze_startup_heap", lambda: events.append("freeze") or 0)
+    monkeypatch.setattr(interpreter, "shorten_switch_interval", lambda: events.append("switch"))
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: events.append("serve"))
     assert main(["serve", "-m", str(tiny_dir), "--device", "cpu", "--no-engine-process", "--port", "0"]) == 0
-    assert events == ["freeze", "serve"]
+    assert events == ["freeze", "switch", "serve"]
+
+
+def test_the_switch_interval_is_shortened():
+    import sys
+
+    from orinfer.server import interpreter
+
+    before = sys.getswitchinterval()
+    try:
+        interpreter.shorten_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(interpreter.SWITCH_INTERVAL_S)
+        assert interpreter.SWITCH_INTERVAL_S < before
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_the_engine_process_freezes_its_heap_before_it_takes_requests(tiny_dir, monkeypatch):

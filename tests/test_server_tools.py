@@ -24,8 +24,7 @@ from orinfer.server.engine_loop import SeqUpdate  # noqa: E402
 from orinfer.reasoning import ThinkState  # noqa: E402
 from orinfer.server.tools import ChatTools  # noqa: E402
 from orinfer.tool_calls import ToolChoice  # noqa: E402
-from tool_model import (ANSWER_TO_RESULT, CALL_ARGS, JSON_CALL, TOOLS, make_tool_models,  # noqa: E402
-                        result_turn)
+from tool_model import ANSWER_TO_RESULT, CALL_ARGS, JSON_CALL, TOOLS, result_turn  # noqa: E402
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -76,11 +75,6 @@ def test_stream_chunks_of_calls(finish, max_calls):
     assert all(set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
                for tc in calls if "id" not in tc)
     assert chunks[-1]["choices"][0]["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
-
-
-@pytest.fixture(scope="module")
-def tool_dirs(tmp_path_factory):
-    return make_tool_models(tmp_path_factory.mktemp("tool-models"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ from orinfer.sampling_params import SamplingParams
 DECODE_PROMPT_LEN = 128  # prompt tokens of each sequence in the decode-throughput runs
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids drawn from `seed` (ids away from both ends of the vocabulary, where the
+    special tokens sit)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n, length), generator=gen).tolist()
 
@@ -30,16 +32,16 @@ def bench_engine(llm: LLM, cfg: ModelConfig, prompt_lens: list[int], batch_sizes
     from its own seed, so none starts with tokens of another and no prefill is served from the prefix cache."""
     greedy = dict(temperature=0.0, ignore_eos=True)
     out: dict = {"prefill": {}, "decode": {}}
-    llm.generate(_prompts(1, 64, cfg.vocab_size, 0), SamplingParams(max_tokens=8, **greedy))  # warm-up
+    llm.generate(random_prompts(1, 64, cfg.vocab_size, 0), SamplingParams(max_tokens=8, **greedy))  # warm-up
     for length in prompt_lens:
-        runs = [llm.generate(_prompts(1, length, cfg.vocab_size, 1000 * length + r),
+        runs = [llm.generate(random_prompts(1, length, cfg.vocab_size, 1000 * length + r),
                              SamplingParams(max_tokens=1, **greedy))[0] for r in range(repeats + 1)][1:]
         seconds = statistics.median(1 / o.metrics.prefill_tok_s * length for o in runs)
         ttft = statistics.median(o.metrics.ttft_s for o in runs)
         out["prefill"][length] = {"tok_s": length / seconds, "seconds": seconds, "ttft_ms": ttft * 1000,
                                   "tflops": prefill_flops(cfg, length) / seconds / 1e12}
     for batch in batch_sizes:
-        prompts = _prompts(batch, decode_prompt_len, cfg.vocab_size, 100 + batch)
+        prompts = random_prompts(batch, decode_prompt_len, cfg.vocab_size, 100 + batch)
         outs = llm.generate(prompts, SamplingParams(max_tokens=decode_tokens, **greedy))
         # From the moment every sequence has its first token to the last finish: pure batched decode.
         start = max(o.metrics.ttft_s for o in outs)
@@ -66,8 +68,6 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     from orinfer.loader import random_model
 
     if args.tensor_parallel_size > 1:
-        if args.pre_dequant:
-            raise ConfigError("bench: pre_dequant is not supported with tensor parallelism yet")
         executor = start_tensor_parallel(ShardSource(cfg, None, dtype, dtype, args, device.type))
         shard = executor.shard
         with rank_local():  # the draft is whole, on rank 0 only

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from orinfer.bench.engine_bench import _prompts
+from orinfer.bench.engine_bench import random_prompts
 from orinfer.config import ModelConfig
 from orinfer.llm import LLM
 from orinfer.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ ACCEPTANCES = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 
 def _decode(llm: LLM, cfg: ModelConfig, batch: int, decode_tokens: int, prompt_len: int, seed: int) -> dict:
     """Decode tok/s of `batch` sequences (from the moment all have their first token to the last finish)."""
-    prompts = _prompts(batch, prompt_len, cfg.vocab_size, seed)
+    prompts = random_prompts(batch, prompt_len, cfg.vocab_size, seed)
     outs = llm.generate(prompts, SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True))
     start = max(o.metrics.ttft_s for o in outs)
     end = max(o.metrics.e2e_s for o in outs)

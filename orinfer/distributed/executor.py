@@ -73,6 +73,7 @@ class TensorParallelExecutor:
         self._watcher.start()
         self.mirror = Mirror(self._commands, self.check_alive)
         self.shard: Shard | None = None
+        self._runner = None  # rank 0's runner, once attached
         try:
             self.group: TensorParallelGroup = init_group(0, world_size, store, source.device(0))
             log.info("tensor parallelism: %d ranks (%s)", world_size, dist.get_backend())
@@ -87,14 +88,17 @@ class TensorParallelExecutor:
 
     def attach(self, runner) -> None:
         """Called once rank 0's runner is built (the workers build theirs alongside, making the same collectives):
-        waits for every worker to be ready, then mirrors the runner's calls and graph replays from here on."""
+        waits for every worker to be ready, then mirrors the runner's calls, graph replays and state-slot copies from
+        here on."""
         with self._changed:
             while len(self._ready) < self.world_size - 1 and self.failure is None:
                 self._changed.wait(timeout=1.0)
         self.check_alive()
+        self._runner = runner
         for graphs in (runner.graphs, runner.step_graphs):
             if graphs is not None:
                 graphs.before_replay = self.mirror.replay
+        runner.state.before_copy = self.mirror.copy_state
         self.mirror.active = True
 
     def explain(self, error: RuntimeError, wait_s: float = 5.0) -> None:
@@ -177,14 +181,19 @@ class TensorParallelExecutor:
                 pass
         if self.failure is None and self.shard is not None and self.shard.device.type == "cuda":
             torch.cuda.synchronize(self.shard.device)  # the steps still queued, which the workers finish too
+        if self._runner is not None:
+            # NCCL cannot tear down a communicator while CUDA graphs that hold its kernels live (pytorch/pytorch
+            # #115388: destroy_process_group then never returns; NOTES run 291 saw it): the graphs go first.
+            self._runner.release_graphs()
         # Leave the group (after a failure too: a later engine in this process makes a new one). A clean stop
         # leaves with the workers, which do the same as they stop; a failed group is aborted.
         leave = threading.Thread(target=self._leave_group, name="orinfer-tp-leave", daemon=True)
         leave.start()
         leave.join(LEAVE_GROUP_S)
         if leave.is_alive():
-            # Seen in one test process on 2 H200s (NOTES run 291), not found yet: rather than hang the caller, the
-            # group is left behind (this process cannot start another tensor-parallel engine).
+            # A safety net: NOTES run 291 saw rank 0 never return from leaving while CUDA graphs were alive (now
+            # released first, above); rather than hang the caller, the group is left behind (this process then
+            # cannot start another tensor-parallel engine).
             log.warning("leaving the NCCL group did not finish in %.0f s; going on without it", LEAVE_GROUP_S)
         for proc in self._procs:
             try:

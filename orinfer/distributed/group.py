@@ -89,6 +89,7 @@ def destroy_group(abort: bool = False) -> None:
 # per layer, of [B, H] each, where NCCL's latency per call dominates (benchmarks/NOTES.md, run 288). Larger ones, and
 # any when ORINFER_TP_ALLREDUCE=nccl, use NCCL. NVLink multicast is never used (no multimem operation).
 SYMMETRIC_MAX_BYTES = 1 << 20
+_NCCL_ONLY = os.environ.get("ORINFER_TP_ALLREDUCE") == "nccl"  # read once: all_reduce runs twice per layer
 _symmetric: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -98,7 +99,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     nbytes = x.numel() * x.element_size()
     if (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
-            and x.dtype in (torch.bfloat16, torch.float32) and os.environ.get("ORINFER_TP_ALLREDUCE") != "nccl"):
+            and x.dtype in (torch.bfloat16, torch.float32) and not _NCCL_ONLY):
         staging = _symmetric_buffer(x.dtype, x.device)[:x.numel()]
         staging.copy_(x.view(-1))
         torch.ops.symm_mem.one_shot_all_reduce_out(staging, "sum", dist.group.WORLD.group_name, x.view(-1))

@@ -4,7 +4,8 @@ follow as broadcasts from rank 0 (device to device: a lookahead step's ids never
 A call's arguments are flattened: each tensor becomes a `TensorSpec` (the worker makes an empty tensor of that shape
 and receives into it), dataclasses (AttentionMetadata) keep their type and fields, other values travel pickled.
 CUDA-graph replays are mirrored the same way: the graph's key goes down the pipes, then its input buffers are
-broadcast into the workers' own buffers, and every rank replays its copy (NCCL's collectives inside included).
+broadcast into the workers' own buffers, and every rank replays its copy (NCCL's collectives inside included). So are
+the copies of hybrid models' state slots (prefix-cache snapshots), which happen outside the model's calls.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ class Mirror:
         self.send(("replay", key))
         for buffer in buffers:
             broadcast_(buffer)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Has every worker copy its linear-attention state slot `src` into `dst` (a prefix-cache snapshot saved or
+        restored: engine/state_pools.py), at the same point of its stream of calls."""
+        if self.active:
+            self.send(("state_copy", src, dst))
 
     def mirrors_now(self, device: torch.device) -> bool:
         # A capture runs on every rank at once (runner set-up): nothing to send.

@@ -60,4 +60,8 @@ def build_shard(source: ShardSource, group: TensorParallelGroup) -> Shard:
         model = load_hf_model(Path(source.model_dir), ops, source.weight_dtype, source.act_dtype, device, config,
                               progress=source.args.progress and group.rank == 0,
                               slicer=checkpoint_slicer(plan, source.config, group))
+    if source.args.pre_dequant:  # every rank keeps its AWQ slices' 16-bit copy, as one process keeps the whole
+        from orinfer.layers.awq_linear import pre_dequantize_model
+
+        pre_dequantize_model(model, source.act_dtype)
     return Shard(model, config, ops, device)

@@ -1,68 +1,129 @@
 """How tensor parallelism splits a model: the per-rank config, the checkpoint slice each rank reads, the all-reduces.
 
-A model class declares its split as data, `tensor_parallel_plan` (a dict; models/qwen.py has one), naming checkpoint
-sub-names ("q_proj") and submodules ("mlp") only:
-  heads        split along the output rows by attention heads (column parallel)
+A model class declares its split as data, `tensor_parallel_plan` (a dict; models/qwen.py and models/qwen3_5.py have
+one), naming checkpoint sub-names ("q_proj") and submodules ("mlp") only:
+  heads        split along the output rows by attention heads (column parallel; a head's rows stay together, so
+               Qwen3.5's q_proj, which emits each head's query then its gate, splits the same way)
   kv_heads     the same by KV heads; with fewer KV heads than ranks each head is replicated on world / kv ranks
   columns      split evenly along the output rows (column parallel: gate/up, each expert's too)
   rows         split evenly along the input columns (row parallel: o/down); each rank's output is a partial sum
   vocab        split along the vocabulary rows (embedding, lm_head: layers/embedding.py pads to world * ceil(V/world))
+  parts        tensors packed from parts that each split by their own heads (a Gated DeltaNet's q | k | v): name ->
+               ((heads, head width), ...), each a ModelConfig field's name or a number, in the order of the rows.
+               A rank reads its heads of every part (along dim 0) and the loader concatenates them, so the rank's
+               tensor is packed like the whole one; a part with fewer heads than ranks is replicated as KV heads
+               are. A name is a module's sub-name ("in_proj_qkv") or, for a block's own parameter, "block.param"
+               ("linear_attn.A_log").
   reduce_outputs  submodules whose output is such a partial sum: their output is all-reduced (one per attention
                block and one per MLP or MoE block, whatever rows-split layers they hold)
+  whole        submodules read whole by every rank and never reduced (a vision tower, which rank 0 alone runs)
 Every other tensor (norms, routers, the shared-expert gate) is read whole by every rank.
 
 With the heads and widths divided by the world size (`shard_config`), the model file builds each rank's layers at
 their per-rank shapes unchanged, and the loader reads only the rank's slice of each tensor (`checkpoint_slicer`).
+Quantized checkpoints (AWQ, GPTQ, FP8, online FP8) split the same way: slices.py maps each format's tensors (packed
+words, groups, scale blocks) to a rank's part, so that a rank's tensors are those of its smaller layer in the same
+format; `check_supported` checks every split layer's parts before anything loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from orinfer.config import ModelConfig
 from orinfer.distributed.group import TensorParallelGroup, all_reduce
-from orinfer.errors import ConfigError
+from orinfer.distributed.slices import Split, checkpoint_shapes, tensor_slice
+from orinfer.errors import ConfigError, WeightsError
 
-# (dimension, first index, length) of the part of a checkpoint tensor a rank reads; None: the whole tensor.
-Slice = tuple[int, int, int] | None
+# The part of a checkpoint tensor a rank reads: (dimension, first index, length), or a list of such ranges (along
+# one dimension) whose parts are concatenated in order; None: the whole tensor.
+Range = tuple[int, int, int]
+# With a weight format's function to apply to the part once read (slices.py: GPTQ's g_idx renumbered).
+Slice = Range | list[Range] | tuple[int, int, int, Callable[[torch.Tensor], torch.Tensor]] | None
 Slicer = Callable[[str, tuple[int, ...]], Slice]  # (checkpoint name, full shape) -> the rank's part
+
+# Heads that may be fewer than the ranks (each is then replicated): they are only read (attention's KV heads, the
+# key heads the delta rule's value heads share). Every other head count and width must divide by the world size.
+REPLICABLE_HEADS = ("num_key_value_heads", "linear_num_key_heads")
+DIVIDED = ("num_attention_heads", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+           "linear_num_value_heads")
 
 
 def check_supported(cfg: ModelConfig, world_size: int) -> None:
     """ConfigError naming what keeps `cfg` from running on `world_size` ranks."""
-    if cfg.is_hybrid or cfg.is_multimodal:
+    from orinfer.models.registry import model_class  # the registry imports this module
+
+    if getattr(model_class(cfg.architecture), "tensor_parallel_plan", None) is None:
         raise ConfigError(f"tensor_parallel_size {world_size}: {cfg.architecture} is not supported with tensor "
-                          "parallelism yet (supported: Qwen2, Qwen3 and Qwen3-MoE text models)")
-    if cfg.quantization is not None:
+                          "parallelism yet (supported: Qwen2, Qwen3, Qwen3-MoE and the Qwen3.5 family, dense and "
+                          "MoE, text-only and with images)")
+    if cfg.quantization is not None and model_class(cfg.architecture).tensor_parallel_plan.get("parts"):
         raise ConfigError(f"tensor_parallel_size {world_size}: {cfg.quantization.method.upper()} weights are not "
-                          "supported with tensor parallelism yet (16/32-bit checkpoints are)")
-    widths = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
-              "moe_intermediate_size": cfg.moe_intermediate_size,
-              "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
-    for name, value in widths.items():
+                          f"supported with tensor parallelism for {cfg.architecture} yet (its 16-bit checkpoints are)")
+    for name in DIVIDED:
+        value = getattr(cfg, name)
         if value % world_size:
             raise ConfigError(f"tensor_parallel_size {world_size} must divide the model's {name} ({value})")
-    kv = cfg.num_key_value_heads
-    if kv % world_size and world_size % kv:
-        raise ConfigError(f"tensor_parallel_size {world_size} and the model's num_key_value_heads ({kv}) must "
-                          "divide one another (fewer KV heads than ranks are replicated)")
+    for name in REPLICABLE_HEADS:
+        heads = getattr(cfg, name)
+        if heads and heads % world_size and world_size % heads:
+            raise ConfigError(f"tensor_parallel_size {world_size} and the model's {name} ({heads}) must divide one "
+                              "another (heads fewer than ranks are replicated)")
+    if cfg.quantization is not None:  # 16-bit tensors split wherever the heads and widths do
+        check_split_shapes(cfg, world_size)
+
+
+def check_split_shapes(cfg: ModelConfig, world_size: int) -> None:
+    """ConfigError naming the first split layer whose checkpoint tensors do not cut into whole parts (packed words,
+    quantization groups, FP8 blocks: slices.py) on `world_size` ranks, by slicing one layer of each kind (attention,
+    dense MLP, experts, shared expert) for every rank as the loader will."""
+    from orinfer.models.registry import model_class  # the registry imports this module
+
+    cls = model_class(cfg.architecture)
+    slicers = [checkpoint_slicer(cls.tensor_parallel_plan, cfg, TensorParallelGroup(rank, world_size))
+               for rank in range(world_size)]
+    for name, (fin, fout, bias) in _split_linears(cfg, cls.hf_prefix).items():
+        for kind, shape in checkpoint_shapes(cfg.quantization, fin, fout, bias).items():
+            for slicer in slicers:
+                slicer(f"{name}.{kind}", shape)
+
+
+def _split_linears(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, int, bool]]:
+    """Checkpoint name (without the tensor kind) -> (in, out, bias) of one linear of each kind the plan splits."""
+    h, attn = cfg.hidden_size, f"{prefix}layers.0.self_attn"
+    linears = {f"{attn}.q_proj": (h, cfg.q_size, cfg.attention_bias),
+               f"{attn}.k_proj": (h, cfg.kv_size, cfg.attention_bias),
+               f"{attn}.v_proj": (h, cfg.kv_size, cfg.attention_bias), f"{attn}.o_proj": (cfg.q_size, h, False)}
+
+    def mlp(name: str, width: int) -> None:
+        linears.update({f"{name}.gate_proj": (h, width, False), f"{name}.up_proj": (h, width, False),
+                        f"{name}.down_proj": (width, h, False)})
+
+    layers = range(cfg.num_hidden_layers)
+    dense = next((i for i in layers if not cfg.is_sparse_layer(i)), None)
+    if dense is not None:
+        mlp(f"{prefix}layers.{dense}.mlp", cfg.intermediate_size)
+    sparse = next((i for i in layers if cfg.is_sparse_layer(i)), None)
+    if sparse is not None:
+        mlp(f"{prefix}layers.{sparse}.mlp.experts.0", cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            mlp(f"{prefix}layers.{sparse}.mlp.shared_expert", cfg.shared_expert_intermediate_size)
+    return linears
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
-    """The config of one rank's shard: heads and MLP widths divided by the world size (at least one KV head)."""
+    """The config of one rank's shard: heads and MLP widths divided by the world size (at least one KV head, one
+    linear-attention key head)."""
     if world_size == 1:
         return cfg
     check_supported(cfg, world_size)
-    return dataclasses.replace(
-        cfg, num_attention_heads=cfg.num_attention_heads // world_size,
-        num_key_value_heads=max(1, cfg.num_key_value_heads // world_size),
-        intermediate_size=cfg.intermediate_size // world_size,
-        moe_intermediate_size=cfg.moe_intermediate_size // world_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world_size)
+    divided = {name: getattr(cfg, name) // world_size for name in DIVIDED}
+    kept = {name: max(1, getattr(cfg, name) // world_size) for name in REPLICABLE_HEADS if getattr(cfg, name)}
+    return dataclasses.replace(cfg, **divided, **kept)
 
 
 def vocab_rows(vocab_size: int, world_size: int) -> int:
@@ -70,54 +131,75 @@ def vocab_rows(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size)
 
 
-def checkpoint_slicer(plan: dict[str, tuple[str, ...]], cfg: ModelConfig, group: TensorParallelGroup) -> Slicer:
-    """(checkpoint name, full shape) -> the slice rank `group.rank` reads (see the module docstring). `cfg`: the
-    full model's config."""
+def rank_heads(heads: int, rank: int, world: int) -> tuple[int, int]:
+    """(first head, number of heads) of `heads` that rank `rank` of `world` holds: an equal share, or with fewer
+    heads than ranks the one head it shares with world / heads - 1 other ranks."""
+    if heads >= world:
+        return rank * (heads // world), heads // world
+    return rank * heads // world, 1
+
+
+def checkpoint_slicer(plan: dict[str, Any], cfg: ModelConfig, group: TensorParallelGroup) -> Slicer:
+    """(checkpoint name, full shape) -> the slice rank `group.rank` reads (see the module docstring; each weight
+    format's tensors: slices.py). `cfg`: the full model's config."""
     rank, world = group.rank, group.world_size
+    whole, parts_of = set(plan.get("whole", ())), plan.get("parts", {})
 
-    def even(shape: tuple[int, ...], dim: int) -> Slice:
-        part = shape[dim] // world
-        return dim, rank * part, part
+    def split_of(module: str) -> Split | None:
+        if module in plan.get("heads", ()) or module in plan.get("columns", ()):
+            return Split("out", rank, world)
+        if module in plan.get("kv_heads", ()):
+            kv = cfg.num_key_value_heads
+            # fewer KV heads than ranks: each head is replicated, ranks world/kv * h.. share head h
+            return Split("out", rank, world) if kv >= world else Split("out", rank * kv // world, kv)
+        if module in plan.get("rows", ()):
+            return Split("in", rank, world)
+        return None
 
-    def by_kv_heads(shape: tuple[int, ...]) -> Slice:
-        kv = cfg.num_key_value_heads
-        head_rows = shape[0] // kv
-        if kv >= world:
-            return 0, rank * (kv // world) * head_rows, (kv // world) * head_rows
-        return 0, (rank * kv // world) * head_rows, head_rows  # replicated: ranks share a head
+    def number(value: int | str) -> int:
+        return getattr(cfg, value) if isinstance(value, str) else value
+
+    def by_parts(name: str, shape: tuple[int, ...], parts: tuple[tuple[int | str, int | str], ...]) -> Slice:
+        ranges, offset = [], 0
+        for heads, width in parts:
+            heads, width = number(heads), number(width)
+            first, count = rank_heads(heads, rank, world)
+            ranges.append((0, offset + first * width, count * width))
+            offset += heads * width
+        if offset != shape[0]:
+            raise WeightsError(f"{name}: {shape[0]} rows, but the config's heads make {offset} "
+                               f"({' + '.join(f'{h} x {w}' for h, w in parts)})")
+        return ranges[0] if len(ranges) == 1 else ranges
 
     def slicer(name: str, shape: tuple[int, ...]) -> Slice:
         parts = name.split(".")
-        if len(parts) < 2:
+        if len(parts) < 2 or whole.intersection(parts):
             return None
         module, kind = parts[-2], parts[-1]
+        packed = parts_of.get(module, parts_of.get(f"{module}.{kind}"))
+        if packed is not None:
+            return by_parts(name, shape, packed)
         if module in plan.get("vocab", ()):
             rows = vocab_rows(shape[0], world)
             start = min(rank * rows, shape[0])
             return 0, start, min(rows, shape[0] - start)
-        if module in plan.get("heads", ()) or module in plan.get("columns", ()):
-            return even(shape, 0)
-        if module in plan.get("kv_heads", ()):
-            return by_kv_heads(shape)
-        if module in plan.get("rows", ()):
-            if kind != "weight":
-                raise ConfigError(f"{name}: a row-parallel layer with a {kind} is not supported with tensor "
-                                  "parallelism (each rank would add it)")
-            return even(shape, 1)
-        return None
+        split = split_of(module)
+        if split is None:
+            return None
+        return tensor_slice(cfg.quantization, kind, split, shape, f"{name} (tensor_parallel_size {world})")
 
     return slicer
 
 
-def install_reduce_hooks(model: nn.Module, plan: dict[str, tuple[str, ...]]) -> None:
+def install_reduce_hooks(model: nn.Module, plan: dict[str, Any]) -> None:
     """All-reduces the output of every submodule named in plan["reduce_outputs"] (a forward hook: module names, and
-    so checkpoint names and the backends' decode hooks, stay as they are)."""
-    names = set(plan.get("reduce_outputs", ()))
+    so checkpoint names and the backends' decode hooks, stay as they are), except inside plan["whole"] ones."""
+    names, whole = set(plan.get("reduce_outputs", ())), set(plan.get("whole", ()))
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in names:
+        path = name.split(".")
+        if path[-1] in names and not whole.intersection(path):
             module.register_forward_hook(_reduce_output)
 
 
 def _reduce_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     return all_reduce(output)
-

@@ -48,6 +48,7 @@ def worker_main(address: str, authkey: bytes, rank: int) -> None:
             pass
         os._exit(1)  # no group teardown: rank 0 aborts its side
     if stopped:
+        runner.release_graphs()  # before the group: see TensorParallelExecutor.shutdown
         destroy_group()  # rank 0 leaves at the same time
     else:
         os._exit(0)  # rank 0 is gone: nobody to leave the group with
@@ -56,7 +57,8 @@ def worker_main(address: str, authkey: bytes, rank: int) -> None:
 @torch.inference_mode()
 def serve(commands, runner) -> bool:
     """Runs rank 0's calls in the order they come: ("call", method, flattened arguments), ("replay", graph key),
-    ("stop",). Returns True at "stop", False when rank 0's end of the pipe closed (rank 0 is gone)."""
+    ("state_copy", source slot, destination slot), ("stop",). Returns True at "stop", False when rank 0's end of the
+    pipe closed (rank 0 is gone)."""
     model, device = runner.model, runner.device
     while True:
         try:
@@ -74,6 +76,8 @@ def serve(commands, runner) -> bool:
             for buffer in graphs.graph_inputs(key):
                 broadcast_(buffer)
             graphs.graph_for(key)[0].replay()
+        elif kind == "state_copy":
+            runner.state.copy(message[1], message[2])
         elif kind == "stop":
             # Rank 0's last steps (a lookahead step it will never read, too) are queued here as well: they must run
             # before this process ends, or rank 0's copies would wait on them forever.

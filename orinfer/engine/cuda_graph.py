@@ -149,6 +149,14 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s (and %s for contexts of up to %d tokens)",
                  self.buckets, self.short_buckets, self.short_tokens)
 
+    def release(self) -> None:
+        """Frees every captured graph (tensor parallelism: NCCL cannot tear a communicator down while graphs that
+        hold its kernels live, pytorch/pytorch#115388)."""
+        for graph in (*self.graphs.values(), *self.short_graphs.values()):
+            graph.reset()
+        self.graphs.clear()
+        self.short_graphs.clear()
+
     def graph_key(self, bucket: int, longest_context: int) -> tuple[str, int, bool]:
         """Names the graph that replays `bucket` rows whose longest context is `longest_context` tokens."""
         return "decode", bucket, bucket in self.short_graphs and longest_context <= self.short_tokens

@@ -104,6 +104,13 @@ class ModelRunner:
             if hasattr(model, "enable_vision_graphs"):
                 model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph
 
+    def release_graphs(self) -> None:
+        """Frees the CUDA graphs; later steps run eagerly (tensor parallelism frees them before leaving the group)."""
+        for graphs in (self.graphs, self.step_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.step_graphs = None
+
     # --- KV cache ---------------------------------------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:

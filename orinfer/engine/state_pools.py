@@ -7,14 +7,15 @@ manager); its first step ignores the slot's old contents (`AttentionMetadata.has
 cleared. One more slot, `scratch_slot`, belongs to nobody: CUDA-graph padding rows and sequences update it. After it
 come `num_snapshots` snapshot slots: copies of a sequence's state at a block boundary, for prefix-cache hits (the
 block manager names them; `save` and `restore` copy on the device, in stream order with the steps). The pools come
-out of the KV cache's memory budget.
+out of the KV cache's memory budget. Under tensor parallelism each rank's pools hold its shard's heads (the rank's
+config), and rank 0's copies are repeated on every rank (`before_copy`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ class StatePools:
         self.num_slots = num_slots if cfg.is_hybrid else 0
         self.num_snapshots = num_snapshots if self.num_slots else 0
         self.scratch_slot = self.num_slots
+        # Called with (source slot, destination slot) before each copy: tensor parallelism's rank 0 sends it to the
+        # workers, whose runners make the same copy (distributed/executor.py).
+        self.before_copy: Callable[[int, int], None] | None = None
 
     @property
     def bytes(self) -> int:
@@ -47,13 +51,16 @@ class StatePools:
 
     def save(self, slot: int, snapshot: int) -> None:
         """Copies sequence slot `slot`'s state (every linear-attention layer) into snapshot `snapshot`."""
-        self._copy(slot, self._snapshot_slot(snapshot))
+        self.copy(slot, self._snapshot_slot(snapshot))
 
     def restore(self, snapshot: int, slot: int) -> None:
         """Copies snapshot `snapshot` into sequence slot `slot`."""
-        self._copy(self._snapshot_slot(snapshot), slot)
+        self.copy(self._snapshot_slot(snapshot), slot)
 
-    def _copy(self, src: int, dst: int) -> None:
+    def copy(self, src: int, dst: int) -> None:
+        """Copies slot `src`'s state (every linear-attention layer) into slot `dst`."""
+        if self.before_copy is not None:
+            self.before_copy(src, dst)
         for layer in self.model.state_layers():
             layer.conv_states[dst].copy_(layer.conv_states[src])
             layer.ssm_states[dst].copy_(layer.ssm_states[src])

@@ -138,6 +138,12 @@ class MixedStepGraphs:
         self.graphs[bucket].replay()
         return self.hidden[bucket][:tokens]
 
+    def release(self) -> None:
+        """Frees every captured graph (see DecodeGraphs.release)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def graph_for(self, key: tuple[str, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of `key` and its hidden states."""
         return self.graphs[key[1]], self.hidden[key[1]]

@@ -15,7 +15,9 @@ the FP8 rows' output and theirs.
 
 Online quantization (`FP8Config.online`, `--quantization fp8`): the checkpoint is 16/32-bit; `weight_loader`
 quantizes each shard as it arrives (`fp8_block_quantize`, the same blocks a checkpoint would have), so no 16-bit
-copy of the layer is ever held. The scale is then a buffer, not a parameter: the loader does not expect it.
+copy of the layer is ever held. The scale is then a buffer, not a parameter: the loader does not expect it. Under
+tensor parallelism each rank quantizes its own slice: the single process's blocks when the slice is whole blocks
+(distributed/slices.py).
 """
 
 from __future__ import annotations

@@ -15,9 +15,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from orinfer.errors import WeightsError
+from orinfer.errors import OrinferError, WeightsError
 
-Slicer = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+# (name, shape) -> the part of a tensor to read: (dimension, first index, length), optionally with a function
+# applied to that part once read, or a list of such ranges along one dimension to concatenate, or None for the
+# whole tensor (distributed/sharding.py and slices.py make them).
+Slicer = Callable[[str, tuple[int, ...]], "tuple | list[tuple[int, int, int]] | None"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
                     try:
                         part = None if slicer is None else slicer(name, tuple(handle.get_slice(name).get_shape()))
                         tensor = read_slice(handle, name, part)
+                    except OrinferError:
+                        raise  # the slicer's own error (a tensor the config's split does not fit) names the cause
                     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                         raise WeightsError(f"{path}: tensor {name} is corrupt ({exc})") from None
                     if dtype is not None and tensor.is_floating_point():
@@ -80,9 +85,13 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
         bar.close()
 
 
-def read_slice(handle, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
-    """Only `part` (dimension, first index, length) of tensor `name` of an open safetensors file; None: all of it."""
+def read_slice(handle, name: str, part: "tuple | list[tuple[int, int, int]] | None") -> torch.Tensor:
+    """Only `part` (dimension, first index, length[, function of the part]) of tensor `name` of an open safetensors
+    file; a list of ranges: those parts, concatenated along their dimension; None: all of it."""
     if part is None:
         return handle.get_tensor(name)
-    dim, start, length = part
-    return handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+    if isinstance(part, list):
+        return torch.cat([read_slice(handle, name, p) for p in part], dim=part[0][0])
+    dim, start, length, *then = part
+    tensor = handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+    return then[0](tensor) if then else tensor

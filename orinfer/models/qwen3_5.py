@@ -42,6 +42,23 @@ _PACKED = {
 # The checkpoint matrices packed into in_proj, by shard (a format may keep some unquantized).
 _IN_PROJ_NAMES = {shard: ckpt for ckpt, (packed, shard) in _PACKED.items() if packed == "in_proj"}
 
+# Tensor parallelism (distributed/sharding.py): the linear-attention tensors by heads, as (heads, head width) parts.
+# in_proj_qkv's rows and the conv's channels are q | k (key heads) | v (value heads): each rank takes its key heads
+# of q and of k and its value heads of v. Value head h reads key head h // (Hv / Hk): with both split in rank order,
+# a rank's value heads read exactly its key heads (with fewer key heads than ranks, each is replicated on the ranks
+# of its value heads).
+_KEYS = ("linear_num_key_heads", "linear_key_head_dim")
+_VALUES = ("linear_num_value_heads", "linear_value_head_dim")
+_PER_VALUE_HEAD = (("linear_num_value_heads", 1),)
+_TENSOR_PARALLEL_PLAN = {
+    **QwenForCausalLM.tensor_parallel_plan,
+    "rows": ("o_proj", "down_proj", "out_proj"),
+    "parts": {"in_proj_qkv": (_KEYS, _KEYS, _VALUES), "conv1d": (_KEYS, _KEYS, _VALUES), "in_proj_z": (_VALUES,),
+              "in_proj_b": _PER_VALUE_HEAD, "in_proj_a": _PER_VALUE_HEAD, "linear_attn.A_log": _PER_VALUE_HEAD,
+              "linear_attn.dt_bias": _PER_VALUE_HEAD},
+    "reduce_outputs": ("self_attn", "linear_attn", "mlp"),
+}
+
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -169,6 +186,10 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
     """The text decoder (HF's Qwen3_5ForCausalLM layout: `model.*`, `lm_head`, optionally `mtp.*`)."""
 
     packed = _PACKED
+    # Full attention splits as Qwen3's: q_proj by heads (each head's query and gate rows together), k/v by KV heads,
+    # o_proj by rows; linear attention by its heads (_TENSOR_PARALLEL_PLAN), out_proj by rows; the gated norm's
+    # weight (one head's width) whole. The MTP head's layers split as the decoder's, its fc and norms whole.
+    tensor_parallel_plan = _TENSOR_PARALLEL_PLAN
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         nn.Module.__init__(self)

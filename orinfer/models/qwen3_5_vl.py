@@ -24,6 +24,9 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     decoder_class = Qwen3_5ForCausalLM
     decoder_top_level = ("lm_head.", "mtp.")
+    # Tensor parallelism: the decoder splits as Qwen3_5ForCausalLM; every rank holds the whole tower, which rank 0
+    # alone runs (the runner encodes images there; the embeddings reach the workers with the forward's inputs).
+    tensor_parallel_plan = {**Qwen3_5ForCausalLM.tensor_parallel_plan, "whole": ("visual",)}
 
     def state_layers(self) -> list[GatedDeltaNetBlock]:
         """The decoder's layers with per-sequence state; the runner binds conv/ssm state pools to each."""

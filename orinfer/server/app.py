@@ -20,7 +20,7 @@ means a bug or a dead engine.
     errors.py         APIError and the error handlers          guard.py         API key, head size, HTTP metrics
     engine_loop.py    the engine thread                        request_group.py one request's side of it
     engine_process.py the engine thread in a child process     json_count.py    counting a body's values
-    heap.py           start-up objects out of the collector's full passes (the server and engine processes)
+    interpreter.py    the collector's full passes and the GIL switch interval, for the event loop's latency
     metrics.py        Prometheus /metrics                      (the <think> split: orinfer/reasoning.py)
     tokenize.py       /tokenize and /detokenize
     cli.py            `orinfer serve`, BackgroundServer       tools.py         tools, tool_choice (parsing: tool_calls/)

@@ -113,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from orinfer.args import engine_args_from_namespace
     from orinfer.llm import LLM
-    from orinfer.server.heap import freeze_startup_heap
+    from orinfer.server import interpreter
 
     limits = serve_limits(args)
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
@@ -134,8 +134,10 @@ def run_serve(args: argparse.Namespace) -> int:
     reasoning = {"auto": None, "qwen3": True, "none": False}[args.reasoning_parser]
     app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key, limits=limits,
                     reasoning=reasoning, tool_call_parser=engine_args.tool_call_parser)
-    # Everything loaded so far lives as long as the server: out of the collector's full passes (heap.py says why).
-    freeze_startup_heap()
+    # For the event loop's latency (interpreter.py says why): everything loaded so far, which lives as long as the
+    # server, out of the collector's full passes; the interpreter lock back from busy worker threads sooner.
+    interpreter.freeze_startup_heap()
+    interpreter.shorten_switch_interval()
     uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.uvicorn_log_level)).run()
     return 0
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from orinfer.server.engine_loop import EngineLoop
-from orinfer.server.heap import freeze_startup_heap
+from orinfer.server.interpreter import freeze_startup_heap
 from orinfer.server.request_group import EngineDeadError, RequestGroup, deliver
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def _engine_main(factory: Callable[[], Any], inbox: Any, outbox: Any, log_level:
         engine.allow_local_files = False  # the server decodes images itself; the engine never reads a path
         loop = EngineLoop(engine, metrics=_MetricsRelay(relay))
         # The model and its libraries stay for the life of the process: a full collection that walked them all
-        # would stall the engine's steps for a tenth of a second (server/heap.py).
+        # would stall the engine's steps for a tenth of a second (server/interpreter.py).
         freeze_startup_heap()
         loop.start()
         relay.send(("info", engine_info(engine)))

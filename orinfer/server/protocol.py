@@ -44,6 +44,7 @@ def _integral(value: Any, depth: int = 0) -> Any:
 
 
 def _finite_number(value: Any) -> bool:
+    """Whether strict pydantic takes `value` as a float (an int beyond the float range, or inf, it does not)."""
     return (type(value) is float and math.isfinite(value)) or (type(value) is int and abs(value) <= 1e308)
 
 

@@ -39,7 +39,8 @@ def fp8_block_quantize(w: torch.Tensor, block_size: tuple[int, int]) -> tuple[to
     w32 = w.float()
     padded = F.pad(w32.abs(), (0, kb * bk - k, 0, nb * bn - n))  # zeros do not change a block's amax
     amax = padded.view(nb, bn, kb, bk).amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: the same rounding on every device (see fp8_quantize_act_ref).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (w32 / expand_block_scales(scale, (n, k), block_size)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -101,7 +102,9 @@ def fp8_quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     kb = _cdiv(k, group)
     xf = F.pad(x.float(), (0, kb * group - k)).view(m, kb, group)
     amax = xf.abs().amax(dim=2)
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: torch divides by a Python scalar on CUDA as a product with its reciprocal, which rounds
+    # differently from the kernel's IEEE division (run 292).
+    s = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (xf * (1.0 / s)[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, kb * group)[:, :k]
     return q.contiguous(), s
 

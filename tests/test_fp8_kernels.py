@@ -166,7 +166,7 @@ def test_fp8_gemm(rows, n, k, block, dtype, bias, shards, cfg, poison):
     x = randn(rows, k, dtype=dtype)
     xq, xs = fp8_quantize_act(x, block[1])
     got = fp8_gemm(xq, xs[:rows], weight, scale, block, dtype, row_block, b, cfg=cfg)
-    want = fp8_block_linear_a8_ref(x.double(), weight.cpu(), scale.cpu(), block,
+    want = fp8_block_linear_a8_ref(x.double().cpu(), weight.cpu(), scale.cpu(), block,
                                    None if row_block is None else row_block.cpu(),
                                    None if b is None else b.double().cpu()).to(DEVICE)
     check(got, want, dtype)

@@ -17,6 +17,7 @@ from quant_packers import fp8_pack
 from orinfer.fp8_config import FP8Config
 from orinfer.kernels import fp8_ops, splitk
 from orinfer.kernels.activation import silu_and_mul_ref
+from orinfer.kernels.fp8_dequant import fp8_dequantize
 from orinfer.kernels.fp8_block import (fp8_block_dequantize_ref, fp8_block_linear_a8_ref, fp8_block_quantize,
                                        fp8_quantize_act_ref)
 from orinfer.kernels.fp8_gemm import CANDIDATES as GEMM_CANDIDATES
@@ -172,6 +173,21 @@ def test_fp8_gemm(rows, n, k, block, dtype, bias, shards, cfg, poison):
     check(got, want, dtype)
 
 
+@needs_kernels
+@pytest.mark.parametrize("n,k,block,shards,dtype", [(130, 200, (128, 128), 1, torch.bfloat16),
+                                                    (96, 300, (32, 64), 2, torch.float16),
+                                                    (256, 512, (128, 128), 1, torch.float32)])
+def test_fp8_dequantize_matches_the_reference_bit_for_bit(n, k, block, shards, dtype, poison):
+    weight, scale, row_block, _ = fp8_weight(n, k, block, shards)
+    got = fp8_dequantize(weight, scale, block, row_block, dtype)
+    exact = fp8_block_dequantize_ref(weight.cpu(), scale.cpu(), block, None if row_block is None else row_block.cpu())
+    if INTERPRET and dtype == torch.bfloat16:   # the interpreter rounds fp32 -> bf16 by truncation, a GPU to nearest
+        want = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    else:
+        want = exact.to(dtype)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+
+
 # --- the dispatch by row count --------------------------------------------------------------------------------------
 
 @needs_kernels
@@ -188,6 +204,18 @@ def test_fp8_ops_by_row_count(rows, poison):
     else:   # prefill's gate/up is this linear + silu_and_mul (tested in test_kernels.py)
         want = fp8_block_linear_a8_ref(x.double().cpu(), weight.cpu(), scale.cpu(), block).to(DEVICE)
         check(got, want, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_ops_prefill_through_dequantize(dtype, monkeypatch, poison):
+    """PREFILL = "dequant": beyond MMA_MAX_ROWS, x (not quantized) times the weight dequantised to x's dtype."""
+    monkeypatch.setattr(fp8_ops, "PREFILL", "dequant")
+    k, n, block, rows = 256, 64, (128, 128), 300
+    weight, scale, _, deq = fp8_weight(n, k, block)
+    b = randn(n, dtype=dtype, scale=0.1)
+    x = randn(1, rows, k, dtype=dtype)
+    check(fp8_ops.fp8_block_linear(x, weight, scale, block, None, b), w8a16_ref(x, deq, b, False), dtype)
 
 
 @needs_kernels

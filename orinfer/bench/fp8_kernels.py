@@ -4,8 +4,9 @@
                     at M = 1 both FP8 one-row kernels (CUDA-core `fp8_gemv`, tensor-core `fp8_mm`): us, GB/s, % of the
                     read bandwidth measured in the same run, FP8 speedup; the per-layer sum (qkv + o + gate/up + down)
   M = 64            bf16 cuBLAS vs FP8 W8A16 (`fp8_mm`) vs W8A8 (quantize + Triton `fp8_gemm`, and + torch._scaled_mm)
+                    vs the weight dequantised (`fp8_dequantize`) + cuBLAS
   M = 2048          bf16 cuBLAS vs W8A8 Triton vs torch._scaled_mm (each with and without the activation
-                    quantization), TFLOP/s
+                    quantization) vs dequantise + cuBLAS, TFLOP/s
 --sweep adds every candidate tile of each FP8 kernel, per shape, for promoting defaults.
 
 Timing: each op is captured in a CUDA graph over enough copies of its weights (rotated call after call, 4x the L2
@@ -76,7 +77,7 @@ class Weights:
 
 def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) -> list[dict]:
     """Rows of {section, op, shape, impl, us, bytes, GBps, pct_read_bw, TFLOPs, speedup (vs bf16), config}."""
-    from orinfer.kernels import activation, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, gemv
+    from orinfer.kernels import activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, gemv
     from orinfer.kernels.fp8_quant import fp8_quantize_act
 
     dev = torch.device(device)
@@ -135,6 +136,9 @@ def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) ->
                     add(section, name, shape, "fp8 W8A16 fp8_mm", timed(
                         w, True, lambda q, s, cfg=cfg: fp8_mm.fp8_mm(x, q, s, BLOCK, cfg=cfg)), fp8_bytes + act,
                         flops, base, str(cfg or "default"))
+            add(section, name, shape, "fp8 dequantize W + bf16 cuBLAS", timed(
+                w, True, lambda q, s: F.linear(x, fp8_dequant.fp8_dequantize(q, s, BLOCK))), fp8_bytes + act, flops,
+                base)
             xq, xs = fp8_quantize_act(x, 128)
             add(section, name, shape, "fp8 quantize x only", graph_us(
                 lambda c: [lambda: fp8_quantize_act(x, 128)], 1 << 40, iters), m * k * 3)

@@ -7,7 +7,8 @@
   more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
                             with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
                             this torch and GPU run it: sm_90, 128 x 128 blocks, bf16, probed once per device outside
-                            graph capture); PREFILL = "w8a16": `fp8_mm` with 128-row tiles (x not quantized)
+                            graph capture); PREFILL = "w8a16": `fp8_mm` with 128-row tiles (x not quantized);
+                            PREFILL = "dequant": the weight dequantised to x's dtype (`fp8_dequantize`), then cuBLAS
 Both entry points take the same kernels, fused gate/up + SwiGLU in one pass for decode rows (`fp8_gate_up_silu`).
 The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL at import (benchmarks
 may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows and the reference (dequantise +
@@ -21,9 +22,11 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 from orinfer.kernels.activation import silu_and_mul
 from orinfer.kernels.fp8_block import fp16_guard, fp8_block_linear_ref, fp8_gate_up_silu_ref
+from orinfer.kernels.fp8_dequant import fp8_dequantize
 from orinfer.kernels.fp8_gemm import fp8_gemm
 from orinfer.kernels.fp8_gemv import fp8_gemv
 from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
@@ -32,7 +35,7 @@ from orinfer.kernels.fp8_quant import fp8_quantize_act
 MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
 ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
 SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a16")        # w8a16 | w8a8
-PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16
+PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -112,7 +115,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     a8 = _a8_fits(block_size) and x.dtype != torch.float32
     if rows <= MMA_MAX_ROWS and not (SMALL_M == "w8a8" and a8 and rows > 1):
         return fp8_mm(x, weight, scale, block_size, row_block, bias)
-    if a8 and PREFILL != "w8a16":
+    if PREFILL == "dequant" and x.dtype != torch.float32:
+        y = fp16_guard(F.linear(x2, fp8_dequantize(weight, scale, block_size, row_block, x.dtype), bias))
+    elif a8 and PREFILL != "w8a16":
         y = _w8a8(x2, weight, scale, block_size, row_block, bias)
     elif x.dtype == torch.float32:
         return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)

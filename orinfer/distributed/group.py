@@ -8,6 +8,7 @@ wait on NCCL), so they also record into CUDA graphs.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from contextlib import contextmanager
 from typing import Iterator
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from orinfer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ def init_group(rank: int, world_size: int, init_method: str, device: torch.devic
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+        _agree_on_symmetric_memory(device)
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -73,9 +77,10 @@ def destroy_group(abort: bool = False) -> None:
     """Leaves the group (this process is rank 0 of 1 again). Every rank leaves together after a clean stop (NCCL's
     finalize waits for its peers to finalize too); `abort` (a peer died, or rank 0 is gone) drops this rank's
     communicators without waiting for anyone."""
-    global _group
+    global _group, _symmetric_allowed
     _group = TensorParallelGroup()
     _symmetric.clear()
+    _symmetric_allowed = False
     if not dist.is_initialized():
         return
     if abort and dist.get_backend() == "nccl":
@@ -91,6 +96,25 @@ def destroy_group(abort: bool = False) -> None:
 SYMMETRIC_MAX_BYTES = 1 << 20
 _NCCL_ONLY = os.environ.get("ORINFER_TP_ALLREDUCE") == "nccl"  # read once: all_reduce runs twice per layer
 _symmetric: dict[torch.dtype, torch.Tensor] = {}
+# torch's symmetric-memory rendezvous numbers its store exchanges per process, not per group: a process that took part
+# in one group's rendezvous and joins a second group (a test, or a script making two engines) is out of step with the
+# fresh workers of the second group, and their rendezvous never meets (the hang of run 292; cf. pytorch/pytorch#196082,
+# the same sequence-number mismatch through subgroups). Such a group therefore uses NCCL for every all-reduce.
+_rendezvous_done_in_process = False
+_symmetric_allowed = False
+
+
+def _agree_on_symmetric_memory(device: torch.device) -> None:
+    """Every rank learns whether any rank's process has done a symmetric-memory rendezvous before (one tiny
+    all-reduce at join), so all ranks take the same all-reduce path."""
+    global _symmetric_allowed
+    flag = torch.tensor([int(_rendezvous_done_in_process)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _symmetric_allowed = not bool(flag.item()) and not _NCCL_ONLY
+    if not _symmetric_allowed and not _NCCL_ONLY:
+        logger.warning("tensor parallelism: this process has joined a group before, so every all-reduce goes through "
+                       "NCCL (torch's symmetric memory cannot rendezvous again in the same process); decode is slower "
+                       "than in a fresh process")
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +123,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     nbytes = x.numel() * x.element_size()
     if (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
-            and x.dtype in (torch.bfloat16, torch.float32) and not _NCCL_ONLY):
+            and x.dtype in (torch.bfloat16, torch.float32) and _symmetric_allowed):
         staging = _symmetric_buffer(x.dtype, x.device)[:x.numel()]
         staging.copy_(x.view(-1))
         torch.ops.symm_mem.one_shot_all_reduce_out(staging, "sum", dist.group.WORLD.group_name, x.view(-1))
@@ -117,6 +141,8 @@ def _symmetric_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
         buffer = symm_mem.empty(SYMMETRIC_MAX_BYTES // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
                                 device=device)
+        global _rendezvous_done_in_process
+        _rendezvous_done_in_process = True
         symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
         _symmetric[dtype] = buffer
     return buffer

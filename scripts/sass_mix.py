@@ -11,39 +11,23 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
-import os
 import re
-import subprocess
-import tempfile
 
-import triton
-
-from orinfer.kernels import w4_gemv
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+from orinfer.kernels import sm90, w4_gemv
 
 
 def compile_gemv(block_n: int, block_kp: int, warps: int, gated: bool, k8: int = 512, **flags: bool
                  ) -> tuple[str, str]:
     """(cuobjdump -sass text, -res-usage text) of the kernel for K = 8 * k8 (Qwen3-8B: 4096, down 12288), group 128;
     `flags`: `w4_gemv.compile_sm90`'s integer / words / rms / preload."""
-    compiled = w4_gemv.compile_sm90(block_n, block_kp, warps, gated, k8, **flags)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        run = [os.path.join(BIN, "cuobjdump")]
-        sass = subprocess.run(run + ["-sass", f.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run(run + ["-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return sass, usage
+    return sm90.sass(w4_gemv.compile_sm90(block_n, block_kp, warps, gated, k8, **flags))
 
 
-def opcodes(sass: str) -> list[str]:
-    """The SASS listing's opcodes with their modifiers (LDG.E.EF.128, IDP.2A.LO.S16.U8, ...), in order."""
-    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+opcodes = sm90.opcodes   # the listing's opcodes with their modifiers (LDG.E.EF.128, IDP.2A.LO.S16.U8, ...), in order
 
 
 def opcode_mix(sass: str) -> collections.Counter:
-    return collections.Counter(op.split(".")[0] for op in opcodes(sass))
+    return sm90.mix(opcodes(sass))
 
 
 def load_order(sass: str) -> str:

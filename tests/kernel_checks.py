@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +51,35 @@ def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a compile script: without the CPU interpreter (conftest.py turns it on, and interpreted
+    @triton.jit functions cannot be compiled), the repository on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def compile_in_child(script: str, *args: str) -> dict:
+    """Runs a compile script in a child process without the CPU interpreter and returns the JSON it prints."""
+    return compile_in_children(script, [args])[0]
+
+
+def compile_in_children(script: str, arg_lists: list[tuple[str, ...]], timeout: float = 600) -> list:
+    """Runs the compile script once per argument list, the runs side by side (one process each), and returns the
+    JSON each printed, in order."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args], env=_child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in arg_lists]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"compiling for sm_90 failed:\n{err[-3000:]}"
+            results.append(json.loads(out))
+    finally:
+        for proc in procs:               # the others, after a failure or a timeout
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results

@@ -1,5 +1,5 @@
-"""The check every quantized format's model test makes: orinfer's torch backend (fp32, CPU) against HF transformers
-running the same dequantised weights."""
+"""The checks every quantized format's model tests make: orinfer's torch backend (fp32, CPU) against HF transformers
+running the same dequantised weights, and on the GPU the triton backend against the torch backend."""
 
 from __future__ import annotations
 
@@ -25,3 +25,16 @@ def assert_matches_hf(model_dir, hf, steps: int = 16) -> LLM:
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     assert llm.generate([PROMPT], params)[0].token_ids == hf_greedy_cached(hf, PROMPT, steps)
     return llm
+
+
+def assert_triton_matches_torch_on_cuda(model_dir, cuda_graph: bool) -> None:
+    """fp32 on CUDA: the triton backend's greedy tokens are the torch backend's, for one sequence (decode at batch 1)
+    and a batch of five."""
+    common = dict(dtype="float32", device="cuda", num_kv_blocks=128, block_size=16, max_num_seqs=8, progress=False)
+    tri = LLM(model_dir, backend="triton", cuda_graph=cuda_graph, **common)
+    ref = LLM(model_dir, backend="torch", **common)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 3][: 2 + i] for i in range(5)]
+    for batch in (prompts[:1], prompts):
+        got = [o.token_ids for o in tri.generate(batch, params)]
+        assert got == [o.token_ids for o in ref.generate(batch, params)]

@@ -1,7 +1,8 @@
 """FP8 block-wise checkpoints (Qwen's *-FP8 format): the torch references, the layer's packing of q|k|v and gate|up,
 model parity with HF transformers running the dequantised weights, online FP8 quantization, and the errors.
 
-Checkpoints come from tests/quant_packers.py, written from the format's definition (not with orinfer's code).
+Checkpoints come from tests/quant_packers.py, written from the format's definition (not with orinfer's code). The
+Triton kernels: tests/test_fp8_kernels.py.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def test_linear_ref_rounds_the_weight_once_to_the_activation_dtype():
 
 @needs_kernels
 def test_fp16_outputs_are_clamped_not_infinite():
-    """Qwen's activations can leave fp16's range: the FP8 and GPTQ references and the FP8 GEMV clamp to +-65504."""
-    from orinfer.kernels.fp8_gemv import fp8_block_gemv
+    """Qwen's activations can leave fp16's range: the FP8 and GPTQ references and the FP8 GEMV clamp to +-65504 (the
+    other FP8 kernels: tests/test_fp8_kernels.py)."""
+    from orinfer.kernels.fp8_gemv import fp8_gemv
     from orinfer.kernels.gptq import gptq_linear_ref
     from quant_packers import gptq_pack
 
@@ -85,7 +87,7 @@ def test_fp16_outputs_are_clamped_not_infinite():
     x = torch.full((1, 64), 60000.0).half()
     y = fp8_block_linear_ref(x, weight, scale, (128, 128))
     assert torch.equal(y, torch.full((1, 16), 65504.0).half())
-    gemv = fp8_block_gemv(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), (128, 128)).cpu()
+    gemv = fp8_gemv(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), (128, 128)).cpu()
     assert torch.equal(gemv, y)
     packed, _ = gptq_pack(-w, 8, 32, False)
     y = gptq_linear_ref(x, packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], 8)
@@ -250,56 +252,3 @@ def test_online_quantization_errors(fp8_dir):
         LLM(fp8_dir[1], quantization="fp8", **SMALL_KV)
     with pytest.raises(ConfigError, match="quantization"):
         LLM(fp8_dir[0], quantization="int3", **SMALL_KV)
-
-
-# --- the W8A16 decode GEMV (Triton; the interpreter on the CPU) ------------------------------------------------------
-
-@needs_kernels
-@pytest.mark.parametrize("n,k,block,rows,dtype,bias,straddle", [
-    (37, 70, (16, 32), 1, torch.float32, True, False),
-    (130, 200, (128, 128), 3, torch.bfloat16, False, False),
-    (48, 96, (16, 48), 2, torch.float16, True, True),
-    (24, 256, (128, 128), 16, torch.float32, False, True),
-])
-def test_fp8_gemv_matches_the_reference(n, k, block, rows, dtype, bias, straddle, monkeypatch):
-    from orinfer.kernels.fp8_gemv import fp8_block_gemv
-
-    poison_allocations(monkeypatch)
-    gen = torch.Generator().manual_seed(n + k)
-    if straddle:  # two shards of n/2 rows each, packed: scale rows per shard, row_block maps output rows to them
-        layer = make_linear(FP8Config(block_size=block), k, {0: n // 2, 1: n // 2}, bias, TORCH_OPS, dtype)
-        for shard in (0, 1):
-            q, scale, _ = fp8_pack(torch.randn(n // 2, k, generator=gen) / k**0.5, block)
-            layer.weight.weight_loader(layer.weight, q, shard, "w")
-            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, shard, "s")
-        weight, scale, row_block = layer.weight.data, layer.weight_scale_inv.data, layer.row_block
-        assert row_block is not None or (n // 2) % block[0] == 0
-    else:
-        weight, scale, _ = fp8_pack(torch.randn(n, k, generator=gen) / k**0.5, block)
-        row_block = None
-    b = (torch.randn(n, generator=gen) * 0.1).to(dtype) if bias else None
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    expected = x.double() @ fp8_block_dequantize_ref(weight, scale, block, row_block, torch.float64).t()
-    if b is not None:
-        expected += b.double()
-    weight, scale, x = weight.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
-    row_block = None if row_block is None else row_block.to(DEVICE)
-    got = fp8_block_gemv(x, weight, scale, block, row_block, None if b is None else b.to(DEVICE)).cpu()
-    assert got.dtype == dtype and got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), expected, **tol(dtype))
-
-
-@needs_kernels
-def test_fp8_triton_dispatch():
-    """Decode-sized inputs go to the GEMV, larger ones to the reference (dequantise + matmul); both agree."""
-    from orinfer.kernels import fp8_gemv
-
-    weight, scale, _ = fp8_pack(torch.randn(40, 64), (128, 128))
-    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
-    small, large = torch.randn(2, 64, device=DEVICE), torch.randn(fp8_gemv.MAX_ROWS + 1, 64, device=DEVICE)
-    torch.testing.assert_close(fp8_gemv.fp8_block_linear(small, weight, scale, (128, 128)),
-                               fp8_block_linear_ref(small, weight, scale, (128, 128)), atol=1e-5, rtol=1e-5)
-    assert torch.equal(fp8_gemv.fp8_block_linear(large, weight, scale, (128, 128)),
-                       fp8_block_linear_ref(large, weight, scale, (128, 128)))
-    with pytest.raises(ValueError, match="at most|<= 16 rows"):
-        fp8_gemv.fp8_block_gemv(large, weight, scale, (128, 128))

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from test_w4_codegen import _SASS_OF_CUBIN, _compile_in_child, _opcodes
+from kernel_checks import compile_in_child
+from test_w4_codegen import _SASS_OF_CUBIN, _opcodes
 
 _COMPILE = r"""
 import json
@@ -84,7 +85,7 @@ print(json.dumps({k: {"ops": v["sass"], "wgmma": "ttng.warp_group_dot" in v["ttg
 
 @pytest.fixture(scope="module")
 def built() -> dict:
-    return _compile_in_child(_SASS_OF_CUBIN + _COMPILE)
+    return compile_in_child(_SASS_OF_CUBIN + _COMPILE)
 
 
 @pytest.mark.slow  # ~40 kernels through ptxas on the CPU (a minute or two): CI's slow tier

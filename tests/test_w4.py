@@ -335,16 +335,9 @@ def test_gpu_awq_model_triton_matches_torch_backend(tmp_path, cuda_graph):
     """A tiny RTN-quantized Qwen3 on CUDA: the triton backend (W4 GEMV/MMA, fused gate/up, CUDA graphs) gives the torch
     backend's greedy tokens in fp32, for one sequence and a batch of five (GEMV and MMA decode paths)."""
     from hf_models import build_hf_model, save_hf_model
-    from orinfer import LLM, SamplingParams
+    from quant_parity import assert_triton_matches_torch_on_cuda
     from orinfer.quant import quantize_checkpoint
 
     orig = save_hf_model(build_hf_model("qwen3-gqa4-untied"), tmp_path / "orig")
     quantize_checkpoint(orig, tmp_path / "awq", method="rtn", group_size=32, progress=False)
-    common = dict(dtype="float32", device="cuda", num_kv_blocks=128, block_size=16, max_num_seqs=8, progress=False)
-    tri = LLM(tmp_path / "awq", backend="triton", cuda_graph=cuda_graph, **common)
-    ref = LLM(tmp_path / "awq", backend="torch", **common)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 17, 42, 99, 3][: 2 + i] for i in range(5)]
-    for batch in (prompts[:1], prompts):
-        got = [o.token_ids for o in tri.generate(batch, params)]
-        assert got == [o.token_ids for o in ref.generate(batch, params)]
+    assert_triton_matches_torch_on_cuda(tmp_path / "awq", cuda_graph)

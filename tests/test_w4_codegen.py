@@ -10,14 +10,11 @@ Triton can compile for sm_90 on a machine without a GPU, so this test reads the 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from kernel_checks import compile_in_child
 from orinfer.kernels.w4_mma import DECODE_MMA, DECODE_MMA_32, DECODE_MMA_GATED
 
 CONFIGS = {"decode": DECODE_MMA, "decode_gated": DECODE_MMA_GATED, "decode_32": DECODE_MMA_32}
@@ -50,16 +47,6 @@ print(json.dumps(out))
 """
 
 
-def _compile_in_child(script: str, *args: str) -> dict:
-    """Runs a compile script in a child process without the CPU interpreter (conftest.py turns it on, and interpreted
-    @triton.jit functions cannot be compiled) and returns the JSON it prints."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-3000:]}"
-    return json.loads(done.stdout)
-
-
 def _opcodes(sass: str) -> list[str]:
     """The opcodes of a cuobjdump SASS listing, in order (predicates dropped)."""
     return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
@@ -84,7 +71,7 @@ def cubin_sass(cubin):
 @pytest.fixture(scope="module")
 def ttgir() -> dict[str, str]:
     """TTGIR of `_w4_mma_kernel` for sm_90 per (config, gated, x dtype)."""
-    return _compile_in_child(_COMPILE, json.dumps({k: list(v) for k, v in CONFIGS.items()}))
+    return compile_in_child(_COMPILE, json.dumps({k: list(v) for k, v in CONFIGS.items()}))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -112,7 +99,7 @@ print(json.dumps(w4_gemv.compile_sm90(16, 512, 4).asm["ptx"]))
 
 
 def test_gemv_compiles_for_sm90_with_its_pdl_wait_and_signal():
-    ptx = _compile_in_child(_COMPILE_GEMV)
+    ptx = compile_in_child(_COMPILE_GEMV)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
@@ -135,7 +122,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # SASS of several kernels through ptxas on the CPU (~5-8 s each): CI's slow tier
 def test_gemv_int_sass_is_dp2a_without_spills():
-    for name, got in _compile_in_child(_SASS_OF_CUBIN + _COMPILE_GEMV_INT).items():
+    for name, got in compile_in_child(_SASS_OF_CUBIN + _COMPILE_GEMV_INT).items():
         ops = _opcodes(got["sass"])
         assert ops.count("IDP") == 4 * got["words"], f"{name}: {ops.count('IDP')} dp2a for {got['words']} words"
         assert "LDL" not in ops and "STL" not in ops, f"{name}: registers spill to local memory"
@@ -186,7 +173,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # SASS of several kernels through ptxas on the CPU (~5-8 s each): CI's slow tier
 def test_words_kernels_sass():
-    got = _compile_in_child(_SASS_OF_CUBIN + _COMPILE_WORDS)
+    got = compile_in_child(_SASS_OF_CUBIN + _COMPILE_WORDS)
     for name in ("words", "norm"):
         ops = _opcodes(got[name])
         assert "LDG" in ops and "STG" in ops

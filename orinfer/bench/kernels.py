@@ -6,7 +6,8 @@ Every row reports the median time (CUDA events around the op alone, after warm-u
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
 minimum, the achieved GB/s and its share of the device's read bandwidth measured in the same run (a reduction over
 a 4 GiB buffer). Attention prefill and MoE rows add TFLOP/s. Run: `python -m orinfer.bench.kernels [--sections
-dense,vision,moe]` (needs a CUDA device; importing this module does not).
+dense,vision,moe]` (needs a CUDA device; importing this module does not). The FP8 block-wise kernels against these bf16
+ones: `python -m orinfer.bench.fp8_kernels`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Callable
 
 import torch
@@ -283,15 +285,16 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
     torch.cuda.empty_cache()
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| op | shape | impl | us | GB/s | % read BW | TFLOP/s | speedup vs torch | config |",
+def markdown(rows: list[dict], speedup: str = "speedup vs torch") -> str:
+    """The rows as a markdown table (a value a row lacks is left blank); `speedup` heads the speedup column."""
+    lines = [f"| op | shape | impl | us | GB/s | % read BW | TFLOP/s | {speedup} | config |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        us = f"{r['us']:.1f}" if r.get("us") is not None else ""
-        tf = f"{r['TFLOPs']:.1f}" if r.get("TFLOPs") is not None else ""
-        sp = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else ""
-        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {us} | {r['GBps']:.0f} | {r['pct_read_bw']:.1f} "
-                     f"| {tf} | {sp} | {r.get('config', '')} |")
+        def num(key: str, fmt: str, r: dict = r) -> str:
+            return format(r[key], fmt) if r.get(key) is not None else ""
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {num('us', '.1f')} | {num('GBps', '.0f')} "
+                     f"| {num('pct_read_bw', '.1f')} | {num('TFLOPs', '.1f')} | {num('speedup', '.2f')}"
+                     f"{'x' if r.get('speedup') is not None else ''} | {r.get('config', '')} |")
     return "\n".join(lines)
 
 
@@ -311,14 +314,27 @@ def main(argv: list[str] | None = None) -> int:
         print("the kernel benchmark needs a CUDA device")
         return 1
     rows = run_kernel_bench(args.device, getattr(torch, args.dtype), args.iters, sections=sections)
-    name = torch.cuda.get_device_name(torch.device(args.device))
-    print(f"# Kernel micro-benchmark on {name} ({args.dtype}; sections {', '.join(sections)}: Qwen3-8B, "
-          "Qwen3-VL-8B vision and Qwen3-30B-A3B MoE shapes)\n")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "dtype": args.dtype, "rows": rows}, f, indent=1, default=str)
+    report(rows, markdown(rows), f"Kernel micro-benchmark on {{device}} ({args.dtype}; sections "
+           f"{', '.join(sections)}: Qwen3-8B, Qwen3-VL-8B vision and Qwen3-30B-A3B MoE shapes)", args.device,
+           args.json, dtype=args.dtype)
     return 0
+
+
+def report(rows: list[dict], table: str, title: str, device: str, json_path: str | None, md_path: str | None = None,
+           **meta: object) -> None:
+    """Prints `title` ({device} filled in) and the table; writes {device, **meta, rows} to `json_path` and the title
+    and table to `md_path` if given (their folders made)."""
+    name = torch.cuda.get_device_name(torch.device(device))
+    text = f"# {title.format(device=name)}\n\n{table}\n"
+    print(text)
+    if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump({"device": name, **meta, "rows": rows}, f, indent=1, default=str)
+    if md_path:
+        os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
+        with open(md_path, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

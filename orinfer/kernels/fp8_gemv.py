@@ -1,92 +1,185 @@
-"""FP8 block-wise W8A16 GEMV for decode: y = x W^T (+ b) for a few rows of x, W read once as FP8 and dequantised in
-registers with its block scales (kernels/fp8_block.py has the format and the reference).
+"""FP8 block-wise W8A16 GEMV for one row of x (decode at batch 1): y = x W^T (+ b), every FP8 weight byte read once,
+dequantised in registers; optionally the fused gate/up + SwiGLU over a packed gate_up weight.
 
-Math: x [B, K] (B <= MAX_ROWS; fp32, fp16 or bf16), weight [N, K] float8_e4m3fn row-major, scale [R, ceil(K / bk)]
-fp32, row_block [N] int32 (output row -> scale row; None: n // bn), b [N]. Each weight tile [BLOCK_N, BLOCK_K] lies in
-one column block (BLOCK_K divides bk), so it takes one scale per row: acc[b, n] += s[n] * sum_k w[n, k] x[b, k], all in
-fp32; the result is rounded once to x's dtype.
+Math: x [1, K] (fp32, fp16 or bf16), weight [N, K] float8_e4m3fn row-major, scale [R, ceil(K / bk)] fp32 (W = q * s
+of its [bn, bk] block; `kernels/fp8_block.py`), row_block [N] int32 (output row -> scale row; None: n // bn), b [N].
 
-Grid: (cdiv(N, BLOCK_N),); each program owns BLOCK_N output rows for all B rows of x, so the weight is read once.
-Traffic: N*K bytes of weight + N*K/(bn*bk)*4 of scales + B*K + B*N activations: about half the bytes of the bf16 GEMV,
-so the target is N*K / (HBM read bandwidth) (Qwen3-8B's down_proj, 50 MB in FP8: ~12 us on an H200).
-A first, untuned kernel: one config, FMA tiles, no tensor cores; prefill (more rows) dequantises and uses cuBLAS.
+    y[n] = sum_c s[n, c // bk] * (sum_{k in chunk c} q[n, k] x[k])         chunks of VEC = 16 inputs, fp32 throughout
+
+A chunk is one 16-byte load of a thread (16 FP8 weights of one row), and lies inside one scale block (bk % 16 == 0),
+so its 16 products are summed in the thread's registers and the block scale is applied once per chunk: per weight one
+e4m3 -> f16 -> f32 conversion (F2FP per two weights + HADD2.F32 on sm_90) and one FMA, the scale one FMA per 16. The
+[BLOCK_N, BLOCK_K / 16] partial sums cross threads once, at the end. The result is rounded once to x's dtype (fp16
+clamped to +-65504, as `fp8_block_linear_ref`); up to summation order it is the fp32 reference's, without the weight's
+rounding to x's dtype that the reference does.
+
+Grid (cdiv(N, BLOCK_N),): a program owns BLOCK_N rows and walks all of K in [BLOCK_N, BLOCK_K] tiles; thousands of small
+programs keep enough 16-byte loads in flight (as the bf16 GEMV of `kernels/gemv.py`, no split-K, one launch, CUDA-graph
+safe). GATED (packed gate_up [2I, K], gate rows first): a program also reads the up rows I + n and writes silu(g) * u
+with g and u rounded to x's dtype first, as the unfused GEMV + `silu_and_mul` do.
+
+Traffic: N*K bytes of weight + N*K/(bn*bk)*4 of scales + 2K of x (from L2/L1, per program) + 2N of output: half the
+bf16 GEMV's bytes, so the target time is N*K / (HBM read bandwidth). Qwen3-8B in FP8: qkv 6144x4096 = 25 MB (6 us on an
+H100 at 3.35 TB/s... 4.3 TB/s on an H200), o 4096x4096 = 17 MB, gate_up 24576x4096 = 101 MB, down 4096x12288 = 50 MB.
+More rows: `kernels/fp8_mm.py` (tensor cores, split-K).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.fp8_block import FP8_DTYPE, fp8_block_linear_ref
+from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.gemv import check_device
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+from orinfer.kernels.tiles import epilogue
 
-MAX_ROWS = 16
-BLOCK_N = 32
+VEC = 16  # FP8 weights per thread per load: 16 bytes, one LDG.128
+
+
+class Fp8GemvConfig(NamedTuple):
+    block_n: int    # output rows per program
+    block_k: int    # inputs per step (a multiple of VEC)
+    num_warps: int
+
+
+# Chosen by analogy with the bf16 GEMV's measured batch-1 tile (`gemv.ONE_ROW`: 2 rows x 2048 bf16 = 8 KB per step,
+# 2 warps, 8 16-byte loads in flight per thread) and by the SASS of the step (sm_90, compiled on the CPU): 4 rows x
+# 2048 FP8 is the same 8 KB and 8 loads per thread, and x's conversion is shared by 4 rows: 3.4 instructions per weight
+# in the loop (F2FP 0.5, HADD2.F32 1, FFMA 1; 2 rows: 3.8, 8 rows: 3.2); gated: 2 + 2 rows, the same bytes. The
+# candidates are what `orinfer.bench.fp8_kernels --sweep` times on the device.
+DEFAULT = Fp8GemvConfig(4, 2048, 2)
+DEFAULT_GATED = Fp8GemvConfig(2, 2048, 2)
+CANDIDATES = [Fp8GemvConfig(*c) for c in [(4, 2048, 2), (2, 2048, 2), (8, 1024, 2), (2, 4096, 2), (1, 4096, 2),
+                                          (4, 4096, 4), (8, 2048, 4), (8, 512, 1), (4, 1024, 1), (16, 512, 2)]]
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, y_ptr, N, K, stride_x, stride_w, stride_s, stride_y,
-                     BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, HAS_RB: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, FP16_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+def _scale_rows(rb_ptr, rows, BN: tl.constexpr, HAS_RB: tl.constexpr):
+    """The scale row of each weight row: row_block[row], or row // bn."""
     if HAS_RB:
-        srow = tl.load(rb_ptr + offs_n, mask=mask_n, other=0)
+        return tl.load(rb_ptr + rows).to(tl.int64)
     else:
-        srow = offs_n // BN
-    offs_k = tl.arange(0, BLOCK_K)
-    for b in range(ROWS):
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
-            mask_k = ks < K
-            w = tl.load(w_ptr + offs_n[:, None] * stride_w + ks[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + b * stride_x + ks, mask=mask_k, other=0.0).to(tl.float32)
-            s = tl.load(s_ptr + srow * stride_s + k0 // BK, mask=mask_n, other=0.0)
-            acc += tl.sum(w * x[None, :], axis=1) * s
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if FP16_OUT:  # the fp16 guard of the reference (`fp16_guard`)
-            acc = tl.minimum(tl.maximum(acc, -65504.0), 65504.0)
-        tl.store(y_ptr + b * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+        return (rows // BN).to(tl.int64)
 
 
-def _block_k(bk: int) -> int:
-    """The largest power of two <= 128 that divides bk: a tile never straddles two column blocks."""
-    return min(128, bk & -bk)
+@triton.jit
+def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[k0 + 16c + v] as fp32 [CH, 16]. Loaded as [CH, 2, 8] so that a thread holds a whole chunk (two 16-byte
+    loads of bf16) in the layout of the weight tile's chunks; a plain [CH, 16] load would spread a chunk over two
+    threads and cost a shuffle or a shared-memory round trip per step."""
+    ks = k0 + tl.arange(0, CH)[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    if EVEN_K:
+        x = tl.load(x_ptr + ks)
+    else:
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    return tl.reshape(x, [CH, 16]).to(tl.float32)
 
 
-def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-                   row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) in x's dtype for x [..., K] with at most MAX_ROWS rows (`fp8_block_linear_ref`'s contract)."""
-    check_device(weight)
-    n, k = weight.shape
+@triton.jit
+def _chunk_sums(acc, w_ptrs, s_ptrs, x, kmask, smask, EVEN_K: tl.constexpr):
+    """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        s = tl.load(s_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=kmask[:, None, :], other=0.0, eviction_policy="evict_first")
+        s = tl.load(s_ptrs, mask=smask[:, None], other=0.0)
+    return acc + tl.sum(w.to(tl.float32) * x[:, None, :], axis=2) * s
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
+                     BN: tl.constexpr, BK: tl.constexpr, HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
+    CH: tl.constexpr = BLOCK_K // 16
+    # Tiles are [CH, BLOCK_N, VEC]: chunks first, so that the lanes of a warp take consecutive chunks of one row
+    # (512 contiguous bytes per load instruction) and each thread's rows share its x chunk.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, N_OUT - 1)      # rows past N re-read row N-1 and are not stored: no row masks on loads
+    offs_c = tl.arange(0, CH)
+    kk = offs_c[:, None] * 16 + tl.arange(0, 16)[None, :]                    # [CH, VEC] inputs of a step
+    wg_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + kk[:, None, :]
+    wu_ptrs = wg_ptrs + UP * stride_wn
+    sg_ptrs = s_ptr + _scale_rows(rb_ptr, rn, BN, HAS_RB)[None, :] * stride_sn
+    su_ptrs = sg_ptrs
+    if GATED:
+        su_ptrs = s_ptr + _scale_rows(rb_ptr, rn + UP, BN, HAS_RB)[None, :] * stride_sn
+    acc_g = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + kk) < K
+        smask = (k0 + offs_c * 16) < K
+        sc = ((k0 + offs_c * 16) // BK)[:, None]                              # each chunk's scale column
+        x = _load_x(x_ptr, k0, K, CH, EVEN_K)
+        acc_g = _chunk_sums(acc_g, wg_ptrs + k0, sg_ptrs + sc, x, kmask, smask, EVEN_K)
+        if GATED:
+            acc_u = _chunk_sums(acc_u, wu_ptrs + k0, su_ptrs + sc, x, kmask, smask, EVEN_K)
+    if PDL:  # the main loop is done: let the next kernel launch while this one reduces and stores
+        gdc_launch_dependents()
+    g = tl.sum(acc_g, axis=0)
+    u = tl.sum(acc_u, axis=0)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + offs_n, epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=offs_n < N_OUT)
+
+
+def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                     row_block: torch.Tensor | None, k: int, bias: torch.Tensor | None = None,
+                     gated: bool = False) -> int:
+    """The number of outputs (N, or N / 2 for a packed gate_up when `gated`); raises ValueError unless weight [N, k]
+    is row-major float8_e4m3fn and scale [rows, ceil(k / bk)] fp32 fits it (rows = ceil(N / bn), or any count with a
+    row_block [N] map) with unit last stride, and a bias is contiguous [outputs]."""
+    n = weight.shape[0]
     bn, bk = block_size
-    x2 = x.reshape(-1, k)
-    if x.shape[-1] != k or x2.shape[0] > MAX_ROWS or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
-        raise ValueError(f"fp8_block_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} {weight.dtype} "
-                         f"need x [<= {MAX_ROWS} rows, K], a row-major float8_e4m3fn weight")
+    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
+        raise ValueError(f"FP8 weight {tuple(weight.shape)} {weight.dtype} must be a row-major float8_e4m3fn "
+                         f"[N, {k}] matrix")
     rows = scale.shape[0] if row_block is not None else -(-n // bn)
-    if scale.shape != (rows, -(-k // bk)) or scale.dtype != torch.float32:
-        raise ValueError(f"fp8_block_gemv: scales {tuple(scale.shape)} {scale.dtype} do not fit blocks {block_size}")
-    x2 = x2.contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    rb = row_block if row_block is not None else scale  # a placeholder pointer when unused
-    b = bias if bias is not None else scale
-    scale = scale.contiguous()
-    _fp8_gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
-        x2, weight, scale, rb, b, y, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-        BN=bn, BK=bk, ROWS=x2.shape[0], HAS_RB=row_block is not None, HAS_BIAS=bias is not None,
-        FP16_OUT=x.dtype == torch.float16, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(bk))
-    return y.reshape(*x.shape[:-1], n)
+    if (scale.dim() != 2 or tuple(scale.shape) != (rows, -(-k // bk)) or scale.dtype != torch.float32
+            or scale.stride(1) != 1):
+        raise ValueError(f"FP8 scales {tuple(scale.shape)} {scale.dtype} do not fit a weight {tuple(weight.shape)} "
+                         f"in blocks {tuple(block_size)}")
+    if row_block is not None and (tuple(row_block.shape) != (n,) or row_block.dtype != torch.int32):
+        raise ValueError(f"row_block must be int32 [{n}], got {tuple(row_block.shape)} {row_block.dtype}")
+    if gated and n % 2:
+        raise ValueError("a packed gate/up weight needs an even number of rows")
+    n_out = n // 2 if gated else n
+    if bias is not None and (tuple(bias.shape) != (n_out,) or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {n_out} outputs")
+    return n_out
 
 
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-                     row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The triton backend's FP8 linear: the GEMV for decode-sized inputs, else the weight dequantised and cuBLAS."""
-    if x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return fp8_block_gemv(x, weight, scale, block_size, row_block, bias)
-    return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+             row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None, gated: bool = False,
+             cfg: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) [..., N] for x [..., K] holding one row, in x's dtype (`fp8_block_linear_ref`'s values up to
+    summation order); gated: weight is a packed [2I, K] gate_up and the result silu(x Wg^T) * (x Wu^T) [..., I].
+    Needs bk % 16 == 0 (Qwen's 128); `cfg` forces a tile (benchmarks, tests)."""
+    check_device(x)
+    k = x.shape[-1]
+    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated)
+    bn, bk = block_size
+    if bk % VEC:
+        raise ValueError(f"fp8_gemv needs a block width that is a multiple of {VEC}, got {bk}")
+    if x.numel() != k or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"fp8_gemv takes one row of fp32/fp16/bf16 x, got {tuple(x.shape)} {x.dtype}")
+    x1 = x.reshape(k).contiguous()
+    out = torch.empty(n_out, dtype=x.dtype, device=x.device)
+    cfg = cfg or (DEFAULT_GATED if gated else DEFAULT)
+    block_k = min(cfg.block_k, max(VEC, triton.next_power_of_2(k)))   # short rows: one step, no masked-off chunks
+    pdl = use_pdl(x1)
+    _fp8_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x1, weight, scale, scale if row_block is None else row_block, scale if bias is None else bias, out, n_out,
+        k, weight.stride(0), scale.stride(0), n_out if gated else 0, BN=bn, BK=bk, HAS_RB=row_block is not None,
+        HAS_BIAS=bias is not None, GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl)
+    return out.reshape(*x.shape[:-1], n_out)

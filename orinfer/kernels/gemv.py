@@ -57,6 +57,12 @@ def check_device(t: torch.Tensor) -> None:
         raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors)")
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as rows [M, K] with unit last stride (a view where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, B, N, K, stride_xb, stride_wn, stride_ob, up_offset,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,

@@ -37,32 +37,11 @@ import triton.language as tl
 
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+from orinfer.kernels.tiles import epilogue
 from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_int_step import _int_step, _x_plane_loads
 from orinfer.kernels.w4_words import R as WORDS_R
 from orinfer.kernels.w4_words import W4Words
-
-
-@triton.jit
-def _round_to(v, out_ty: tl.constexpr, CLAMP16: tl.constexpr):
-    if CLAMP16:
-        v = tl.minimum(tl.maximum(v, -65504.0), 65504.0)
-    return v.to(out_ty)
-
-
-@triton.jit
-def _epilogue(g, u, bias, out_ty: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-              CLAMP16: tl.constexpr):
-    """fp32 sums -> stored values: + bias, or SwiGLU with the unfused path's roundings (g, u and silu(g) rounded to
-    the activation dtype, as GEMM + `silu_and_mul` do); fp16 clamped to +-65504."""
-    if HAS_BIAS:
-        g += bias
-    if GATED:
-        g = _round_to(g, out_ty, CLAMP16).to(tl.float32)
-        u = _round_to(u, out_ty, CLAMP16).to(tl.float32)
-        s = _round_to(g / (1.0 + tl.exp(-g)), out_ty, CLAMP16).to(tl.float32)
-        g = s * u
-    return _round_to(g, out_ty, CLAMP16)
 
 
 # Powers of two of the plane arithmetic (module docstring): x for plane p is scaled by 2^(85 - 4 (p % 4)), the sums of
@@ -205,7 +184,7 @@ def _w4_gemv_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, N_OUT, K8, st
     if HAS_BIAS:
         bias = tl.load(b_ptr + r_ld).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rows, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=rows < N_OUT)
+    tl.store(out_ptr + rows, epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=rows < N_OUT)
 
 
 UNROLL_STEPS = 4   # rows of up to this many steps are straight-line code (the kernel's STEPS; 0: a runtime loop)

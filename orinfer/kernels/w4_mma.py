@@ -22,7 +22,7 @@ and stores fp32 partial sums (gate and up separately) in a workspace [SPLIT, 2, 
 sums them in a fixed order (deterministic, no atomics) and applies the epilogue. x, zero points and scales are loaded
 one chunk ahead (PREFETCH); the weight tiles are pipelined by the compiler. Rows beyond M repeat the last row and are
 not stored; rows beyond N repeat the last row of W. GATED: the packed gate_up weight [2I, K/8]; a program multiplies
-the gate rows n and the up rows I + n and stores silu(g) * u with the unfused path's roundings (`_epilogue`).
+the gate rows n and the up rows I + n and stores silu(g) * u with the unfused path's roundings (`tiles.epilogue`).
 Traffic: N*K*(0.5 + 3/G) weight bytes per BLOCK_M rows + M*K*2 + M*N*2, plus SPLIT*M*N*8 of partial sums (mostly in
 L2). Measured at 16 rows on the H200: 27-41% of the read bandwidth, 66 us per Qwen3-8B layer (earlier forms: 117 us).
 """
@@ -38,7 +38,7 @@ import triton.language as tl
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.w4 import W4Weight
-from orinfer.kernels.w4_gemv import _epilogue
+from orinfer.kernels.tiles import epilogue, grouped_tile, store_tile
 
 
 def _unpack_asm(magic: int, one: int, ptx_type: str, subtract: bool = True) -> str:
@@ -137,14 +137,7 @@ def _w4_mma_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, M, N_O
                    PREFETCH: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N_OUT, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % band_m
-    pid_n = (pid % band) // band_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N_OUT, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.minimum(offs_m, M - 1).to(tl.int64)
@@ -198,12 +191,7 @@ def _w4_mma_kernel(x_ptr, qw_ptr, sc_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, M, N_O
         if GATED:
             tl.store(part + M * N_OUT, acc_u, mask=mask)
     else:
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                 _epilogue(acc_g, acc_u, bias, out_ty, HAS_BIAS, GATED, FP16), mask=mask)
+        store_tile(out_ptr, acc_g, acc_u, b_ptr, rn, offs_m, offs_n, mask, stride_om, HAS_BIAS, GATED, FP16)
 
 
 @triton.jit
@@ -230,7 +218,7 @@ def _w4_splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, M, N_OUT, stride_om, SPLIT:
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + offs, _epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16),
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + offs, epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16),
              mask=mask)
 
 

@@ -4,7 +4,9 @@ Parameters, in the checkpoint's layout: `weight` float8_e4m3fn [N, K] and `weigh
 (kernels/fp8_block.py has the math), optional `bias` [N] in the model's weight dtype. A packed layer stacks its shards'
 scale rows: shard s of n_s outputs owns ceil(n_s / bn) of them, so a block never mixes two checkpoint matrices even
 when n_s does not divide by bn (tiny models; Qwen's real shapes all divide by 128), and `row_block` [N] maps output
-rows to scale rows. Forward is `ops.fp8_block_linear` (the torch backend dequantises per call).
+rows to scale rows. Forward is `ops.fp8_block_linear` (the torch backend dequantises per call; the triton backend's
+kernels are chosen by row count in `kernels/fp8_ops.py`), a packed gate|up's `gate_up_silu` is `ops.fp8_gate_up_silu`
+(decode rows: one pass over the weight with SwiGLU in the epilogue).
 
 Mixed shards: a packed layer may keep its last shards 16-bit (`dense_shards`, from modules_to_not_convert: Qwen3.5's
 in_proj_b / in_proj_a beside the FP8 in_proj_qkv / in_proj_z). Their rows live in `dense_weight` [rows, K] in the
@@ -81,7 +83,9 @@ class FP8Linear(LinearBase):
         return torch.cat([y, dense], dim=-1)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_and_mul(self(x))
+        if self.dense_weight is not None or self.bias is not None:
+            return self.ops.silu_and_mul(self(x))
+        return self.ops.fp8_gate_up_silu(x, self.weight, self.weight_scale_inv, self.block_size, self.row_block)
 
     def decode_weights(self) -> tuple[torch.Tensor, ...]:
         dense = () if self.dense_weight is None else (self.dense_weight,)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from orinfer.errors import ConfigError
 from orinfer.kernels.activation import fused_gate_up_silu_ref, silu_and_mul_ref
 from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
-from orinfer.kernels.fp8_block import fp8_block_linear_ref
+from orinfer.kernels.fp8_block import fp8_block_linear_ref, fp8_gate_up_silu_ref
 from orinfer.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref
 from orinfer.kernels.gptq import gptq_linear_ref
 from orinfer.kernels.moe import fused_moe_ref, moe_route_ref
@@ -80,8 +80,10 @@ class Ops:
     # gate_up_silu). x may be the `W4Words` that `rms_norm_words` made.
     w4_linear: Callable = w4_linear_ref
     w4_gate_up_silu: Callable = w4_gate_up_silu_ref
-    # FP8 block-wise weights (kernels/fp8_block.py): fp8_block_linear(x, weight, scale, block_size, row_block, bias).
+    # FP8 block-wise weights (kernels/fp8_block.py): fp8_block_linear(x, weight, scale, block_size, row_block, bias),
+    # and fp8_gate_up_silu(x, weight, scale, block_size, row_block) for a packed gate_up (as gate_up_silu).
     fp8_block_linear: Callable = fp8_block_linear_ref
+    fp8_gate_up_silu: Callable = fp8_gate_up_silu_ref
     # GPTQ weights (kernels/gptq.py): gptq_linear(x, qweight, qzeros, scales, g_idx, bits, shards, bias).
     gptq_linear: Callable = gptq_linear_ref
     # RMSNorm (+ residual add) whose output goes to a batch-1 AWQ linear as int16 words (`kernels/w4_words.py`):

@@ -27,7 +27,7 @@ from orinfer.kernels.moe_ops import fused_moe, moe_route
 from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
-from orinfer.kernels.fp8_gemv import fp8_block_linear
+from orinfer.kernels.fp8_ops import fp8_block_linear, fp8_gate_up_silu, unfused_fp8_gate_up_silu
 from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
 from orinfer.kernels.w4_words import W4Words, rms_norm_words
@@ -117,6 +117,7 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         varlen_attention=varlen_attention, gate_up_silu=fused_gate_up_silu if fused_ffn else unfused_gate_up_silu,
         w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else unfused_w4_gate_up_silu,
         fp8_block_linear=fp8_block_linear,
+        fp8_gate_up_silu=fp8_gate_up_silu if fused_ffn else unfused_fp8_gate_up_silu,
         rms_norm_words=rms_norm_words, layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual,
         qkv_split_rope=qkv_split_rope, vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
         lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,

@@ -1,0 +1,196 @@
+"""FP8 block-wise kernel benchmark on Qwen3-8B shapes, against the bf16 kernels they replace, in one process:
+
+  decode M = 1, 8   bf16 GEMV (kernels/gemv.py; fused gate/up + SwiGLU) vs the FP8 dispatch (kernels/fp8_ops.py), and
+                    at M = 1 both FP8 one-row kernels (CUDA-core `fp8_gemv`, tensor-core `fp8_mm`): us, GB/s, % of the
+                    read bandwidth measured in the same run, FP8 speedup; the per-layer sum (qkv + o + gate/up + down)
+  M = 64            bf16 cuBLAS vs FP8 W8A16 (`fp8_mm`) vs W8A8 (quantize + Triton `fp8_gemm`, and + torch._scaled_mm)
+                    vs the weight dequantised (`fp8_dequantize`) + cuBLAS
+  M = 2048          bf16 cuBLAS vs W8A8 Triton vs torch._scaled_mm (each with and without the activation
+                    quantization) vs dequantise + cuBLAS, TFLOP/s
+--sweep adds every candidate tile of each FP8 kernel, per shape, for promoting defaults.
+
+Timing: each op is captured in a CUDA graph over enough copies of its weights (rotated call after call, 4x the L2
+size in all) that every call reads its weights from HBM, as a decode step does; a graph replays the calls back to
+back (no launch gaps), the median of `--iters` replays is divided by the calls. Run:
+`python -m orinfer.bench.fp8_kernels [--sweep] [--out DIR] [--json out.json]` (needs a CUDA device; importing this
+module does not); --out writes DIR/fp8-kernels.md and DIR/fp8-kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from orinfer.bench.kernels import HIDDEN, INTER, VOCAB, read_bandwidth_gbps
+from orinfer.bench.kernels import markdown as kernel_table
+from orinfer.bench.kernels import report
+
+SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+          "lm_head": (VOCAB, HIDDEN)}
+LAYER = ("qkv", "o", "gate_up", "down")
+BLOCK = (128, 128)
+
+
+def graph_us(make_calls: Callable[[int], list[Callable[[], object]]], weight_bytes: int, iters: int) -> float:
+    """Median microseconds per call: make_calls(copies) gives one call per weight copy; captured once, replayed."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    calls = make_calls(max(1, math.ceil(4 * l2 / max(weight_bytes, 1))))
+    for fn in calls:                              # compile, probe and tune outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+class Weights:
+    """A shape's random bf16 weight (std 0.02) and its FP8 block-wise form (`fp8_block_quantize`)."""
+
+    def __init__(self, n: int, k: int, device: torch.device) -> None:
+        from orinfer.kernels.fp8_block import fp8_block_quantize
+
+        self.bf16 = (torch.randn(n, k, device=device) * 0.02).bfloat16()
+        self.q, self.s = fp8_block_quantize(self.bf16, BLOCK)
+
+    def copies(self, count: int, fp8: bool) -> list[tuple[torch.Tensor, ...]]:
+        if fp8:
+            return [(self.q, self.s)] + [(self.q.clone(), self.s.clone()) for _ in range(count - 1)]
+        return [(self.bf16,)] + [(self.bf16.clone(),) for _ in range(count - 1)]
+
+
+def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) -> list[dict]:
+    """Rows of {section, op, shape, impl, us, bytes, GBps, pct_read_bw, TFLOPs, speedup (vs bf16), config}."""
+    from orinfer.kernels import activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, gemv
+    from orinfer.kernels.fp8_quant import fp8_quantize_act
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    read_gbps = read_bandwidth_gbps(dev)
+    rows: list[dict] = [{"section": "ceiling", "op": "read bandwidth (x.sum, 4 GiB fp32)", "shape": "", "impl": "torch",
+                         "us": None, "bytes": 4 * 2**30, "GBps": read_gbps, "pct_read_bw": 100.0}]
+
+    def add(section, op, shape, impl, us, nbytes, flops=None, base=None, config=""):
+        row = {"section": section, "op": op, "shape": shape, "impl": impl, "us": us, "bytes": nbytes,
+               "GBps": nbytes / us / 1e3, "pct_read_bw": 100.0 * nbytes / us / 1e3 / read_gbps, "config": config}
+        if flops:
+            row["TFLOPs"] = flops / us / 1e6
+        if base:
+            row["speedup"] = base / us
+        rows.append(row)
+        return us
+
+    def timed(w: Weights, fp8: bool, call: Callable[..., object]) -> float:
+        nbytes = w.q.numel() + w.s.numel() * 4 if fp8 else w.bf16.numel() * 2
+        return graph_us(lambda c: [lambda ws=ws: call(*ws) for ws in w.copies(c, fp8)], nbytes, iters)
+
+    layer: dict[tuple[int, str], float] = {}
+    for name, (n, k) in SHAPES.items():
+        w = Weights(n, k, dev)
+        gated = name == "gate_up"
+        fp8_bytes, bf16_bytes = w.q.numel() + w.s.numel() * 4, w.bf16.numel() * 2
+        for m in (1, 8):
+            x = torch.randn(m, k, device=dev).bfloat16()
+            act = m * (k + (n // 2 if gated else n)) * 2
+            shape = f"M={m} N={n} K={k}" + (" +SwiGLU" if gated else "")
+            bf16_fn = (lambda wb: activation.fused_gate_up_silu(x, wb)) if gated else (lambda wb: gemv.gemv(x, wb))
+            base = add("decode", name, shape, "bf16 gemv", timed(w, False, bf16_fn), bf16_bytes + act)
+            fp8_fn = fp8_ops.fp8_gate_up_silu if gated else fp8_ops.fp8_block_linear
+            us = add("decode", name, shape, "fp8 dispatch", timed(w, True, lambda q, s: fp8_fn(x, q, s, BLOCK)),
+                     fp8_bytes + act, base=base)
+            layer[(m, "bf16")] = layer.get((m, "bf16"), 0.0) + (base if name in LAYER else 0.0)
+            layer[(m, "fp8")] = layer.get((m, "fp8"), 0.0) + (us if name in LAYER else 0.0)
+            kernels = [("fp8_gemv (CUDA cores)", fp8_gemv.fp8_gemv, fp8_gemv.CANDIDATES)] if m == 1 else []
+            kernels.append(("fp8_mm (tensor cores)", fp8_mm.fp8_mm, fp8_mm.CANDIDATES))
+            for label, kernel, cands in kernels:
+                for cfg in (cands if sweep else [None]):
+                    fn = (lambda q, s, kernel=kernel, cfg=cfg: kernel(x, q, s, BLOCK, gated=gated, cfg=cfg))
+                    add("decode", name, shape, label, timed(w, True, fn), fp8_bytes + act, base=base,
+                        config=str(cfg or "default"))
+        if name == "lm_head":
+            continue
+        for m in (64, 2048):
+            x = torch.randn(m, k, device=dev).bfloat16()
+            flops, act = 2 * m * n * k, m * (k + n) * 2
+            section, shape = ("M=64", f"M={m} N={n} K={k}") if m == 64 else ("prefill", f"M={m} N={n} K={k}")
+            base = add(section, name, shape, "bf16 cuBLAS", timed(w, False, lambda wb: F.linear(x, wb)),
+                       bf16_bytes + act, flops)
+            if m == 64:
+                for cfg in (fp8_mm.CANDIDATES if sweep else [None]):
+                    add(section, name, shape, "fp8 W8A16 fp8_mm", timed(
+                        w, True, lambda q, s, cfg=cfg: fp8_mm.fp8_mm(x, q, s, BLOCK, cfg=cfg)), fp8_bytes + act,
+                        flops, base, str(cfg or "default"))
+            add(section, name, shape, "fp8 dequantize W + bf16 cuBLAS", timed(
+                w, True, lambda q, s: F.linear(x, fp8_dequant.fp8_dequantize(q, s, BLOCK))), fp8_bytes + act, flops,
+                base)
+            xq, xs = fp8_quantize_act(x, 128)
+            add(section, name, shape, "fp8 quantize x only", graph_us(
+                lambda c: [lambda: fp8_quantize_act(x, 128)], 1 << 40, iters), m * k * 3)
+            for cfg in (fp8_gemm.CANDIDATES if sweep else [None]):
+                def w8a8(q, s, cfg=cfg):
+                    xq_, xs_ = fp8_quantize_act(x, 128)
+                    return fp8_gemm.fp8_gemm(xq_, xs_[:m], q, s, BLOCK, torch.bfloat16, cfg=cfg)
+                add(section, name, shape, "fp8 W8A8 Triton (+quantize)", timed(w, True, w8a8), fp8_bytes + act,
+                    flops, base, str(cfg or "default"))
+            add(section, name, shape, "fp8 W8A8 Triton GEMM only", timed(w, True, lambda q, s: fp8_gemm.fp8_gemm(
+                xq, xs[:m], q, s, BLOCK, torch.bfloat16)), fp8_bytes + act, flops, base)
+            if fp8_ops._scaled_mm_runs(dev):
+                add(section, name, shape, "fp8 W8A8 torch._scaled_mm (+quantize)", timed(
+                    w, True, lambda q, s: fp8_ops.fp8_scaled_mm(*fp8_quantize_act(x, 128), q, s, torch.bfloat16)),
+                    fp8_bytes + act, flops, base)
+                add(section, name, shape, "fp8 W8A8 torch._scaled_mm only", timed(
+                    w, True, lambda q, s: fp8_ops.fp8_scaled_mm(xq, xs, q, s, torch.bfloat16)), fp8_bytes + act,
+                    flops, base)
+            else:
+                rows.append({"section": section, "op": name, "shape": shape, "impl": "torch._scaled_mm: not run "
+                             "(block-wise scales unsupported by this torch / GPU)", "us": None})
+        del w
+        torch.cuda.empty_cache()
+    for m in (1, 8):
+        rows.append({"section": "decode", "op": "layer (qkv + o + gate_up + down)", "shape": f"M={m}",
+                     "impl": "bf16 -> fp8 dispatch", "us": layer[(m, "fp8")], "bf16_us": layer[(m, "bf16")],
+                     "speedup": layer[(m, "bf16")] / layer[(m, "fp8")]})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table: `bench.kernels.markdown`'s, the section before each op."""
+    return kernel_table([r | {"op": f"{r['section']}: {r['op']}"} for r in rows], speedup="FP8 speedup vs bf16")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also time every candidate tile of each FP8 kernel")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--out", help="also write fp8-kernels.md (the table) and fp8-kernels.json (the rows) in this folder")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the FP8 kernel benchmark needs a CUDA device")
+        return 1
+    rows = run_fp8_bench(args.device, args.iters, args.sweep)
+    out = (lambda ext: os.path.join(args.out, f"fp8-kernels.{ext}")) if args.out else (lambda ext: None)
+    report(rows, markdown(rows), f"FP8 block-wise kernels vs bf16 on {{device}} (Qwen3-8B shapes, torch "
+           f"{torch.__version__})", args.device, args.json or out("json"), out("md"), torch=torch.__version__)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

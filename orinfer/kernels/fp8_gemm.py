@@ -1,0 +1,140 @@
+"""FP8 block-wise W8A8 GEMM on FP8 tensor cores (prefill): x quantized per token and bk-wide group
+(`kernels/fp8_quant.py`), the weight's block scales applied per K step, fp32 accumulation, 16-bit output.
+
+Math: y [M, N] = sum_kb s_x[m, kb] * s_w[n / bn, kb] * (q_x[m, kb-block] . q_w[n, kb-block]) (+ b), rounded once to
+the activation dtype (fp16 clamped to +-65504): exactly the fp32 product of the dequantised x and W
+(`fp8_block_linear_a8_ref`) up to summation order. x is the MMA's M side (its per-row scales are 2 values a thread
+in the wgmma accumulator layout; on the N side they would be 32), W^T [BLOCK_K, BLOCK_N] its N side; both operands
+K-major in shared memory, as FP8 wgmma requires. Each K step of BLOCK_K (dividing bk) is one fresh `tl.dot` chain (4
+m64nNk32 wgmmas, accumulated inside the tensor core, whose FP8 accumulation keeps ~14 mantissa bits) promoted into the
+fp32 accumulator with its scales: one FFMA per accumulator element per step when the tile's rows share one weight scale
+row (ROW_UNIFORM: BLOCK_N divides bn, Qwen's layers), the scale products precomputed per row.
+
+Grid (tiles, SPLIT): tiles [BLOCK_M, BLOCK_N] in GROUP_M bands along M (consecutive programs share weight tiles in L2);
+SPLIT > 1 splits K (`kernels/splitk.py`) for the few tiles of small M (the W8A8 alternative for decode batches).
+Traffic: M*K (x, FP8) per BLOCK_N weight rows + N*K per BLOCK_M rows + M*N*2 out; at prefill sizes bound by the FP8 MMA
+rate (989 TFLOP/s dense bf16 -> 1979 FP8 on an H100 SXM), the target ~1.3x+ the bf16 GEMM's time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from orinfer.kernels.fp8_block import FP8_DTYPE
+from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
+from orinfer.kernels.fp8_mm import sm_count
+from orinfer.kernels.gemv import check_device
+from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+from orinfer.kernels.splitk import counters, plan, splitk_store
+from orinfer.kernels.tiles import grouped_tile, tile_rows
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_am,
+                     stride_as, stride_wn, stride_sn, stride_om, STEPS, BN: tl.constexpr, BK: tl.constexpr,
+                     HAS_RB: tl.constexpr, ROW_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, rm, rn = tile_rows(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + offs_k[None, :]     # x [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]     # W^T [BLOCK_K, BLOCK_N], K-major
+    as_ptrs = as_ptr + rm
+    if ROW_UNIFORM:
+        sw_ptrs = s_ptr + ((pid_n * BLOCK_N) // BN) * stride_sn
+    else:
+        sw_ptrs = s_ptr + _scale_rows(rb_ptr, rn, BN, HAS_RB) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    step_lo = 0
+    step_hi = tl.cdiv(K, BLOCK_K)
+    if SPLIT > 1:
+        step_lo = tl.program_id(1) * STEPS
+        step_hi = tl.minimum(step_lo + STEPS, step_hi)
+    for step in range(step_lo, step_hi):
+        k0 = step * BLOCK_K
+        kb = k0 // BK
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0)
+            w = tl.load(w_ptrs + k0)
+        else:
+            kmask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs + k0, mask=kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=kmask[:, None], other=0.0)
+        part = tl.dot(a, w)
+        sa = tl.load(as_ptrs + kb * stride_as)
+        if ROW_UNIFORM:
+            acc += part * (sa * tl.load(sw_ptrs + kb))[:, None]
+        else:
+            acc += part * sa[:, None] * tl.load(sw_ptrs + kb)[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    splitk_store(acc, acc, ws_ptr, cnt_ptr, tl.program_id(0), out_ptr, b_ptr, rn, offs_m, offs_n, mask, M, N,
+                 stride_om, SPLIT, HAS_BIAS, False, CLAMP16)
+
+
+class Fp8GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int         # clipped to the largest power of two dividing bk
+    num_warps: int
+    num_stages: int
+    split_k: int = 1     # 0: `splitk.plan`'s choice
+
+
+# Prefill: 128 x 128 tiles over two warpgroups (acc and the step's dot result 64 + 64 registers a thread, 165 in all;
+# 128 x 256, or 128 x 128 on one warpgroup, spill), 32 KB of operands per stage, 4 stages. The loop is 153 SASS
+# instructions a thread per K step, 64 of them the FFMAs that promote the step's dot (Triton waits for each wgmma
+# before them, so they do not overlap the tensor cores; a one-step software pipeline in the source did not change
+# that: Triton still waits at the end of the iteration). Small M (the W8A8 alternative for decode batches): 64-row
+# tiles and split-K. Candidates for `orinfer.bench.fp8_kernels --sweep`.
+PREFILL = Fp8GemmConfig(128, 128, 128, 8, 4)
+SMALL_M = Fp8GemmConfig(64, 128, 128, 4, 4, 0)
+CANDIDATES = [Fp8GemmConfig(*c) for c in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
+                                          (64, 128, 128, 4, 4), (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0)]]
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block_size: tuple[int, int], out_dtype: torch.dtype, row_block: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """y [M, N] in out_dtype for xq [M(_pad), K] float8_e4m3fn and x_scale [M, Kb] fp32 with stride(0) == 1 (as
+    `fp8_quantize_act` returns them, group = bk; rows of xq past x_scale's M are ignored). Needs bk % 32 == 0."""
+    check_device(xq)
+    m, kb = x_scale.shape
+    k = xq.shape[-1]
+    n = check_fp8_weight(weight, scale, block_size, row_block, k, bias)
+    bn, bk = block_size
+    if xq.dim() != 2 or xq.dtype != FP8_DTYPE or xq.shape[0] < m or xq.stride(1) != 1 or bk % 32:
+        raise ValueError(f"fp8_gemm takes a row-major float8_e4m3fn x [>= {m}, K] and bk % 32 == 0, got "
+                         f"{tuple(xq.shape)} {xq.dtype}, bk {bk}")
+    if kb != -(-k // bk) or x_scale.stride(0) != 1 or x_scale.dtype != torch.float32:
+        raise ValueError(f"x_scale must be an fp32 [{m}, {-(-k // bk)}] view with stride(0) == 1, got "
+                         f"{tuple(x_scale.shape)} {tuple(x_scale.stride())} {x_scale.dtype}")
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype must be fp32, fp16 or bf16, got {out_dtype}")
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = cfg or (PREFILL if m > 64 else SMALL_M)
+    block_k = min(cfg.block_k, bk & -bk)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    steps = triton.cdiv(k, block_k)
+    split, per_split = plan(tiles, steps, cfg.split_k, sm_count(xq.device))
+    ws = torch.empty(split, 1, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    pdl = use_pdl(xq)
+    _fp8_gemm_kernel[(tiles, split)](
+        xq, x_scale, weight, scale, scale if row_block is None else row_block, out if bias is None else bias, out, ws,
+        counters(xq.device) if split > 1 else scale, m, n, k, xq.stride(0), x_scale.stride(1), weight.stride(0),
+        scale.stride(0), out.stride(0), per_split, BN=bn, BK=bk, HAS_RB=row_block is not None,
+        ROW_UNIFORM=row_block is None and bn % cfg.block_n == 0, HAS_BIAS=bias is not None,
+        CLAMP16=out_dtype == torch.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+        SPLIT=split, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)
+    return out

@@ -1,0 +1,146 @@
+"""The FP8 block-wise linear entry points of the triton backend: pick the kernel for the row count of x.
+
+  1 row                  -> `fp8_gemv` (CUDA cores, one 16-byte load per thread per row chunk, thousands of programs:
+                            decode at batch 1; ONE_ROW = "mma": `fp8_mm` instead)
+  2..MMA_MAX_ROWS rows   -> `fp8_mm` (W8A16 on tensor cores, split-K: decode batches; SMALL_M = "w8a8":
+                            quantize x + `fp8_gemm` instead)
+  more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
+                            with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
+                            this torch and GPU run it: sm_90, 128 x 128 blocks, bf16, probed once per device outside
+                            graph capture); PREFILL = "w8a16": `fp8_mm` with 128-row tiles (x not quantized);
+                            PREFILL = "dequant": the weight dequantised to x's dtype (`fp8_dequantize`), then cuBLAS
+Both entry points take the same kernels, fused gate/up + SwiGLU in one pass for decode rows (`fp8_gate_up_silu`).
+The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL at import (benchmarks
+may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows and the reference (dequantise +
+matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores otherwise), the kernels bk % 16 == 0
+(the reference otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from orinfer.kernels.activation import silu_and_mul
+from orinfer.kernels.fp8_block import fp16_guard, fp8_block_linear_ref, fp8_gate_up_silu_ref
+from orinfer.kernels.fp8_dequant import fp8_dequantize
+from orinfer.kernels.fp8_gemm import fp8_gemm
+from orinfer.kernels.fp8_gemv import fp8_gemv
+from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
+from orinfer.kernels.fp8_quant import fp8_quantize_act
+
+MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
+ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
+SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a16")        # w8a16 | w8a8
+PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def _a8_fits(block_size: tuple[int, int]) -> bool:
+    bk = block_size[1]
+    return bk >= 32 and bk & (bk - 1) == 0
+
+
+def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M_pad, N] = torch._scaled_mm with block-wise scales (x 1x128 [M_pad, Kb] with stride(0) == 1, as
+    `fp8_quantize_act` returns it; W 128x128, `weight_scale_inv` as stored: its transpose is the [Kb, Nb] operand),
+    cuBLASLt's FP8 GEMM; bias added after (block scaling takes no bias epilogue), fp16 clamped."""
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=out_dtype)
+    if bias is not None:
+        y += bias
+    return fp16_guard(y)
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_runs(device: torch.device) -> bool:
+    """Whether this torch's _scaled_mm takes block-wise scales on `device` (tried once on a small problem and
+    checked against the Triton GEMM)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(8, 256, device=device, generator=gen).bfloat16()
+        w = torch.randn(256, 256, device=device, generator=gen).to(torch.float8_e4m3fn)
+        s = torch.rand(2, 2, device=device, generator=gen) + 0.5
+        xq, xs = fp8_quantize_act(x, 128)
+        got = fp8_scaled_mm(xq, xs, w, s, torch.bfloat16)[:8].float()
+        want = fp8_gemm(xq, xs[:8], w, s, (128, 128), torch.bfloat16).float()
+        return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                   row_block: torch.Tensor | None) -> bool:
+    if PREFILL not in ("auto", "scaled_mm") or tuple(block_size) != (128, 128) or row_block is not None:
+        return False
+    n, k = weight.shape
+    # Whole blocks only (Qwen's shapes), and bf16 out: what the probe checked (fp16 takes the Triton GEMM).
+    if n % 128 or k % 128 or not scale.is_contiguous() or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if PREFILL == "scaled_mm":
+        return True
+    if torch.cuda.is_current_stream_capturing() and _scaled_mm_runs.cache_info().currsize == 0:
+        return False            # never probe while a CUDA graph is being captured
+    return _scaled_mm_runs(x.device)
+
+
+def _w8a8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+          row_block: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x2.shape[0]
+    xq, xs = fp8_quantize_act(x2, block_size[1])
+    if _use_scaled_mm(x2, weight, scale, block_size, row_block):
+        return fp8_scaled_mm(xq, xs, weight, scale, x2.dtype, bias)[:m]
+    return fp8_gemm(xq, xs[:m], weight, scale, block_size, x2.dtype, row_block, bias)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                     row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_block_linear_ref`'s contract (y = x W^T + b in x's dtype) through the kernel for x's row count."""
+    rows = _rows(x)
+    if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
+        return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
+    if rows == 1 and ONE_ROW == "fma":
+        return fp8_gemv(x, weight, scale, block_size, row_block, bias)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    a8 = _a8_fits(block_size) and x.dtype != torch.float32
+    if rows <= MMA_MAX_ROWS and not (SMALL_M == "w8a8" and a8 and rows > 1):
+        return fp8_mm(x, weight, scale, block_size, row_block, bias)
+    if PREFILL == "dequant" and x.dtype != torch.float32:
+        y = fp16_guard(F.linear(x2, fp8_dequantize(weight, scale, block_size, row_block, x.dtype), bias))
+    elif a8 and PREFILL != "w8a16":
+        y = _w8a8(x2, weight, scale, block_size, row_block, bias)
+    elif x.dtype == torch.float32:
+        return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
+    else:
+        y = fp8_mm(x2, weight, scale, block_size, row_block, bias, cfg=DECODE_128 if rows > MMA_MAX_ROWS else None)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                     row_block: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_gate_up_silu_ref`'s contract: decode rows in one pass over the weight (gate and up rows of a tile
+    together, SwiGLU in the epilogue, no [rows, 2I] intermediate); prefill: the linear, then `silu_and_mul`."""
+    rows = _rows(x)
+    if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
+        return fp8_gate_up_silu_ref(x, weight, scale, block_size, row_block)
+    if rows == 1 and ONE_ROW == "fma":
+        return fp8_gemv(x, weight, scale, block_size, row_block, gated=True)
+    if rows <= MMA_MAX_ROWS and not (SMALL_M == "w8a8" and _a8_fits(block_size) and x.dtype != torch.float32):
+        return fp8_mm(x, weight, scale, block_size, row_block, gated=True)
+    return silu_and_mul(fp8_block_linear(x, weight, scale, block_size, row_block))
+
+
+def unfused_fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                             row_block: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_gate_up_silu` as two kernels: the FP8 linear, then `silu_and_mul` (`--no-fused-ffn`)."""
+    return silu_and_mul(fp8_block_linear(x, weight, scale, block_size, row_block))

@@ -1,0 +1,190 @@
+"""Every Triton launch the FP8 entry points can make on an H100 / H200, recorded on the CPU (`kernels/sm90.py`
+`recorded_launches`: nothing runs, the tensors are empty) for the sm_90 compile check of tests/test_fp8_codegen.py.
+
+The first merge of the FP8 kernels compiled in the interpreter and in the hand-written codegen checks, and failed on
+the device: the launcher turns an int argument equal to 1 into a constexpr, and fp8_mm at one row of x (M = 1) then
+met `int.to` in its split-K reduction. So the launches here come from the host functions themselves, over:
+  - the dispatch (`fp8_ops`) on Qwen3-8B's shapes (qkv also with a bias, as Qwen2.5) at decode and prefill row
+    counts, in fp32 / fp16 / bf16, under each of its settings (ONE_ROW, SMALL_M, PREFILL), gate/up fused and not;
+  - odd shapes (partial blocks, one scale column, packed shards with row_block, bias) through the dispatch;
+  - every candidate tile of each kernel (what `orinfer.bench.fp8_kernels --sweep` and the GPU tests launch);
+  - the explicit tiles and shapes of tests/test_fp8_kernels.py's parametrized tests, which the GPU runs too.
+Launches the launcher would compile to the same kernel are kept once (`sm90.launch_key`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache, partial
+from typing import Callable
+
+import torch
+
+from orinfer.kernels import activation, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv, sm90
+
+FP8 = torch.float8_e4m3fn
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SETTINGS = ({}, {"ONE_ROW": "mma"}, {"SMALL_M": "w8a8"}, {"PREFILL": "w8a16"})
+DECODE_ROWS = (1, 2, 8, 16, 17, 32, 33, 64)
+PREFILL_ROWS = (65, 300, 2048)
+# (n, k, block, packed): partial blocks and K steps, one scale column (its row stride 1: a constexpr), the probe's
+# 256 x 256 (`fp8_ops._scaled_mm_runs`), a bk of 48 (16-wide K steps, no W8A8), and packed shards whose scale rows a
+# row_block maps.
+ODD = ((130, 200, (128, 128), False), (64, 64, (128, 128), False), (256, 256, (128, 128), False),
+       (37, 70, (16, 32), False), (96, 256, (16, 48), True), (256, 384, (128, 128), True))
+
+
+@cache
+def weight(n: int, k: int, block: tuple[int, int], packed: bool = False):
+    """(weight, scale, row_block) as empty tensors of an FP8 block-wise layer's shapes."""
+    bn, bk = block
+    rows = -(-n // bn) + (1 if packed else 0)
+    row_block = torch.zeros(n, dtype=torch.int32) if packed else None
+    return torch.empty(n, k, dtype=FP8), torch.empty(rows, -(-k // bk), dtype=torch.float32), row_block
+
+
+@cache
+def _x(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(rows, k, dtype=dtype)
+
+
+def _no_reference(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Stands in for the dispatch's torch references (fp32 prefill), which launch no Triton kernel."""
+    return torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+
+
+def _dispatch(x, w, s, block, rb, bias, gate_up: bool) -> None:
+    if gate_up:
+        fp8_ops.fp8_gate_up_silu(x, w, s, block, rb)
+        fp8_ops.unfused_fp8_gate_up_silu(x, w, s, block, rb)
+    else:
+        fp8_ops.fp8_block_linear(x, w, s, block, rb, bias)
+
+
+def _dispatch_calls():
+    """(settings of fp8_ops, whether the engine makes these launches for Qwen3-8B in bf16 with the default settings,
+    arguments of `_dispatch`) over the matrix of the module docstring."""
+    for setting, dtype in itertools.product(SETTINGS, DTYPES):
+        for name, (n, k) in QWEN3_8B.items():
+            w, s, _ = weight(n, k, (128, 128))
+            biases = (None, torch.empty(n, dtype=dtype)) if name == "qkv" else (None,)
+            for rows, bias in itertools.product(DECODE_ROWS + PREFILL_ROWS, biases):
+                args = (_x(rows, k, dtype), w, s, (128, 128), None, bias, name == "gate_up")
+                yield setting, not setting and dtype == torch.bfloat16, args
+        for (n, k, block, packed), rows in itertools.product(ODD, (1, 3, 17, 64, 300)):
+            w, s, rb = weight(n, k, block, packed)
+            x = _x(rows, k, dtype)
+            yield setting, False, (x, w, s, block, rb, torch.empty(n, dtype=dtype), False)
+            yield setting, False, (x, w, s, block, rb, None, False)
+            if n % 2 == 0:
+                yield setting, False, (x, w, s, block, rb, None, True)
+
+
+def _w8a8(x, w, s, block, rb=None, bias=None, cfg=None) -> None:
+    xq, xs = fp8_quant.fp8_quantize_act(x, block[1])
+    fp8_gemm.fp8_gemm(xq, xs[:x.shape[0]], w, s, block, x.dtype, rb, bias, cfg=cfg)
+
+
+def _candidate_calls():
+    """Every candidate tile, as the bench's sweep and test_gpu_every_fp8_config_is_correct launch them."""
+    block = (128, 128)
+    for dtype in (torch.float16, torch.bfloat16):
+        for (n, k), gated in itertools.product(((1536, 2048), QWEN3_8B["gate_up"]), (False, True)):
+            w, s, _ = weight(n, k, block)
+            for cfg in fp8_gemv.CANDIDATES:
+                yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w, s, block, gated=gated, cfg=cfg)
+            for cfg, rows in itertools.product(fp8_mm.CANDIDATES, (1, 8, 64)):
+                yield partial(fp8_mm.fp8_mm, _x(rows, k, dtype), w, s, block, gated=gated, cfg=cfg)
+        for (n, k), rows in itertools.product(((1536, 2048), QWEN3_8B["o"]), (1, 64, 300, 2048)):
+            for cfg in fp8_gemm.CANDIDATES:
+                yield partial(_w8a8, _x(rows, k, dtype), *weight(n, k, block)[:2], block, cfg=cfg)
+
+
+def _parametrized(test: Callable) -> list[dict]:
+    """The cases of a `@pytest.mark.parametrize("a,b,...", [...])` test as dicts."""
+    (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+    names = [a.strip() for a in mark.args[0].split(",")]
+    return [dict(zip(names, values)) for values in mark.args[1]]
+
+
+def _test_file_calls():
+    """The explicit tiles and shapes of tests/test_fp8_kernels.py (run on the GPU as on the interpreter)."""
+    import test_fp8_kernels as t
+
+    for case in _parametrized(t.test_fp8_gemv) + _parametrized(t.test_fp8_mm) + _parametrized(t.test_fp8_gemm):
+        c = {"rows": 1, "gated": False} | case
+        w, s, rb = weight(c["n"], c["k"], c["block"], c["shards"] > 1)
+        bias = torch.empty(c["n"] // 2 if c["gated"] else c["n"], dtype=c["dtype"]) if c["bias"] else None
+        x = _x(c["rows"], c["k"], c["dtype"])
+        if "gated" not in case:                                        # the W8A8 GEMM's cases
+            yield partial(_w8a8, x, w, s, c["block"], rb, bias, c["cfg"])
+        else:
+            kernel = fp8_mm.fp8_mm if "rows" in case else fp8_gemv.fp8_gemv
+            yield partial(kernel, x, w, s, c["block"], rb, bias, gated=c["gated"], cfg=c["cfg"])
+    for case in _parametrized(t.test_fp8_quantize_act):
+        yield partial(fp8_quant.fp8_quantize_act, _x(case["rows"], case["k"], case["dtype"]), case["group"])
+
+
+def _record(calls) -> list[sm90.Launch]:
+    with sm90.recorded_launches(activation, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv) as launches:
+        for call in calls:
+            call()
+    return launches
+
+
+def _dispatch_with(setting: dict, args: tuple) -> Callable[[], None]:
+    def call():
+        saved = {name: getattr(fp8_ops, name) for name in setting}
+        for name, value in setting.items():
+            setattr(fp8_ops, name, value)
+        try:
+            _dispatch(*args)
+        finally:
+            for name, value in saved.items():
+                setattr(fp8_ops, name, value)
+    return call
+
+
+def fp8_launches() -> list[tuple[sm90.Launch, bool]]:
+    """The distinct launches (one per `sm90.launch_key`) in a fixed order, each with whether the engine makes it for
+    Qwen3-8B in bf16 as configured by default (the dispatch's default settings on its shapes)."""
+    saved = fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref
+    fp8_ops.fp8_block_linear_ref = fp8_ops.fp8_gate_up_silu_ref = _no_reference
+    try:
+        calls = [(_dispatch_with(setting, args), default) for setting, default, args in _dispatch_calls()]
+        production = _record(call for call, default in calls if default)
+        others = _record(itertools.chain((call for call, default in calls if not default), _candidate_calls(),
+                                         _test_file_calls()))
+    finally:
+        fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref = saved
+    unique: dict[str, tuple[sm90.Launch, bool]] = {}
+    for launch, default in [(launch, True) for launch in production] + [(launch, False) for launch in others]:
+        unique.setdefault(sm90.launch_key(launch), (launch, default))
+    return list(unique.values())
+
+
+def features(launch: sm90.Launch) -> dict[str, str]:
+    """What the launcher compiles a launch by, per parameter (type and alignment, or constexpr value) and option
+    (warps, stages): the values of which `conftest.pairwise_cover` picks a subset meeting every pair."""
+    spec, options = sm90.specialization(launch)
+    return {name: repr(value) for name, value in spec.items()} | {
+        "num_warps": repr(options.get("num_warps")), "num_stages": repr(options.get("num_stages"))}
+
+
+def named_launches() -> dict[str, sm90.Launch]:
+    """The default tiles' launches whose SASS tests/test_fp8_codegen.py reads, by name: the one-row GEMV (o and the
+    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows."""
+    block = (128, 128)
+    o, gate_up = weight(*QWEN3_8B["o"], block), weight(*QWEN3_8B["gate_up"], block)
+    calls = {
+        "gemv": partial(fp8_gemv.fp8_gemv, _x(1, 4096, torch.bfloat16), *o[:2], block),
+        "gemv_gated": partial(fp8_gemv.fp8_gemv, _x(1, 4096, torch.bfloat16), *gate_up[:2], block, gated=True),
+        "mm": partial(fp8_mm.fp8_mm, _x(8, 4096, torch.bfloat16), *o[:2], block),
+        "mm_gated": partial(fp8_mm.fp8_mm, _x(8, 4096, torch.bfloat16), *gate_up[:2], block, gated=True),
+        "mm_fp16": partial(fp8_mm.fp8_mm, _x(8, 4096, torch.float16), *o[:2], block),
+        "mm_64": partial(fp8_mm.fp8_mm, _x(64, 4096, torch.bfloat16), *o[:2], block),
+        "gemm": partial(_w8a8, _x(2048, 4096, torch.bfloat16), *o[:2], block),
+        "gemm_small_m": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block),
+    }
+    return {name: _record([call])[-1] for name, call in calls.items()}     # (the W8A8 GEMM after the quantization)

@@ -164,14 +164,17 @@ def qwen3_5_text_config(kind: str, vocab_size: int = 211, **overrides):
         spec["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                for i in range(spec["num_hidden_layers"])]
     spec["num_hidden_layers"] = len(spec["layer_types"])
+    fields = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4) | spec
+    # M-RoPE sections over the rotary frequencies (head_dim 16: [1, 1, 0] at factor 0.25, [2, 1, 1] at 0.5)
+    freqs = int(fields["head_dim"] * factor) // 2
+    third, rest = divmod(freqs, 3)
     config = Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=vocab_size - 1,
-        pad_token_id=None,
+        vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=vocab_size - 1, pad_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor,
-                         "mrope_section": [1, 1, 0] if factor == 0.25 else [2, 1, 1], "mrope_interleaved": True},
-        **spec)
+                         "mrope_section": [third + (rest > 0), third + (rest > 1), third], "mrope_interleaved": True},
+        **fields)
     config._attn_implementation = "eager"
     return config
 

@@ -251,3 +251,22 @@ def test_fp8_parts_off_the_blocks_are_config_errors():
                                           r"are 128 rows"):
         check_supported(cfg, 8)
     check_supported(dataclasses.replace(cfg, quantization=FP8Config(online=True)), 8)
+
+
+# --- on GPUs (NCCL, the Triton kernels: FP8 block GEMV/GEMM, W4 for AWQ) ---------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("model_id", ["fp8", "fp8-online", "awq"])
+def test_two_gpus_match_one(quantized, model_id):
+    """Each rank's quantized slices of the Gated DeltaNet's packed parts through the Triton kernels and CUDA graphs,
+    against one GPU on the same checkpoint."""
+    path, online = quantized(model_id)
+    settings = dict(dtype="float32", device="cuda", backend="triton", progress=False, kv_cache_bytes=64 << 20,
+                    max_num_seqs=8, max_num_batched_tokens=64, **({"quantization": online} if online else {}))
+    outputs = {}
+    for world in (1, 2):
+        with LLM(path, tensor_parallel_size=world, **settings) as llm:
+            assert llm.engine.runner.graphs is not None
+            outputs[world] = llm.generate(PROMPTS[:1], GREEDY) + llm.generate(PROMPTS, GREEDY)
+    assert_same_outputs(outputs[2], outputs[1])

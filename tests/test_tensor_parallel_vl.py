@@ -160,3 +160,26 @@ def test_qwen3_vl_30b_a3b_slices(world):
         head = r if world <= 4 else r // 2
         kv = 4 // world if world <= 4 else 1
         assert s(layer + "self_attn.v_proj.weight", (512, 2048)) == (0, head * kv * 128, kv * 128)
+
+
+# --- on GPUs (NCCL, the Triton backend, CUDA graphs) -----------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("kind", ["vl-dense", "vl-moe"])
+def test_two_gpus_match_one_with_images(kind, tmp_path):
+    """NCCL ranks, the triton backend (the tower's kernels on rank 0), decode and mixed-step CUDA graphs with their
+    all-reduces: an image prompt over prompt chunks beside a text prompt gives the one-GPU engine's tokens and
+    log-probabilities, and HF's tokens."""
+    hf = MODELS[kind]()
+    path = save(hf, tmp_path / kind)
+    outputs = {}
+    for world in (2, 1):
+        with LLM(path, dtype="float32", device="cuda", backend="triton", progress=False, kv_cache_bytes=64 << 20,
+                 max_num_seqs=8, max_num_batched_tokens=9, tensor_parallel_size=world) as llm:
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.step_graphs is not None
+            outputs[world] = llm.generate(requests(), GREEDY) + llm.generate([TEXT], GREEDY)
+    assert_same_outputs(outputs[2], outputs[1])
+    image = outputs[2][0]
+    assert image.token_ids == hf_vl_greedy(hf, image.prompt_token_ids, GREEDY.max_tokens,
+                                           *vl3.hf_pixels(vl3.images([(90, 60), (40, 130)])))

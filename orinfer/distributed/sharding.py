@@ -1,7 +1,7 @@
 """How tensor parallelism splits a model: the per-rank config, the checkpoint slice each rank reads, the all-reduces.
 
-A model class declares its split as data, `tensor_parallel_plan` (a dict; models/qwen.py and models/qwen3_5.py have
-one), naming checkpoint sub-names ("q_proj") and submodules ("mlp") only:
+A model class declares its split as data, `tensor_parallel_plan` (a dict; models/qwen.py, qwen3_5.py and
+qwen3_vl.py have one), naming checkpoint sub-names ("q_proj") and submodules ("mlp") only:
   heads        split along the output rows by attention heads (column parallel; a head's rows stay together, so
                Qwen3.5's q_proj, which emits each head's query then its gate, splits the same way)
   kv_heads     the same by KV heads; with fewer KV heads than ranks each head is replicated on world / kv ranks

@@ -14,7 +14,6 @@ Tiny models' widths are multiples of group size x ranks (AWQ, GPTQ: 32) and of 1
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,6 @@ from orinfer.layers.ops import TORCH_OPS
 from orinfer.loader import load_hf_model, online_quantization
 from orinfer.models.qwen import QwenForCausalLM
 from orinfer.quant import quantize_checkpoint
-from orinfer.quant_config import parse_quantization_config
 
 REAL = Path(__file__).parent / "data" / "real-qwen"
 PLAN = QwenForCausalLM.tensor_parallel_plan
@@ -255,11 +253,8 @@ def test_gptq_act_order_across_ranks_is_a_config_error(tmp_path, monkeypatch):
 # --- slices of the published configs -------------------------------------------------------------------------------
 
 def _fp8_moe() -> ModelConfig:
-    """Qwen3-30B-A3B-FP8: its shapes (those of Qwen3-30B-A3B) with its quantization_config (the engine refuses FP8
-    experts on its own, so the config is put together here)."""
-    raw = json.loads((REAL / "Qwen3-30B-A3B-FP8" / "config.json").read_text())
-    base = ModelConfig.from_hf(REAL / "Qwen3-30B-A3B")
-    return dataclasses.replace(base, quantization=parse_quantization_config(raw["quantization_config"]))
+    """Qwen3-30B-A3B-FP8 as published (the shapes of Qwen3-30B-A3B with its quantization_config)."""
+    return ModelConfig.from_hf(REAL / "Qwen3-30B-A3B-FP8")
 
 
 def _slicers(cfg: ModelConfig, world: int):

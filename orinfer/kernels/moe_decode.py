@@ -24,13 +24,16 @@ Traffic per step: the distinct selected experts' 3*I*H weights once (Qwen3-30B-A
 9.4 MB = 75.5 MB per layer, 18 us at 4.1 TB/s), plus T*(H + 2*k*I + H) activations and SPLIT*T*H*4 partials.
 
 FP8 experts (`kernels/moe_fp8.py`): the same loops over e4m3 bytes with fp32 block scales s [E, rows, cols]; BLOCK_K
-divides bk, so a K step applies one scale per weight row n to its partial sums:
+divides bk, so a K step applies one scale per weight row n to its partial sums (the weights are not rounded to x's
+dtype, unlike the reference and the grouped path: the fp32 sum of q * s * x up to order):
 
     acc[n, t] += s[e, row(n), k0 / bk] * sum_{k in step} q[n, k] x[t, k]
 
 (row(n) = n // bn; up rows ceil(I / bn) + n // bn). The FMA loop converts each weight to fp32 (one more multiply per
-weight for its scale); the dots unpack the tile as `fp8_mm` does. Half the bytes: 8 experts of Qwen3-30B-A3B-FP8 at
-batch 1 are 37.7 MB per layer (+ 0.3 MB of scales).
+weight for its scale); the dots unpack the tile in registers as the dense W8A16 kernel does (`fp8_mm._w_operand`:
+bf16 x takes the exact e4m3 -> bf16 bit move with x scaled by 2^64 and s by 2^56, fp16 x a convert, fp32 x and the
+interpreter exact fp32 dots). Half the bytes: 8 experts of Qwen3-30B-A3B-FP8 at batch 1 are 37.7 MB per layer (+ 0.3
+MB of scales).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.moe_config import MoeConfig, Tile
-from orinfer.kernels.moe_gemm import _mma, _mma_fp8, _swiglu, dot_f32, fp8_mode, moe_sum, scale_args
+from orinfer.kernels.fp8_mm import _UNDO, _w_operand, _x_operand
+from orinfer.kernels.moe_gemm import _mma, _swiglu, dot_f32, fp8_mode, moe_sum, scale_args
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
@@ -69,6 +73,20 @@ def _expert_tokens(ids_ptr, e, T, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BL
 
 
 @triton.jit
+def _mma_fp8(q, x, s, acc, MODE: tl.constexpr):
+    """acc + (q @ x) * s[:, None] in fp32: q [BLOCK_N, BLOCK_K] an e4m3 weight tile inside one scale column (swap-AB:
+    the weight rows are the MMA's M side), x [BLOCK_K, BLOCK_T] activations, s [BLOCK_N] the rows' scales. MODE as
+    `fp8_mm` (PLAIN: exact fp32 dots; A16_BF16: products come out times 2^-56, which s takes back)."""
+    if MODE == 2:
+        part = tl.dot(q.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(_w_operand(q, MODE), _x_operand(x, MODE))
+    if MODE == 0:
+        s = s * _UNDO
+    return acc + part * s[:, None]
+
+
+@triton.jit
 def _scaled_step(acc, w, a, s_ptrs, k0, USE_DOT: tl.constexpr, FP8: tl.constexpr, MODE: tl.constexpr,
                  DOT_F32: tl.constexpr, BK: tl.constexpr):
     """acc + one K step of the weight tile w [BLOCK_N, BLOCK_K] against a (x^T [BLOCK_K, BLOCK_T] for dots, x
@@ -76,7 +94,7 @@ def _scaled_step(acc, w, a, s_ptrs, k0, USE_DOT: tl.constexpr, FP8: tl.constexpr
     if FP8:
         s = tl.load(s_ptrs + k0 // BK)
         if USE_DOT:
-            return _mma_fp8(w, a, s, acc, True, MODE)
+            return _mma_fp8(w, a, s, acc, MODE)
         else:
             return acc + w.to(tl.float32) * a.to(tl.float32) * s[:, None]
     else:

@@ -9,9 +9,10 @@ divide by bn; Qwen's real I all do). Each expert's matrix dequantises as a dense
 (`kernels/fp8_block.py`): W[n, k] = q[n, k] * s[row(n), k // bk].
 
 The reference dequantises the experts some token chose (rounded once to x's dtype, as `fp8_block_linear_ref` rounds
-a dense weight) and runs `fused_moe_ref`. The kernels read the e4m3 bytes and apply the scales per K step of their
-fp32 accumulators (W8A16: activations stay 16/32-bit), so they compute the fp32 sum of q * s * x: up to summation
-order the reference with fp32 weights, without its rounding of W to x's dtype.
+a dense weight) and runs `fused_moe_ref`. The kernels read the e4m3 bytes and apply the scales in registers (W8A16:
+activations stay 16/32-bit, fp32 accumulation): the grouped GEMMs dequantise each weight tile to x's dtype before
+its dot (the reference's weights, up to summation order); the decode path scales each K step's partial sums, which
+skips the rounding of W to x's dtype (the fp32 sum of q * s * x).
 """
 
 from __future__ import annotations

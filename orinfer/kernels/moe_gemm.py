@@ -23,15 +23,16 @@ traffic ~ sum over used experts of ceil(rows_e / BLOCK_M) * 3*I*H*sizeof(w) (L2 
 activations: gather of x (P*H), h written and read (2*P*I), y written and read (2*N*H), out (T*H).
 
 FP8 experts (`kernels/moe_fp8.py`, W8A16): w13 / w2 hold e4m3 bytes with fp32 block scales s [E, rows, cols] of
-[bn, bk] blocks; BLOCK_K divides bk, so each K step of a tile sees one scale per weight row n and
+[bn, bk] blocks; BLOCK_K divides bk, so each K step of a tile sees one scale per weight row n, and the tile is
+dequantised in registers before its dot, rounded once to x's dtype as `fused_moe_fp8_ref` rounds the weights:
 
-    acc[m, n] += s[e, row(n), k0 / bk] * sum_{k in step} x[m, k] q[n, k]          (fp32)
+    acc[m, n] += sum_{k in step} x[m, k] * act(q[n, k] * s[e, row(n), k0 / bk])     (fp32 accumulate)
 
-with row(n) = n // bn (gate rows, down), ceil(I / bn) + n // bn (up rows: their own blocks). The tile is unpacked
-in registers for the tensor cores as the dense W8A16 kernel does (`fp8_mm._w_operand`: bf16 x takes the exact
-e4m3 -> bf16 bit move with x scaled by 2^64 and s by 2^56, fp16 x a plain convert, fp32 x and the interpreter fp32
-dots). Weight traffic is halved: ceil(rows_e / BLOCK_M) * 3*I*H bytes per used expert, plus E*3*I*H / (bn*bk) * 4 of
-scales.
+with row(n) = n // bn (gate rows, down), ceil(I / bn) + n // bn (up rows: their own blocks). (Scaling each step's
+partial sums instead needs a second [BLOCK_M, BLOCK_N] fp32 tile per accumulator: the gated 64 x 128 tile then
+spills, tests/test_moe_fp8_codegen.py.) The conversion, ~3 instructions a weight, is shared by the BLOCK_M rows of
+the tile. Weight traffic is halved: ceil(rows_e / BLOCK_M) * 3*I*H bytes per used expert, plus E*3*I*H / (bn*bk) * 4
+of scales.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.fp8_mm import _UNDO, A16_BF16, A16_FP16, PLAIN, _w_operand, _x_operand
+from orinfer.kernels.fp8_mm import A16_BF16, A16_FP16, PLAIN
 from orinfer.kernels.gemv import interpreting
 from orinfer.kernels.moe_align import MoeAlignment, moe_align
 from orinfer.kernels.moe_config import MoeConfig, Tile
@@ -58,22 +59,10 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _mma_fp8(a, b, s, acc, Q_FIRST: tl.constexpr, MODE: tl.constexpr):
-    """acc + (a @ b) * s in fp32 where one operand is an e4m3 weight tile inside one scale column and the other holds
-    activations: b [K, N] the weights (s [N] scales columns), or with Q_FIRST a [N, K] (swap-AB: s [N] scales rows).
-    MODE as `fp8_mm` (PLAIN: exact fp32 dots; A16_BF16: products come out times 2^-56, which s takes back)."""
-    if MODE == 2:
-        part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif Q_FIRST:
-        part = tl.dot(_w_operand(a, MODE), _x_operand(b, MODE))
-    else:
-        part = tl.dot(_x_operand(a, MODE), _w_operand(b, MODE))
-    if MODE == 0:
-        s = s * _UNDO
-    if Q_FIRST:
-        return acc + part * s[:, None]
-    else:
-        return acc + part * s[None, :]
+def _dequant_tile(q, s, act_ty: tl.constexpr):
+    """An e4m3 weight tile q [K, N] inside one scale column times its columns' scales s [N] (fp32), rounded once to
+    act_ty: the weights `fused_moe_fp8_ref` multiplies by, for the tensor cores to accumulate in place."""
+    return (q.to(tl.float32) * s[None, :]).to(act_ty)
 
 
 @triton.jit
@@ -89,7 +78,7 @@ def _swiglu(g, u, act_ty: tl.constexpr):
 def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks, A_ROWS, N_OUT, K,
                     N_PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_sn, UP_SROW, stride_om,
                     TOP_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-                    MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     band = GROUP_M * tl.cdiv(N_OUT, BLOCK_N)
@@ -129,13 +118,12 @@ def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
                     wu = tl.load(wu_ptrs, mask=k_in[:, None], other=0.0)
             if FP8:
                 kb = k0 // BK
-                acc_g = _mma_fp8(a, wg, tl.load(sg_ptrs + kb), acc_g, False, MODE)
+                wg = _dequant_tile(wg, tl.load(sg_ptrs + kb), a.dtype)
                 if GATED:
-                    acc_u = _mma_fp8(a, wu, tl.load(su_ptrs + kb), acc_u, False, MODE)
-            else:
-                acc_g = _mma(a, wg, acc_g, DOT_F32)
-                if GATED:
-                    acc_u = _mma(a, wu, acc_u, DOT_F32)
+                    wu = _dequant_tile(wu, tl.load(su_ptrs + kb), a.dtype)
+            acc_g = _mma(a, wg, acc_g, DOT_F32)
+            if GATED:
+                acc_u = _mma(a, wu, acc_u, DOT_F32)
             a_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K
             wu_ptrs += BLOCK_K
@@ -200,7 +188,7 @@ def _launch_grouped(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: 
         a_ptr=a, w_ptr=w, out_ptr=out, sorted_ptr=align.sorted_pairs, block_expert_ptr=align.block_expert,
         num_blocks=num_blocks, A_ROWS=a_rows, N_OUT=n_out, K=k, N_PAIRS=n_pairs, stride_am=a.stride(0),
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_om=out.stride(0), TOP_K=top_k, GATED=gated,
-        DOT_F32=dot_f32(a, w), MODE=fp8_mode(a), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        DOT_F32=dot_f32(a, w), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=GROUP_M, EVEN_K=k % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **scale_args(w, scale, block_size, gated))
     return out

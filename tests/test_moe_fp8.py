@@ -106,10 +106,10 @@ def test_fp8_moe_writes_back_the_checkpoint_it_read(fp8_moe):
 
 def test_online_fp8_of_an_moe_checkpoint_equals_the_fp8_checkpoint(fp8_moe, tmp_path):
     """LLM(16-bit MoE dir, quantization="fp8") quantizes the experts too: exactly the tensors of the packer's FP8
-    checkpoint of the same weights (128 x 128 blocks, each expert matrix on its own; every decoder linear FP8, the
-    routers 16-bit), so the same logits."""
+    checkpoint of the same weights (128 x 128 blocks, each expert matrix on its own; 16-bit what the releases keep
+    16-bit: the routers and, Qwen3.5, in_proj_a / in_proj_b), so the same logits."""
     _, orig, _, _ = fp8_moe
-    write_fp8_checkpoint(orig, tmp_path / "fp8", block=(128, 128))
+    write_fp8_checkpoint(orig, tmp_path / "fp8", block=(128, 128), not_convert=not_converted(orig))
     online, stored = LLM(orig, quantization="fp8", **SMALL_KV), LLM(tmp_path / "fp8", **SMALL_KV)
     a = dict(online.engine.runner.model.hf_state_dict())
     b = dict(stored.engine.runner.model.hf_state_dict())

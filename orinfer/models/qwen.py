@@ -128,6 +128,7 @@ class QwenForCausalLM(nn.Module):
     tensor_parallel_plan = {
         "heads": ("q_proj",), "kv_heads": ("k_proj", "v_proj"), "columns": ("gate_proj", "up_proj"),
         "rows": ("o_proj", "down_proj"), "vocab": ("embed_tokens", "lm_head"), "reduce_outputs": ("self_attn", "mlp"),
+        "fused_experts": ("experts",),
     }
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:

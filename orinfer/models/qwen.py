@@ -20,7 +20,7 @@ from orinfer.errors import WeightsError
 from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import LinearBase
-from orinfer.layers.linear_types import make_linear, misplaced_tensor
+from orinfer.layers.linear_types import make_experts, make_linear, misplaced_tensor
 from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_checkpoint_name, expert_param_for,
                                 per_expert_tensors)
 from orinfer.layers.norm import RMSNorm
@@ -76,8 +76,9 @@ def make_mlp(cfg: ModelConfig, index: int, ops: Ops, dtype: torch.dtype) -> nn.M
     if not cfg.is_sparse_layer(index):
         return QwenMLP(cfg, ops, dtype)
     width = cfg.shared_expert_intermediate_size
-    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                     cfg.norm_topk_prob, ops, dtype, shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
+    experts = make_experts(cfg.quantization, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype)
+    return SparseMoE(cfg.hidden_size, cfg.num_experts_per_tok, cfg.norm_topk_prob, ops, dtype, experts,
+                     shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
 
 
 class QwenDecoderLayer(nn.Module):
@@ -197,7 +198,8 @@ class QwenForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = self._expected_keys()
         if self.config.num_experts:
-            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size)
+            block = getattr(self.config.quantization, "block_size", None)  # FP8: fused experts' scales too
+            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size, block)
         loaded: set[tuple[str, object]] = set()
         for hf_name, tensor in tensors:
             target = self._param_for(hf_name)

@@ -6,6 +6,7 @@ that resume a state snapshot, preemption, and a draft model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_models import build_hf_model, build_hf_qwen3_5, build_hf_qwen3_5_moe, hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
@@ -132,3 +133,30 @@ def test_speculation_must_fit_what_the_engine_was_created_for(target):
         llm.engine.set_speculation(SpeculativeConfig.parse(dict(NGRAM, num_speculative_tokens=4)))
     llm.engine.set_speculation(None)
     assert [o.token_ids for o in _generate(llm)] == target[1]
+
+
+def _triton_engine(path, spec: dict, **settings) -> LLM:
+    """An fp32 engine on the triton op table (Triton's CPU interpreter without a GPU) with `spec`."""
+    from orinfer.args import EngineArgs
+    from orinfer.config import ModelConfig
+    from orinfer.engine.llm_engine import EngineParts
+    from orinfer.layers.triton_ops import triton_ops
+    from orinfer.loader import load_hf_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig.from_hf(path)
+    ops = triton_ops()
+    net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
+    args = EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, speculative_config=spec, **settings)
+    return LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops), args)
+
+
+@pytest.mark.slow
+def test_the_rollback_on_the_triton_kernels(target):
+    """The replay's recurrent delta-rule kernel over several rows a sequence and the conv kernel over runs shorter
+    than its window, through the triton op table: HF's tokens at every acceptance length."""
+    path, want = target
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = _oracle(_triton_engine(path, NGRAM), want).generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == [w[:12] for w in want[:2]]
+    assert 0 < _counts(outs)[1] < _counts(outs)[0]

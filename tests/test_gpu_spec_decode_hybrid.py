@@ -66,3 +66,13 @@ def test_bf16_mtp_forced_acceptance_runs_whole_verify_steps(target):
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 17
     assert (out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens) == (12, 12)
+
+
+def test_mtp_drafts_again_after_plain_decode_graph_steps(target):
+    """Drafts that never pay pause speculation (plain steps replayed from the decode graphs, which hand their hidden
+    states to the MTP head too); each later try finds the newest hidden state and verifies again."""
+    path, _ = target
+    llm = engine(path, {"method": "mtp", "num_speculative_tokens": 3, "forced_acceptance": 0.0})
+    out = llm.generate(PROMPTS[:1], GREEDY)[0]
+    assert llm.engine.num_lookahead_steps > 0  # plain steps ran between the tries
+    assert out.metrics.num_verify_steps >= 4

@@ -433,6 +433,8 @@ class ModelRunner:
         hidden = None
         if plan.is_decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, device_ids)
+            if self.hidden_sink is not None:
+                self._sink(plan, self.graphs.last_hidden(len(seqs)))
             if sampling.plain_argmax and not defer:  # what `sample` would compute, done inside the graph
                 batch = len(seqs)
                 return SamplerOutput(token_ids=self.graphs.greedy_ids(batch),

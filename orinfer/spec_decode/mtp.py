@@ -10,8 +10,9 @@ sequence by position until the head has consumed them. A proposal, for each sequ
 The drafts are argmaxes, deterministic, so the verify step's one-hot rule applies (exact greedy output, the target's
 distribution when sampling). The head's KV lives in its own pool on the target's block ids (the runner plans it from
 the same budget); positions from N on hold draft-fed entries, so `done` becomes N and the next catch-up rewrites them.
-Positions whose hidden states never reached the sink (or were dropped past MAX_KEPT_ROWS) (decode-only steps replayed from CUDA graphs, which return logits
-only: speculation paused) stay stale in the head's cache: that lowers acceptance, never exactness.
+Every step path hands its hidden states over (eager and mixed-graph forwards; the decode graphs keep theirs as an
+extra output). Positions whose rows were dropped (past MAX_KEPT_ROWS) stay stale in the head's cache: that lowers
+acceptance, never exactness.
 """
 
 from __future__ import annotations

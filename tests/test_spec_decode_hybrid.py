@@ -121,6 +121,31 @@ def test_a_draft_model_drafts_for_a_hybrid_target(target, tmp_path):
     assert _counts(outs)[0] > 0
 
 
+def test_seeded_sampling_repeats_under_speculation(target):
+    path, want = target
+    # (No prefix cache: a hit would change how the prompts are stepped, and a seeded request's draws follow which of
+    # its steps verify drafts.)
+    llm = engine(path, NGRAM, enable_prefix_caching=False)
+    seeded = SamplingParams(temperature=0.8, max_tokens=20, seed=4, ignore_eos=True)
+    first = _generate(_oracle(llm, want), params=seeded)
+    again = _generate(_oracle(llm, want), params=seeded)  # the same drafts again: a fresh oracle
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == 20 for o in first)
+
+
+def test_the_rollback_comes_out_of_the_memory_budget(target):
+    from orinfer.engine.state_rollback import StateRollback
+
+    path, _ = target
+    plain = engine(path, kv_cache_bytes=1 << 20).engine.runner
+    spec = engine(path, dict(NGRAM, max_batch=3), kv_cache_bytes=1 << 20).engine.runner
+    cfg = spec.model_config
+    state = cfg.state_bytes_per_sequence(4)
+    kept = StateRollback.buffer_bytes(cfg, 3, 3, torch.float32)
+    assert spec.state.bytes == plain.state.bytes + 3 * state and kept > 0
+    assert spec.num_blocks == ((1 << 20) - spec.state.bytes - kept) // spec.bytes_per_block()
+
+
 def test_speculation_must_fit_what_the_engine_was_created_for(target):
     path, _ = target
     plain = engine(path)

@@ -85,6 +85,7 @@ class ModelRunner:
         # (engine/state_rollback.py), sized by the engine's speculative_config.
         spec = SpeculativeConfig.parse(engine_config.speculative_config)
         work_slots = spec.max_batch if spec is not None and model_config.is_hybrid else 0
+        self.num_speculative_drafts = spec.num_speculative_tokens if spec is not None else 0
         self.state = StatePools(model, model_config, engine_config.max_num_seqs, kv_dtype, device,
                                 num_snapshots=engine_config.state_snapshots(model_config.is_hybrid),
                                 num_work_slots=work_slots)
@@ -95,7 +96,7 @@ class ModelRunner:
         self.hidden_sink: Callable[[StepPlan, torch.Tensor], None] | None = None
         self.rollback: StateRollback | None = None
         if self.state.num_work_slots:
-            self.rollback = StateRollback(self.state, model, spec.num_speculative_tokens, kv_dtype)
+            self.rollback = StateRollback(self.state, model, self.num_speculative_drafts, kv_dtype)
         if device.type == "cuda":
             self._warmup_cached_prefix()
             self._warmup_logits(model_config.hidden_size)
@@ -143,6 +144,9 @@ class ModelRunner:
         else:
             budget = CPU_DEFAULT_KV_BYTES
         budget -= self.state.bytes  # the state pools come out of the same budget
+        if self.state.num_work_slots:  # and so do the state rollback's kept rows
+            budget -= StateRollback.buffer_bytes(self.model_config, self.state.num_work_slots,
+                                                 self.num_speculative_drafts, self.kv_dtype)
         blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
         blocks = min_over_ranks(blocks, self.device)  # tensor parallelism: every rank indexes the same blocks
         if blocks < 1:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from orinfer.config import ModelConfig
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.state_pools import StatePools
 from orinfer.layers.attention import AttentionMetadata
@@ -47,6 +48,13 @@ class StateRollback:
         self.gates = [torch.zeros(self.max_rows, 2 * cfg.linear_num_value_heads, dtype=act_dtype, device=device)
                       for _ in self.layers]
         self._pending: tuple[list[int], list[int], list[int]] | None = None
+
+    @staticmethod
+    def buffer_bytes(cfg: ModelConfig, max_seqs: int, max_drafts: int, act_dtype: torch.dtype) -> int:
+        """Bytes of the kept rows' buffers (the work slots are StatePools')."""
+        layers = cfg.num_hidden_layers - cfg.num_kv_layers
+        elem = torch.empty((), dtype=act_dtype).element_size()
+        return layers * max_seqs * (1 + max_drafts) * (cfg.linear_conv_dim + 2 * cfg.linear_num_value_heads) * elem
 
     def keep(self, layer: nn.Module, mixed: torch.Tensor, gates: torch.Tensor) -> None:
         """`AttentionMetadata.keep_linear_inputs`: gathers rows `self.rows` (clamped to the step's, so stale rows of

@@ -59,6 +59,17 @@ def test_mtp_speculation_under_chunks_preemption_and_no_lookahead(target, settin
         assert sum(o.metrics.num_preemptions for o in outs) > 0
 
 
+def test_a_batch_too_large_to_speculate_then_shrinking(target):
+    """max_batch 1: while three sequences decode, nothing speculates and their decode rows' hidden states are not
+    kept; once one is left, the head catches up (stale entries in the gap) and drafts; tokens stay HF's."""
+    _, _, path, _, want = target
+    lengths = [STEPS, 6, 9]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outs = engine(path, dict(MTP, max_batch=1)).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(want, lengths)]
+    assert outs[0].metrics.num_draft_tokens > 0
+
+
 def test_forced_acceptance_reports_every_draft_accepted(target):
     _, _, path, _, _ = target
     outs = engine(path, dict(MTP, forced_acceptance=1.0)).generate(PROMPTS[:1], SamplingParams(
@@ -136,3 +147,23 @@ def test_drafts_match_the_reference_from_the_math(target):
     assert len(seen) >= 6
     for tokens, drafts in seen:
         assert drafts == _reference_drafts(hf, head, tokens, len(drafts))
+
+
+def test_kept_rows_are_read_back_to_the_last_gap_and_compacted():
+    from types import SimpleNamespace
+
+    from orinfer.spec_decode.mtp import MTPProposer, _compacted
+
+    rows = lambda first, n: (first, torch.arange(first, first + n, dtype=torch.float32)[:, None])  # noqa: E731
+    proposer = MTPProposer.__new__(MTPProposer)
+    seq = SimpleNamespace(seq_id=0)
+    proposer.kept = {0: [rows(0, 4), rows(6, 3), rows(9, 5)]}  # positions 4, 5 missing (a gap)
+    proposer.done = {0: 2}
+    first, got = proposer._rows(seq, 12)
+    assert first == 6 and got[:, 0].tolist() == list(range(6, 12))  # from after the gap up to position 11
+    proposer.done = {0: 10}
+    first, got = proposer._rows(seq, 12)
+    assert first == 10 and got[:, 0].tolist() == [10, 11]
+    assert proposer._rows(seq, 15) is None  # h_14 not kept
+    (start, merged), = _compacted(proposer.kept[0])
+    assert start == 6 and merged[:, 0].tolist() == list(range(6, 14))

@@ -119,7 +119,7 @@ class LLMEngine:
         self.mtp = None  # the MTP proposer: the target's MTP head, its KV pool on the target's block ids
         if spec is not None and spec.method == "mtp":
             self.runner.allocate_extra_kv(mtp_head(parts.model).attention_layers())
-            self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens)
+            self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens, spec.max_batch)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling

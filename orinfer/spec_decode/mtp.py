@@ -26,9 +26,11 @@ from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError
 from orinfer.spec_decode.draft_model import flat_inputs
 
-# Hidden-state rows kept per sequence at most (H * act bytes each: 10 KiB at Qwen3.5-27B): older ones are dropped and
-# the head's cache at their positions stays stale (a prompt longer than this loses a little acceptance).
-MAX_KEPT_ROWS = 8192
+# Hidden-state rows kept per sequence at most (H * act bytes each: 10 KiB at Qwen3.5-27B), and chunks before they are
+# merged into one copy (each chunk is a view that holds its whole step's copy alive): older rows are dropped and the
+# head's cache at their positions stays stale (a prompt longer than this loses a little acceptance).
+MAX_KEPT_ROWS = 4096
+MAX_CHUNKS = 16
 
 
 def mtp_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,8 +46,9 @@ def mtp_head(model: torch.nn.Module) -> torch.nn.Module:
 class MTPProposer:
     """Greedy drafts from the target model's MTP head, run through the target's runner (`runner`)."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, k: int) -> None:
-        self.runner, self.block_manager, self.k = runner, block_manager, k
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, k: int, max_batch: int) -> None:
+        """`k` drafts a sequence at most; `max_batch`: decoding sequences above which steps do not speculate."""
+        self.runner, self.block_manager, self.k, self.max_batch = runner, block_manager, k, max_batch
         self.decoder = getattr(runner.model, "language_model", runner.model)
         self.head = mtp_head(runner.model)
         self.kept: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq_id -> (first position, hidden rows) chunks
@@ -54,18 +57,26 @@ class MTPProposer:
 
     def keep_hidden(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         """Keeps each sequence's rows of a step's hidden states [T, H] (copied: `hidden` may be a graph's buffer),
-        by position; rows from a position on replace what was kept from there (rejected drafts, a recompute)."""
-        rows = hidden[:sum(plan.num_new_tokens)].clone()
-        offset = 0
+        by position; rows from a position on replace what was kept from there (rejected drafts, a recompute). A step
+        with more decoding sequences than speculate (max_batch) keeps only its prompt rows: the decode rows' head
+        entries go stale (fewer drafts accepted later, never wrong ones) rather than pile up unread."""
+        busy = sum(seq.is_decoding for seq in plan.seqs) > self.max_batch
+        spans, offset = [], 0
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
+            if not (busy and seq.is_decoding):
+                spans.append((seq, offset, num_new))
+            offset += num_new
+        if not spans:
+            return
+        picked = torch.cat([torch.arange(o, o + n) for _, o, n in spans]).to(hidden.device)
+        rows, start = hidden.index_select(0, picked), 0  # one copy of the kept rows
+        for seq, _, num_new in spans:
             first = seq.num_computed_tokens
             chunks = [(p, h[:max(0, first - p)]) for p, h in self.kept.get(seq.seq_id, []) if p < first]
-            chunks.append((first, rows[offset:offset + num_new]))
-            while sum(h.shape[0] for _, h in chunks) > MAX_KEPT_ROWS:  # bounded memory: the oldest go stale
-                chunks.pop(0)
-            self.kept[seq.seq_id] = chunks
+            chunks.append((first, rows[start:start + num_new]))
+            start += num_new
+            self.kept[seq.seq_id] = _compacted(chunks) if len(chunks) > MAX_CHUNKS else chunks
             self.done[seq.seq_id] = min(self.done.get(seq.seq_id, 0), first)
-            offset += num_new
 
     def _rows(self, seq: Sequence, end: int) -> tuple[int, torch.Tensor] | None:
         """(first position, hidden rows of positions first .. end - 1): the unbroken run of kept rows that ends at
@@ -136,3 +147,17 @@ class MTPProposer:
             feeds = [[0] for _ in seqs]  # stand-ins: `ids` replaces them
             firsts = [len(seq.token_ids) - 1 + step for seq in seqs]
         return drafts
+
+
+def _compacted(chunks: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """The newest unbroken run of `chunks` (by position, newest last) as one fresh tensor of at most MAX_KEPT_ROWS
+    rows: rows before a gap are never read, and the copy lets the steps' tensors go."""
+    run = [chunks[-1]]
+    for first, rows in reversed(chunks[:-1]):
+        if first + rows.shape[0] != run[-1][0]:
+            break
+        run.append((first, rows))
+    run.reverse()
+    rows = torch.cat([h for _, h in run])[-MAX_KEPT_ROWS:]
+    end = run[-1][0] + run[-1][1].shape[0]
+    return [(end - rows.shape[0], rows.clone())]

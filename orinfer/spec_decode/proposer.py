@@ -61,5 +61,5 @@ def make_proposer(config: SpeculativeConfig, draft: "DraftModelProposer | None" 
     if config.num_speculative_tokens > mtp.k:
         raise ConfigError(f"speculative_config: num_speculative_tokens {config.num_speculative_tokens} exceeds the "
                           f"{mtp.k} the engine was created with")
-    mtp.k = config.num_speculative_tokens
+    mtp.k, mtp.max_batch = config.num_speculative_tokens, config.max_batch
     return mtp

@@ -71,11 +71,13 @@ class StatePools:
         self.conv_pool[:, dst].copy_(self.conv_pool[:, src])
         self.ssm_pool[:, dst].copy_(self.ssm_pool[:, src])
 
-    def copy_many(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies slots src[i] into dst[i] ([n] int64 on the device, dst distinct from src), every layer at once:
-        2 launches, 2 * n * state bytes moved (no host sync; not mirrored to tensor-parallel workers)."""
-        self.conv_pool[:, dst] = self.conv_pool[:, src]
-        self.ssm_pool[:, dst] = self.ssm_pool[:, src]
+    def copy_many(self, src: list[int], dst: list[int]) -> None:
+        """Copies slot src[i] into dst[i], every layer at once: 2 strided copies a slot, each reading and writing the
+        slot's state once (an indexed copy would pass through a gathered temporary: 3 passes). Not mirrored to
+        tensor-parallel workers."""
+        for s, d in zip(src, dst):
+            self.conv_pool[:, d].copy_(self.conv_pool[:, s])
+            self.ssm_pool[:, d].copy_(self.ssm_pool[:, s])
 
     def _bind(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """New zeroed pools of `slots` slots, bound to the layers as views; returns (conv pool, ssm pool)."""

@@ -84,8 +84,7 @@ class StateRollback:
         counts = [plan.num_drafts[i] + 1 for i in overrides]
         device = self.rows.device
         self.rows.copy_(_upload(rows + [0] * (self.max_rows - len(rows)), device))
-        src = _upload(slots, device)
-        self.pools.copy_many(src, _upload(list(overrides.values()), device))
+        self.pools.copy_many(slots, list(overrides.values()))
         self._pending = (slots, counts, picked)
         return overrides
 

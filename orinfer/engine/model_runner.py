@@ -239,6 +239,11 @@ class ModelRunner:
         step, on the device."""
         return self._upload_inputs(step_inputs(plan, self.block_size))
 
+    def upload_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids [T], positions [T], metadata, sampling rows) of a flat batch, on the device: for a forward of
+        another module over this runner's pools (an MTP head)."""
+        return self._upload_inputs(inputs)
+
     def _upload_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         width = max(len(table) for table in inputs.block_tables)
         tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]

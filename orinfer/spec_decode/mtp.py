@@ -137,7 +137,7 @@ class MTPProposer:
         ids = None
         for step in range(self.k):
             inputs = flat_inputs(seqs, feeds, firsts, block_size)
-            input_ids, positions, meta, sample_rows = runner._upload_inputs(inputs)
+            input_ids, positions, meta, sample_rows = runner.upload_inputs(inputs)
             if ids is not None:
                 input_ids = ids
             g = self.head(self.decoder.embed_tokens(input_ids), hidden, positions, meta, step)

@@ -43,10 +43,11 @@ class StateRollback:
         self.max_rows = self.max_seqs * (1 + max_drafts)
         self.rows = torch.zeros(self.max_rows, dtype=torch.int64, device=device)  # flat-batch rows to keep
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
-        self.mixed = [torch.zeros(self.max_rows, cfg.linear_conv_dim, dtype=act_dtype, device=device)
-                      for _ in self.layers]
-        self.gates = [torch.zeros(self.max_rows, 2 * cfg.linear_num_value_heads, dtype=act_dtype, device=device)
-                      for _ in self.layers]
+        # [layers, rows, ...]: one gather reads every layer's kept rows back (`finish`).
+        layers = len(self.layers)
+        self.mixed = torch.zeros(layers, self.max_rows, cfg.linear_conv_dim, dtype=act_dtype, device=device)
+        self.gates = torch.zeros(layers, self.max_rows, 2 * cfg.linear_num_value_heads, dtype=act_dtype,
+                                 device=device)
         self._pending: tuple[list[int], list[int], list[int]] | None = None
 
     @staticmethod
@@ -107,8 +108,9 @@ class StateRollback:
                                                                                                device=device),
             max_query_len=max(counts), max_context_len=0, state_slots=_upload(slots, device),
             has_initial_state=torch.ones(n, dtype=torch.bool, device=device))
-        for layer, mixed, gates in zip(self.layers, self.mixed, self.gates):
-            layer.advance_state(mixed.index_select(0, source), gates.index_select(0, source), meta)
+        mixed, gates = self.mixed.index_select(1, source), self.gates.index_select(1, source)
+        for layer, layer_mixed, layer_gates in zip(self.layers, mixed, gates):
+            layer.advance_state(layer_mixed, layer_gates, meta)
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:

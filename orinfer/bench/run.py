@@ -106,6 +106,10 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
         slots = max(engine_batches) + 1 + engine_config.state_snapshots(cfg.is_hybrid) + work
         if spec is not None and spec["method"] == "mtp":
             kv_bytes += 2 * cfg.kv_size * dtype.itemsize * max(engine_batches) * (seq_tokens + 32)
+        if spec is not None and cfg.is_hybrid:
+            from orinfer.engine.state_rollback import StateRollback
+
+            kv_bytes += StateRollback.buffer_bytes(cfg, work, spec["num_speculative_tokens"], dtype)
         kv_bytes += slots * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
         engine_config = engine_config.replace(kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20))
     plan["engine_config"] = engine_config

@@ -148,6 +148,12 @@ def expert_checkpoint_name(param_name: str, shard: str) -> str | None:
     return f"{module}.{shard}.{kind}"
 
 
+def expert_block_size(quantization: object) -> tuple[int, int] | None:
+    """The block size whose scales fused expert tensors carry (FP8 block-wise), or None: the models pass their
+    quantization config through without naming a format."""
+    return getattr(quantization, "block_size", None)
+
+
 def per_expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]], hidden: int, intermediate: int,
                        block_size: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every fused expert tensor (`experts.gate_up_proj`, `experts.down_proj`, either

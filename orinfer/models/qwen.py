@@ -21,8 +21,8 @@ from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import LinearBase
 from orinfer.layers.linear_types import make_experts, make_linear, misplaced_tensor
-from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_checkpoint_name, expert_param_for,
-                                per_expert_tensors)
+from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_block_size, expert_checkpoint_name,
+                                expert_param_for, per_expert_tensors)
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
@@ -198,8 +198,8 @@ class QwenForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = self._expected_keys()
         if self.config.num_experts:
-            block = getattr(self.config.quantization, "block_size", None)  # FP8: fused experts' scales too
-            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size, block)
+            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size,
+                                         expert_block_size(self.config.quantization))
         loaded: set[tuple[str, object]] = set()
         for hf_name, tensor in tensors:
             target = self._param_for(hf_name)

@@ -21,7 +21,12 @@ if TYPE_CHECKING:
 # Decoder linears that must be FP8 in an FP8 model (a modules_to_not_convert entry naming one is refused). Qwen3.5's
 # in_proj_a / in_proj_b may stay 16-bit: they are the last shards of the packed in_proj (`dense_shards`).
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
-                    "in_proj_z", "out_proj")
+                    "in_proj_z", "out_proj", "experts")
+# What online FP8 (`--quantization fp8`) leaves 16-bit, as Qwen's FP8 releases do (Qwen3.6-27B-FP8 lists them in
+# modules_to_not_convert): Qwen3.5's per-value-head gate inputs, a few dozen rows each (less than one 128-row block,
+# where FP8 saves nothing). Under tensor parallelism a rank's share of them would also make blocks of its own, with
+# scales unlike the single process's.
+ONLINE_16_BIT = ("in_proj_a", "in_proj_b")
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,8 @@ class FP8Config:
 
     def check_model(self, cfg: "ModelConfig", source: str = "config") -> None:
         """Every decoder linear must be FP8 but Qwen3.5's in_proj_a / in_proj_b (a 16-bit one in modules_to_not_convert
-        is refused)."""
+        is refused), routed experts included; an MoE layer's router (`mlp.gate`) and shared-expert gate are 16-bit
+        whatever the list says (layers/moe.py)."""
         for name in self.modules_to_not_convert:
             if name.rsplit(".", 1)[-1] in _DECODER_LINEARS:
                 raise ConfigError(f"{source}: quantization_config: modules_to_not_convert lists {name!r}; orinfer "
@@ -73,8 +79,11 @@ class FP8Config:
     def dense_shards(self, checkpoint_names: dict[object, str]) -> tuple[object, ...]:
         """The shards of a packed layer (shard id -> checkpoint sub-name, e.g. "a" -> "in_proj_a") that
         modules_to_not_convert keeps 16-bit. The lists name every layer's module; a sub-name listed for any layer
-        is taken for all (a layer that has it in FP8 then fails to load with a clear error)."""
+        is taken for all (a layer that has it in FP8 then fails to load with a clear error). Online FP8 keeps
+        ONLINE_16_BIT so."""
         listed = {name.rsplit(".", 1)[-1] for name in self.modules_to_not_convert}
+        if self.online:
+            listed.update(ONLINE_16_BIT)
         return tuple(shard for shard, sub in checkpoint_names.items() if sub in listed)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -110,6 +110,10 @@ class LLM:
         if args.pre_dequant and model_config.quantization is None:
             raise ConfigError(f"pre_dequant (--pre-dequant) applies to AWQ INT4 models; {model_dir} is not quantized "
                               "(its weights are already 16-bit)")
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        if model_config.mtp_num_hidden_layers and (spec is None or spec.method != "mtp"):
+            # The MTP head (mtp.* tensors) is built and loaded only for speculative_config method "mtp".
+            model_config = dataclasses.replace(model_config, mtp_num_hidden_layers=0)
         weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
         home = _home(model_dir, args, seed_bin)

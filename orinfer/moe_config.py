@@ -98,13 +98,15 @@ def sparse_layer(num_experts: int, decoder_sparse_step: int, mlp_only_layers: tu
 
 
 def check_moe_weights(cfg: "ModelConfig", source: str) -> None:
-    """ConfigError for a quantized MoE model: the experts' FFN (kernels/moe.py) runs 16-bit weights only so far."""
+    """ConfigError for an MoE model in a weight format its experts do not run: they run 16/32-bit and FP8 block-wise
+    weights (checkpoints and online FP8; layers/fp8_experts.py), not AWQ / GPTQ so far."""
     quant = cfg.quantization
-    if quant is None or not cfg.is_moe:
+    if quant is None or not cfg.is_moe or quant.method == "fp8":
         return
     kind = "online FP8 (--quantization fp8)" if getattr(quant, "online", False) else quant.method.upper()
     raise ConfigError(f"{source}: {kind} weights are not yet supported for MoE experts ({cfg.architecture}); "
-                      "orinfer runs mixture-of-experts models from 16-bit (bf16 / fp16 / fp32) checkpoints")
+                      "orinfer runs mixture-of-experts models from 16-bit (bf16 / fp16 / fp32) and FP8 block-wise "
+                      "checkpoints")
 
 
 def moe_hf_dict(cfg: "ModelConfig", out: dict[str, Any]) -> dict[str, Any]:

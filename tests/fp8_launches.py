@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import itertools
 from functools import cache, partial
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from orinfer.kernels import activation, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv, sm90
+from orinfer.kernels import activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv, sm90
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-SETTINGS = ({}, {"ONE_ROW": "mma"}, {"SMALL_M": "w8a8"}, {"PREFILL": "w8a16"})
+SETTINGS = ({}, {"ONE_ROW": "mma"}, {"SMALL_M": "w8a8"}, {"PREFILL": "w8a16"}, {"PREFILL": "triton"})
 DECODE_ROWS = (1, 2, 8, 16, 17, 32, 33, 64)
 PREFILL_ROWS = (65, 300, 2048)
 # (n, k, block, packed): partial blocks and K steps, one scale column (its row stride 1: a constexpr), the probe's
@@ -51,6 +52,11 @@ def _x(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _no_reference(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Stands in for the dispatch's torch references (fp32 prefill), which launch no Triton kernel."""
+    return torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+
+
+def _no_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Stands in for cuBLAS behind the dequantised prefill (no Triton launch; the CPU would multiply for real)."""
     return torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
 
 
@@ -127,7 +133,8 @@ def _test_file_calls():
 
 
 def _record(calls) -> list[sm90.Launch]:
-    with sm90.recorded_launches(activation, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv) as launches:
+    with sm90.recorded_launches(activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant,
+                                gemv) as launches:
         for call in calls:
             call()
     return launches
@@ -149,15 +156,16 @@ def _dispatch_with(setting: dict, args: tuple) -> Callable[[], None]:
 def fp8_launches() -> list[tuple[sm90.Launch, bool]]:
     """The distinct launches (one per `sm90.launch_key`) in a fixed order, each with whether the engine makes it for
     Qwen3-8B in bf16 as configured by default (the dispatch's default settings on its shapes)."""
-    saved = fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref
+    saved = fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F
     fp8_ops.fp8_block_linear_ref = fp8_ops.fp8_gate_up_silu_ref = _no_reference
+    fp8_ops.F = SimpleNamespace(linear=_no_linear)
     try:
         calls = [(_dispatch_with(setting, args), default) for setting, default, args in _dispatch_calls()]
         production = _record(call for call, default in calls if default)
         others = _record(itertools.chain((call for call, default in calls if not default), _candidate_calls(),
                                          _test_file_calls()))
     finally:
-        fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref = saved
+        fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F = saved
     unique: dict[str, tuple[sm90.Launch, bool]] = {}
     for launch, default in [(launch, True) for launch in production] + [(launch, False) for launch in others]:
         unique.setdefault(sm90.launch_key(launch), (launch, default))

@@ -164,14 +164,17 @@ def qwen3_5_text_config(kind: str, vocab_size: int = 211, **overrides):
         spec["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                for i in range(spec["num_hidden_layers"])]
     spec["num_hidden_layers"] = len(spec["layer_types"])
+    fields = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4) | spec
+    # M-RoPE sections over the rotary frequencies (head_dim 16: [1, 1, 0] at factor 0.25, [2, 1, 1] at 0.5)
+    freqs = int(fields["head_dim"] * factor) // 2
+    third, rest = divmod(freqs, 3)
     config = Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=vocab_size - 1,
-        pad_token_id=None,
+        vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=vocab_size - 1, pad_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor,
-                         "mrope_section": [1, 1, 0] if factor == 0.25 else [2, 1, 1], "mrope_interleaved": True},
-        **spec)
+                         "mrope_section": [third + (rest > 0), third + (rest > 1), third], "mrope_interleaved": True},
+        **fields)
     config._attn_implementation = "eager"
     return config
 
@@ -250,16 +253,16 @@ def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False):
     return _hf_qwen3_5_family(text, seed, classes)
 
 
-def build_hf_vl_moe(seed: int = 0):
+def build_hf_vl_moe(seed: int = 0, **text_overrides):
     """An HF Qwen3VLMoeForConditionalGeneration: the "vl-untied" shape (DeepStack into layers 0 and 1 of 3) with 5
-    experts, top 2, and layer 0 dense (mlp_only_layers)."""
+    experts, top 2, and layer 0 dense (mlp_only_layers); `text_overrides` replace fields of its text config."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=5,
                 num_experts_per_tok=2, mlp_only_layers=[0], num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, num_hidden_layers=3,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2],
-                                 "mrope_interleaved": True})
+                                 "mrope_interleaved": True}) | text_overrides
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   num_position_embeddings=64, deepstack_visual_indexes=[0, 1], patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2)

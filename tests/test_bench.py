@@ -249,3 +249,61 @@ def test_structured_bench_compares_constrained_with_plain_decoding(tiny_llm):
     assert tiny_llm.engine.num_queued_steps > queued  # the constrained rows took the overlapped path
     table = "\n".join(structured_markdown(rows))
     assert "| 3 |" in table and "20-field JSON schema" in table
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+def test_synthetic_fp8_moe_has_fp8_experts(name):
+    """`bench --synthetic qwen3-30b-a3b --quant fp8`: the routed experts are FP8 too (built on the meta device at the
+    real shapes: one byte a weight plus the block scales, so the roofline counts their real bytes), and a tiny
+    random FP8 MoE model of the same families generates on the CPU."""
+    import dataclasses
+
+    from orinfer.bench.roofline import routed_expert_bytes
+    from orinfer.bench.run import SYNTHETIC_QUANT
+    from orinfer.layers.fp8_experts import FP8ExpertWeights
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.loader import random_model
+    from orinfer.models.registry import build_model
+
+    assert _args("--quant", "fp8").quant == "fp8"
+    cfg = preset(name)
+    cfg.quantization = SYNTHETIC_QUANT["fp8"]
+    model = build_model(cfg, TORCH_OPS, torch.bfloat16, torch.bfloat16, torch.device("meta"))
+    experts = model.layers[0].mlp.experts
+    assert isinstance(experts, FP8ExpertWeights) and experts.w13.dtype == torch.float8_e4m3fn
+    weights = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_parameters
+    assert weights < routed_expert_bytes(model) < 1.01 * weights
+    assert model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+    if cfg.is_hybrid:
+        return
+    tiny = dataclasses.replace(cfg, vocab_size=256, hidden_size=128, num_hidden_layers=2, num_experts=8,
+                               moe_intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                               max_position_embeddings=1024)
+    random = random_model(tiny, TORCH_OPS, torch.float32, torch.float32, CPU, std=0.02)
+    w13, _ = random.layers[0].mlp.experts.dequantized()
+    assert 0.01 < w13.std().item() < 0.04
+    llm = build_synthetic_llm(tiny, torch.float32, CPU, bench_plan(
+        _args("--quant", "fp8", "--backend", "torch", "--kv-tokens", "512"), tiny, torch.float32)["engine_config"])
+    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_mtp_speculation_on_random_weights(tmp_path):
+    """`--speculative mtp` on a hybrid model: the engine is created with the speculative config (rollback slots and
+    the MTP head's KV cache from the budget), plain decoding measured first, then forced and real acceptance."""
+    from hf_models import build_hf_qwen3_5, save_hf_model
+    from orinfer.bench.spec_bench import bench_speculation
+    from orinfer.spec_decode.config import SpeculativeConfig
+
+    cfg = ModelConfig.from_hf(save_hf_model(build_hf_qwen3_5("qwen3.5-interval4-untied"), tmp_path))
+    cfg.mtp_num_hidden_layers = 1  # what `orinfer bench --synthetic qwen3.5-... --speculative mtp` sets
+    args = _args("--backend", "torch", "--batch-sizes", "1", "--speculative", "mtp", "--spec-batch-sizes", "2",
+                 "--num-speculative-tokens", "2", "--decode-tokens", "7", "--decode-prompt-len", "9")
+    config = bench_plan(args, cfg, torch.float32)["engine_config"]
+    assert config.speculative_config == {"method": "mtp", "num_speculative_tokens": 2, "max_batch": 2}
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, config)
+    assert llm.engine.runner.state.num_work_slots == 2 and llm.engine.mtp is not None
+    llm.engine.set_speculation(None)
+    rows = bench_speculation(llm, cfg, SpeculativeConfig("mtp", 2), [2], 7, 9, acceptances=(1.0,))
+    assert rows[2]["forced 1"]["tokens_per_verify"] == 3.0 and rows[2]["forced 1"]["acceptance_rate"] == 1.0
+    assert rows[2]["real"]["verify_steps"] > 0

@@ -193,7 +193,8 @@ def test_fp8_dequantize_matches_the_reference_bit_for_bit(n, k, block, shards, d
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])
 def test_fp8_ops_by_row_count(rows, poison):
-    """fp8_block_linear / fp8_gate_up_silu: W8A16 kernels up to MMA_MAX_ROWS rows, W8A8 beyond (x quantized)."""
+    """fp8_block_linear / fp8_gate_up_silu: W8A16 kernels up to MMA_MAX_ROWS rows; beyond, _scaled_mm (W8A8) where it
+    runs, else the dequantised weight (x as it is)."""
     k, n, block, dtype = 256, 64, (128, 128), torch.bfloat16
     weight, scale, _, deq = fp8_weight(n, k, block)
     x = randn(1, rows, k, dtype=dtype)
@@ -202,8 +203,21 @@ def test_fp8_ops_by_row_count(rows, poison):
         check(got, w8a16_ref(x, deq, None, False), dtype)
         check(fp8_ops.fp8_gate_up_silu(x, weight, scale, block), w8a16_ref(x, deq, None, True), dtype)
     else:   # prefill's gate/up is this linear + silu_and_mul (tested in test_kernels.py)
-        want = fp8_block_linear_a8_ref(x.double().cpu(), weight.cpu(), scale.cpu(), block).to(DEVICE)
+        if fp8_ops._use_scaled_mm(x.view(rows, k), weight, scale, block, None):
+            want = fp8_block_linear_a8_ref(x.double().cpu(), weight.cpu(), scale.cpu(), block).to(DEVICE)
+        else:  # "auto" without _scaled_mm: the weight dequantised, x as it is
+            want = w8a16_ref(x, deq, None, False)
         check(got, want, dtype)
+
+
+@needs_kernels
+def test_fp8_ops_prefill_through_the_triton_w8a8_gemm(monkeypatch, poison):
+    monkeypatch.setattr(fp8_ops, "PREFILL", "triton")
+    k, n, block, rows, dtype = 256, 64, (128, 128), 300, torch.bfloat16
+    weight, scale, _, _ = fp8_weight(n, k, block)
+    x = randn(1, rows, k, dtype=dtype)
+    want = fp8_block_linear_a8_ref(x.double().cpu(), weight.cpu(), scale.cpu(), block).to(DEVICE)
+    check(fp8_ops.fp8_block_linear(x, weight, scale, block), want, dtype)
 
 
 @needs_kernels

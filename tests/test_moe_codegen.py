@@ -1,4 +1,5 @@
 """What the compiler makes of the MoE kernels for Hopper, checked without a GPU (Triton compiles for sm_90 on the CPU).
+(Their FP8 expert launches: tests/test_moe_fp8_codegen.py.)
 
 The interpreter runs none of the 16-bit tensor-core paths, the PDL handshakes or the launcher's specialisations (ints
 divisible by 16). This builds every kernel with its default configs (kernels/moe_config.py) for Qwen3-30B-A3B's
@@ -23,6 +24,7 @@ from orinfer.kernels import moe_align, moe_decode, moe_gemm, moe_route
 from orinfer.kernels.moe_config import default_config
 
 E, H, I, K = 128, 2048, 768, 8
+NO_FP8 = dict(FP8=False, BN=1, BK=1)   # 16-bit experts: the FP8 scale arguments are placeholders
 DIVISIBLE = {"stride_am", "stride_we", "stride_wn", "stride_om", "stride_xt", "stride_hm", "stride_t", "stride_y",
              "stride_o", "K", "N_OUT", "H", "I"}  # what the launcher specialises at these shapes
 
@@ -45,26 +47,27 @@ for x, w in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf1
         if cfg.path == "decode":
             bm, dot = cfg.block_m, cfg.block_m > 1
             common = dict(TOP_K=K, BLOCK_P=triton.next_power_of_2(tokens * K), BLOCK_T=bm, BLOCK_KS=K, USE_DOT=dot,
-                          DOT_F32=wide, PDL=True)
-            up = {"x_ptr": f"*{x}", "w_ptr": f"*{w}", "h_ptr": f"*{x}", "ids_ptr": "*i32", "T": "i32", "E": "i32",
-                  "I": "i32", "H": "i32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
-                  "stride_hm": "i32"}
+                          DOT_F32=wide, PDL=True, MODE=2, **NO_FP8)
+            up = {"x_ptr": f"*{x}", "w_ptr": f"*{w}", "s_ptr": f"*{w}", "h_ptr": f"*{x}", "ids_ptr": "*i32", "T": "i32",
+                  "E": "i32", "I": "i32", "H": "i32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
+                  "stride_se": "i32", "stride_sn": "i32", "UP_SROW": "i32", "stride_hm": "i32"}
             out[name + "-decode-up"] = build(moe_decode._decode_up_kernel, up, common | dict(
                 BLOCK_N=cfg.up.block_n, BLOCK_K=cfg.up.block_k, EVEN_K=H % cfg.up.block_k == 0), *cfg.up[2:])
-            down = {"h_ptr": f"*{x}", "w_ptr": f"*{w}", "wts_ptr": "*fp32", "ids_ptr": "*i32",
+            down = {"h_ptr": f"*{x}", "w_ptr": f"*{w}", "s_ptr": f"*{w}", "wts_ptr": "*fp32", "ids_ptr": "*i32",
                     "out_ptr": "*fp32" if cfg.split > 1 else f"*{x}", "T": "i32", "E": "i32", "H": "i32", "I": "i32",
-                    "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32",
-                    "PAIRS_PER_SPLIT": "i32"}
+                    "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
+                    "stride_sn": "i32", "UP_SROW": "i32", "stride_om": "i32", "PAIRS_PER_SPLIT": "i32"}
             out[name + "-decode-down"] = build(moe_decode._decode_down_kernel, down, common | dict(
                 BLOCK_N=cfg.down.block_n, BLOCK_K=cfg.down.block_k, EVEN_K=I % cfg.down.block_k == 0,
                 PARTIAL=cfg.split > 1), *cfg.down[2:])
         else:
-            args = {"a_ptr": f"*{x}", "w_ptr": f"*{w}", "out_ptr": f"*{x}", "sorted_ptr": "*i32",
+            args = {"a_ptr": f"*{x}", "w_ptr": f"*{w}", "s_ptr": f"*{w}", "out_ptr": f"*{x}", "sorted_ptr": "*i32",
                     "block_expert_ptr": "*i32", "num_blocks": "i32", "A_ROWS": "i32", "N_OUT": "i32", "K": "i32",
-                    "N_PAIRS": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
+                    "N_PAIRS": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
+                    "stride_sn": "i32", "UP_SROW": "i32", "stride_om": "i32"}
             for part, tile, k in (("up", cfg.up, H), ("down", cfg.down, I)):
                 out[f"{name}-grouped{cfg.block_m}-{part}"] = build(moe_gemm._grouped_kernel, args, dict(
-                    TOP_K=K if part == "up" else 1, GATED=part == "up", DOT_F32=wide, BLOCK_M=cfg.block_m,
+                    TOP_K=K if part == "up" else 1, GATED=part == "up", DOT_F32=wide, **NO_FP8, BLOCK_M=cfg.block_m,
                     BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, EVEN_K=k % tile.block_k == 0), *tile[2:])
     out[f"{x}-{w}-route"] = build(moe_route._moe_route_kernel,
                                   {"logits_ptr": f"*{x}", "w_ptr": "*fp32", "ids_ptr": "*i32", "T": "i32", "E": "i32",

@@ -16,7 +16,7 @@ from orinfer import SamplingParams
 from orinfer.errors import WeightsError
 from orinfer.layers.moe import SparseMoE, per_expert_tensors
 from test_hf_parity import paged_logits
-from test_qwen3_5 import _with_mtp, engine, triton_llm
+from test_qwen3_5 import MTP, _with_mtp, engine, triton_llm
 
 pytest.importorskip("transformers")
 
@@ -158,10 +158,10 @@ def test_an_moe_mtp_head_is_loaded_with_its_experts(tmp_path_factory, tmp_path):
     path = save_hf_model(build_hf_qwen3_5_moe("qwen3.5moe-e6-top2"), tmp_path_factory.mktemp("qwen3_5_moe_mtp"))
     (tmp_path / "whole").mkdir()
     (tmp_path / "partial").mkdir()
-    mtp = engine(_with_mtp(path, tmp_path / "whole")).engine.runner.model.mtp
+    mtp = engine(_with_mtp(path, tmp_path / "whole"), speculative_config=MTP).engine.runner.model.mtp
     assert isinstance(mtp.layers[0].mlp, SparseMoE) and mtp.layers[0].mlp.shared_expert is not None
     with pytest.raises(WeightsError, match="MTP head"):
-        engine(_with_mtp(path, tmp_path / "partial", drop=2))
+        engine(_with_mtp(path, tmp_path / "partial", drop=2), speculative_config=MTP)
 
 
 def test_the_backends_decode_hooks_skip_the_sparse_layers_mlp(qwen3_moe):

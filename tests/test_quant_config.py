@@ -30,7 +30,7 @@ def test_published_fp8_configs_parse():
     assert dense.quantization == FP8Config(block_size=(128, 128))
     hybrid = ModelConfig.from_hf(REAL / "Qwen3.6-27B-FP8")  # Qwen3_5ForConditionalGeneration
     assert hybrid.quantization.block_size == (128, 128) and len(hybrid.quantization.modules_to_not_convert) == 882
-    for moe in ("Qwen3-30B-A3B-FP8", "Qwen3.5-122B-A10B-FP8-probable"):  # MoE: FP8 experts are refused, not this
+    for moe in ("Qwen3-30B-A3B-FP8", "Qwen3.5-122B-A10B-FP8-probable"):  # MoE (tests/test_moe_config.py too)
         raw = json.loads((REAL / moe / "config.json").read_text())
         quant = parse_quantization_config(raw["quantization_config"], moe)
         assert isinstance(quant, FP8Config) and quant.block_size == (128, 128)

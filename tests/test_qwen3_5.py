@@ -22,6 +22,7 @@ REAL = Path(__file__).parent / "data" / "real-qwen"  # published config.json fil
 PROMPTS = [[5, 17, 42, 99, 3, 150, 7, 8, 61, 23, 9, 14, 33, 2], [11, 200, 14], [7] * 19 + [1, 2, 3], [88]]
 STEPS = 10
 GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+MTP = {"method": "mtp", "num_speculative_tokens": 2}  # the engine builds the MTP head only for this method
 
 
 @pytest.fixture(scope="module", params=sorted(QWEN3_5_CONFIGS))
@@ -141,17 +142,18 @@ def _with_mtp(path: Path, tmp_path: Path, drop: int = 0) -> Path:
 
 def test_the_mtp_head_is_loaded_and_kept(conditional, tmp_path):
     _, path = conditional
-    llm = engine(_with_mtp(path, tmp_path))
+    with_mtp = _with_mtp(path, tmp_path)
+    llm = engine(with_mtp, speculative_config=MTP)
     mtp = llm.engine.runner.model.mtp
     assert mtp is not None and len(mtp.layers) == 1
     assert mtp.fc.weight.shape == (64, 128)
-    assert engine(path).engine.runner.model.mtp is None  # none in the checkpoint: nothing kept
+    assert engine(with_mtp).engine.runner.model.mtp is None  # not asked for (method mtp): not built or loaded
 
 
 def test_a_partial_mtp_head_is_an_error(conditional, tmp_path):
     _, path = conditional
     with pytest.raises(WeightsError, match="MTP head"):
-        engine(_with_mtp(path, tmp_path, drop=2))
+        engine(_with_mtp(path, tmp_path, drop=2), speculative_config=MTP)
 
 
 @pytest.mark.parametrize("name, kv_layers, value_heads, tied", [

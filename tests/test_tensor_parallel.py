@@ -117,10 +117,7 @@ def test_close_stops_every_worker(checkpoints):
     llm.close()  # twice is harmless
 
 
-def test_unsupported_models_and_sizes_are_config_errors():
-    qwen3_vl = ModelConfig.from_hf(REAL / "Qwen3-VL-30B-A3B-Instruct")  # no plan yet (Qwen3.5: test_..._hybrid.py)
-    with pytest.raises(ConfigError, match="not supported with tensor parallelism"):
-        check_supported(qwen3_vl, 2)
+def test_unsupported_sizes_are_config_errors():
     check_supported(ModelConfig.from_hf(REAL / "Qwen3-32B-FP8"), 2)  # quantized: test_tensor_parallel_quant.py
     qwen3_8b = preset("qwen3-8b")
     with pytest.raises(ConfigError, match="must divide the model's num_attention_heads"):

@@ -14,14 +14,13 @@ Tiny models' widths are multiples of group size x ranks (AWQ, GPTQ: 32) and of 1
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import build_hf_model, save_hf_model
+from hf_models import build_hf_model, build_hf_qwen3_moe, save_hf_model
 from quant_packers import gptq_pack, write_fp8_checkpoint, write_gptq_checkpoint
 from test_tensor_parallel import GREEDY, PROMPTS, SETTINGS, assert_same_outputs
 from orinfer import LLM
@@ -39,7 +38,6 @@ from orinfer.layers.ops import TORCH_OPS
 from orinfer.loader import load_hf_model, online_quantization
 from orinfer.models.qwen import QwenForCausalLM
 from orinfer.quant import quantize_checkpoint
-from orinfer.quant_config import parse_quantization_config
 
 REAL = Path(__file__).parent / "data" / "real-qwen"
 PLAN = QwenForCausalLM.tensor_parallel_plan
@@ -57,7 +55,12 @@ MODELS = {
     # 384 = 3 blocks of 128: 192 rows per rank at 2 ranks, which only online FP8 splits (the ranks' own blocks)
     "fp8-online-partial": ("qwen3-mha-tied", dict(hidden_size=256, num_key_value_heads=2, head_dim=128,
                                                   intermediate_size=384), "fp8-online"),
+    # Qwen3-MoE (16 experts of width 24, a dense layer of 80) with FP8 experts: 4 x 4 blocks, so that each rank's
+    # 12 expert rows / inputs are whole blocks of the checkpoint (online FP8 would quantize each rank's 12 rows in
+    # blocks of their own: other weights than the single process's, as for "fp8-online-partial").
+    "fp8-moe": ("qwen3moe-e16-top4-dense1", {}, "fp8"),
 }
+FP8_BLOCKS = {"fp8-moe": (4, 4)}
 ROW_PARALLEL = ("o_proj", "down_proj")
 FINEST = 4  # the most ranks a test splits over: GPTQ's row-parallel act-order stays inside parts of 1/4
 
@@ -90,7 +93,8 @@ def quantized(tmp_path_factory):
         if model_id not in made:
             kind, overrides, fmt = MODELS[model_id]
             root = tmp_path_factory.mktemp(model_id)
-            orig = save_hf_model(build_hf_model(kind, **overrides), root / "orig")
+            build = build_hf_qwen3_moe if kind.startswith("qwen3moe") else build_hf_model
+            orig = save_hf_model(build(kind, **overrides), root / "orig")
             if fmt == "awq":
                 quantize_checkpoint(orig, root / "q", method="rtn", group_size=32, progress=False)
             elif fmt == "gptq4":
@@ -98,7 +102,7 @@ def quantized(tmp_path_factory):
             elif fmt == "gptq8":
                 write_gptq_checkpoint(orig, root / "q", 8, 32, desc_act=False)
             elif fmt == "fp8":
-                write_fp8_checkpoint(orig, root / "q", block=(128, 128))
+                write_fp8_checkpoint(orig, root / "q", block=FP8_BLOCKS.get(model_id, (128, 128)))
             made[model_id] = (orig, "fp8") if fmt == "fp8-online" else (root / "q", None)
         return made[model_id]
 
@@ -206,7 +210,7 @@ def test_online_fp8_parts_off_the_blocks_get_their_own_blocks(quantized, monkeyp
 # --- the engine on 2 and 4 processes -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_id,world", [
-    ("gptq4-g16-actorder", 2), ("fp8-online", 2),
+    ("gptq4-g16-actorder", 2), ("fp8-online", 2), ("fp8-moe", 2),
     *(pytest.param(m, 2, marks=SLOW) for m in ("awq-g32", "gptq8-g32", "fp8")),
     *(pytest.param(m, 4, marks=SLOW) for m in ("awq-g32", "gptq4-g16-actorder", "gptq8-g32", "fp8", "fp8-online"))])
 def test_greedy_matches_the_single_process_engine(quantized, model_id, world):
@@ -255,11 +259,8 @@ def test_gptq_act_order_across_ranks_is_a_config_error(tmp_path, monkeypatch):
 # --- slices of the published configs -------------------------------------------------------------------------------
 
 def _fp8_moe() -> ModelConfig:
-    """Qwen3-30B-A3B-FP8: its shapes (those of Qwen3-30B-A3B) with its quantization_config (the engine refuses FP8
-    experts on its own, so the config is put together here)."""
-    raw = json.loads((REAL / "Qwen3-30B-A3B-FP8" / "config.json").read_text())
-    base = ModelConfig.from_hf(REAL / "Qwen3-30B-A3B")
-    return dataclasses.replace(base, quantization=parse_quantization_config(raw["quantization_config"]))
+    """Qwen3-30B-A3B-FP8 as published (the shapes of Qwen3-30B-A3B with its quantization_config)."""
+    return ModelConfig.from_hf(REAL / "Qwen3-30B-A3B-FP8")
 
 
 def _slicers(cfg: ModelConfig, world: int):

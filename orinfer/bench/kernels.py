@@ -1,6 +1,7 @@
 """Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes (and the
 Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`; the MoE router and experts of
-Qwen3-30B-A3B, `_moe_rows`).
+Qwen3-30B-A3B, `_moe_rows`, and its FP8 experts against the 16-bit ones, `_moe_fp8_rows`: their "torch" row is the
+16-bit `fused_moe`).
 
 Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
@@ -281,8 +282,40 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
             lambda: fused_moe(x, w13, w2, weights, ids), lambda: fused_moe_ref(x, w13, w2, weights, ids),
             flops=2 * t * top_k * 3 * hidden * inter,
             config=f"{cfg.path} bm={cfg.block_m} up={tuple(cfg.up)} down={tuple(cfg.down)} split={cfg.split}")
+    _moe_fp8_rows(add, randn, w13, w2, top_k, esize)
     del w13, w2
     torch.cuda.empty_cache()
+
+
+def _moe_fp8_rows(add: Callable, randn: Callable, w13: torch.Tensor, w2: torch.Tensor, top_k: int, esize: int
+                  ) -> None:
+    """The same experts in FP8 block-wise (128 x 128, Qwen3-30B-A3B-FP8's format: `fused_moe_fp8`), timed against
+    the 16-bit `fused_moe` on the same routing (its "speedup" is over the 16-bit kernels, not torch). Bytes: one per
+    weight of the chosen experts, their scales, x and the output."""
+    from orinfer.kernels.fp8_block import fp8_block_quantize
+    from orinfer.kernels.moe_config import pick_config
+    from orinfer.kernels.moe_fp8 import fp8_config
+    from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, moe_route
+
+    n_exp, two_inter, hidden = w13.shape
+    inter, block = two_inter // 2, (128, 128)
+
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # rows divide by 128: per-expert blocks
+        q, s = fp8_block_quantize(w.reshape(-1, w.shape[2]), block)
+        return q.view(w.shape), s.view(w.shape[0], -1, s.shape[1])
+
+    (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
+    for t in (1, 8, 64, 2048):
+        x = randn(t, hidden)
+        weights, ids = moe_route(randn(t, n_exp), top_k, True)
+        active = ids.unique().numel()
+        nbytes = active * 3 * hidden * inter * (1 + 4 / 128 ** 2) + 2 * t * hidden * esize + t * top_k * 8
+        cfg = fp8_config(pick_config(x, q13, top_k), block[1])
+        add("fused_moe_fp8 (prefill) vs 16-bit" if t > 64 else "fused_moe_fp8 (decode) vs 16-bit",
+            f"T={t} E={n_exp} H={hidden} I={inter} k={top_k} ({active} experts)", nbytes,
+            lambda: fused_moe_fp8(x, q13, s13, q2, s2, block, weights, ids),
+            lambda: fused_moe(x, w13, w2, weights, ids), flops=2 * t * top_k * 3 * hidden * inter,
+            config=f"{cfg.path} bm={cfg.block_m} up={tuple(cfg.up)} down={tuple(cfg.down)} split={cfg.split}")
 
 
 def markdown(rows: list[dict], speedup: str = "speedup vs torch") -> str:

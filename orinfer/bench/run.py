@@ -48,10 +48,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
                         "longer than it are left out; the report says what was capped")
     p.add_argument("--image-size", default=None, metavar="WxH",
                    help="Qwen3-VL presets: also time the vision tower on one image of this size (and HF's tower)")
-    p.add_argument("--speculative", choices=["ngram", "draft_model"], default=None,
+    p.add_argument("--speculative", choices=["ngram", "draft_model", "mtp"], default=None,
                    help="also measure decode with speculative decoding of this method at forced acceptance rates "
                         "(random weights: accepted drafts are chosen at random) against plain decoding, batch sizes "
-                        "of --spec-batch-sizes")
+                        "of --spec-batch-sizes (mtp: Qwen3.5-family models; synthetic presets get a random MTP "
+                        "head)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
     p.add_argument("--draft-synthetic", default="qwen3-0.6b", metavar="PRESET",
                    help="--speculative draft_model: random weights of this preset's shapes draft (default qwen3-0.6b)")
@@ -93,20 +94,28 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
         plan.update(kv_tokens=fit["kv_tokens"], notes=fit["notes"])
         kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
     # The engine (sequences, KV cache) must also hold the speculative runs' batches.
-    engine_batches = batch_sizes + ([int(x) for x in args.spec_batch_sizes.split(",") if x]
+    engine_batches = batch_sizes + (_ints(args.spec_batch_sizes)
                                     if getattr(args, "speculative", None) else []) \
         + (_ints(args.structured_batch_sizes) if getattr(args, "structured", None) else [])
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
         kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(engine_batches) * (seq_tokens + 32)
         kv_budget = {}
+    spec = _bench_spec_config(args, engine_batches)
     engine_config = engine_args_from_namespace(
         args, max_num_seqs=max(engine_batches), max_num_batched_tokens=max([8192] + prompt_lens), max_model_len=max_len,
-        block_size=block_size, **kv_budget)
+        block_size=block_size, speculative_config=spec, **kv_budget)
     if args.kv_tokens is None:
-        # Hybrid models: the linear-attention state pools (a slot per sequence, the graphs' scratch slot and the
-        # prefix cache's snapshots) come out of the same budget.
-        slots = max(engine_batches) + 1 + engine_config.state_snapshots(cfg.is_hybrid)
+        # Hybrid models: the linear-attention state pools (a slot per sequence, the graphs' scratch slot, the prefix
+        # cache's snapshots and speculation's work slots) come out of the same budget; so does an MTP head's KV.
+        work = spec["max_batch"] if spec is not None else 0
+        slots = max(engine_batches) + 1 + engine_config.state_snapshots(cfg.is_hybrid) + work
+        if spec is not None and spec["method"] == "mtp":
+            kv_bytes += 2 * cfg.kv_size * dtype.itemsize * max(engine_batches) * (seq_tokens + 32)
+        if spec is not None and cfg.is_hybrid:
+            from orinfer.engine.state_rollback import StateRollback
+
+            kv_bytes += StateRollback.buffer_bytes(cfg, work, spec["num_speculative_tokens"], dtype)
         kv_bytes += slots * cfg.state_bytes_per_sequence(dtype.itemsize) if cfg.is_hybrid else 0
         engine_config = engine_config.replace(kv_cache_bytes=max(kv_bytes, 2 * max_len * 2**20))
     plan["engine_config"] = engine_config
@@ -116,6 +125,19 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _bench_spec_config(args: argparse.Namespace, engine_batches: list[int]) -> dict | None:
+    """The engine's speculative_config for --speculative (None without): the engine is created with it, so that what
+    it sizes at start (a hybrid model's rollback slots, an MTP head's KV cache) fits every measured batch; the plain
+    measurements turn speculation off first."""
+    if not getattr(args, "speculative", None):
+        return None
+    spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+            "max_batch": max(engine_batches)}
+    if args.speculative == "draft_model":
+        spec["model"] = args.draft_synthetic
+    return spec
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -139,6 +161,13 @@ def run_from_args(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         name = f"{name}-predequant"
+    if getattr(args, "speculative", None) == "mtp":
+        if not cfg.is_hybrid:
+            print(f"error: --speculative mtp needs a Qwen3.5-family model (an MTP head); {name} is not one",
+                  file=sys.stderr)
+            return 2
+        if args.synthetic:
+            cfg.mtp_num_hidden_layers = 1  # the published checkpoints' one MTP layer, random like the rest
     plan = bench_plan(args, cfg, dtype)
     prompt_lens, batch_sizes, engine_config = plan["prompt_lens"], plan["batch_sizes"], plan["engine_config"]
     if args.kv_tokens is not None:
@@ -175,6 +204,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             tokenizer = Tokenizer.from_dir(args.structured)
         llm = build_synthetic_llm(cfg, dtype, device, engine_config, tokenizer=tokenizer, draft=draft)
+    llm.engine.set_speculation(None)  # (created with --speculative's config: plain decoding first)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)

@@ -41,6 +41,10 @@ runs only if those inputs fall in its own whole groups (then the order is a perm
 its layer repacks it as a single process does); otherwise, as with any act-order checkpoint GPTQ made without
 static groups, the load fails with a ConfigError (their groups mix inputs of every rank, and per-rank scales cannot
 describe them).
+
+Packed parts (Qwen3.5's linear attention: in_proj_qkv's q | k | v by key and value heads, in_proj_z / b / a by value
+heads): a column-parallel rank reads several ranges of one tensor's output channels (`parts_slice`); each range must
+fall on whole units of the format (packed words, FP8 block rows) by itself, wherever it starts in the tensor.
 """
 
 from __future__ import annotations
@@ -90,11 +94,83 @@ class Split:
         return "output channels" if self.axis == "out" else "input channels"
 
 
+@dataclass(frozen=True)
+class OutputAxis:
+    """Where a format's tensor holds a linear's output channels: along dimension `dim`, `per_index` channels to an
+    index (packed words, FP8 block rows); a part must be a whole number of `unit` channels (`why` says why)."""
+
+    dim: int
+    per_index: int = 1
+    unit: int = 1
+    why: str = ""
+
+
+PLAIN = OutputAxis(0)  # a 16-bit tensor whose rows are the channels (a weight [N, K], a bias, a conv's channels)
+
+
+def stored_format(quant: AnyQuantConfig | None, module: str) -> AnyQuantConfig | None:
+    """The format in which the checkpoint stores module `module`'s (a sub-name, "in_proj_a") tensors: None (16-bit)
+    for an online-FP8 checkpoint (16-bit on disk) and for a module that modules_to_not_convert lists in any layer
+    (FP8's 16-bit in_proj_a / in_proj_b, as FP8Config.dense_shards reads it); otherwise `quant`."""
+    if quant is None or (isinstance(quant, FP8Config) and quant.online):
+        return None
+    listed = {name.rsplit(".", 1)[-1] for name in getattr(quant, "modules_to_not_convert", ())}
+    return None if module in listed else quant
+
+
+def output_axis(quant: AnyQuantConfig | None, kind: str) -> OutputAxis | None:
+    """How a checkpoint tensor of `kind` in `quant`'s stored format (None: 16-bit) lays out the output channels;
+    None for a tensor that does not depend on them (every column-parallel rank reads it whole)."""
+    if kind == "bias":
+        return PLAIN
+    if quant is None:
+        return PLAIN if kind == "weight" else None
+    if isinstance(quant, FP8Config):
+        bn = quant.block_size[0]
+        why = (f"FP8 scale blocks are {bn} rows: a block cut between two ranks would need one scale on both; online "
+               "quantization of the 16-bit checkpoint (quantization='fp8') has no such limit")
+        return {"weight": OutputAxis(0, 1, bn, why), "weight_scale_inv": OutputAxis(0, bn, bn, why)}.get(kind)
+    if isinstance(quant, GPTQConfig):
+        p = quant.pack_factor
+        why = f"{quant.bits}-bit GPTQ packs {p} channels in each int32 word"
+        return {"qweight": OutputAxis(1, 1, p, why), "scales": OutputAxis(1, 1, p, why),
+                "qzeros": OutputAxis(1, p, p, why)}.get(kind)
+    if isinstance(quant, QuantConfig):
+        why = "AWQ packs 8 output channels in each int32 word"
+        return {"qweight": OutputAxis(1, 8, 8, why), "qzeros": OutputAxis(1, 8, 8, why),
+                "scales": OutputAxis(1, 1, 8, why)}.get(kind)
+    raise ConfigError(f"{quant.method.upper()} weights are not supported with tensor parallelism")
+
+
+def parts_slice(axis: OutputAxis, ranges: list[tuple[int, int]], shape: tuple[int, ...], where: str
+                ) -> list[tuple[int, int, int]]:
+    """A column-parallel rank's ranges of a tensor packed from parts: `ranges` are (first output channel, count) of
+    each part's channels the rank holds, in the whole tensor's numbering; `axis` how the tensor holds them. Each
+    range must be whole units by itself (the rank's tensor is its ranges concatenated): ConfigError naming the range
+    otherwise."""
+    out = []
+    for first, count in ranges:
+        if first % axis.unit or count % axis.unit:
+            raise ConfigError(f"{where}: the rank's {count} output channels from channel {first} (of "
+                              f"{shape[axis.dim] * axis.per_index}) are not whole multiples of {axis.unit} "
+                              f"({axis.why})")
+        out.append((axis.dim, first // axis.per_index, count // axis.per_index))
+    return out
+
+
 def tensor_slice(quant: AnyQuantConfig | None, kind: str, split: Split, shape: tuple[int, ...], where: str) -> Slice:
     """The part of a checkpoint tensor of `kind` ("weight", "qzeros", ...) and full `shape` that the rank of `split`
-    reads, in the checkpoint format of `quant` (None: 16-bit). `where` starts error messages (the tensor's name)."""
-    if kind == "bias":
-        return _bias(split, shape, where)
+    reads, in the checkpoint's stored format `quant` (None: 16-bit; stored_format). `where` starts error messages
+    (the tensor's name)."""
+    if kind == "bias" and split.axis == "in":
+        raise ConfigError(f"{where}: a row-parallel layer with a bias is not supported with tensor parallelism "
+                          "(each rank would add it)")
+    if split.axis == "out":
+        axis = output_axis(quant, kind)
+        if axis is None:
+            return None  # not a tensor of the layer's outputs (or of this format): read whole
+        first, size = split.part(shape[axis.dim] * axis.per_index, axis.unit, axis.why, where)
+        return axis.dim, first // axis.per_index, size // axis.per_index
     if quant is None or (isinstance(quant, FP8Config) and quant.online):
         return _dense(kind, split, shape, where)
     if isinstance(quant, FP8Config):
@@ -129,21 +205,14 @@ def checkpoint_shapes(quant: AnyQuantConfig | None, in_features: int, out_featur
 
 # --- 16-bit ---------------------------------------------------------------------------------------------------------
 
+# Row-parallel parts (split.axis "in") of each format; column-parallel ones are `output_axis`'s.
+
 def _dense(kind: str, split: Split, shape: tuple[int, ...], where: str) -> Slice:
     """weight [N, K] (also a 16-bit checkpoint that online FP8 quantizes: any part, see the module docstring)."""
     if kind != "weight":
         return None  # not a tensor of this format: read whole, and the model's loader says what it is
-    dim = 0 if split.axis == "out" else 1
-    first, size = split.part(shape[dim], 1, "", where)
-    return dim, first, size
-
-
-def _bias(split: Split, shape: tuple[int, ...], where: str) -> Slice:
-    if split.axis == "in":
-        raise ConfigError(f"{where}: a row-parallel layer with a bias is not supported with tensor parallelism "
-                          "(each rank would add it)")
-    first, size = split.part(shape[0], 1, "", where)
-    return 0, first, size
+    first, size = split.part(shape[1], 1, "", where)
+    return 1, first, size
 
 
 # --- AWQ ------------------------------------------------------------------------------------------------------------
@@ -152,11 +221,6 @@ def _awq(quant: QuantConfig, kind: str, split: Split, shape: tuple[int, ...], wh
     """qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]."""
     if kind not in ("qweight", "qzeros", "scales"):
         return None
-    if split.axis == "out":
-        outputs = shape[1] * (1 if kind == "scales" else 8)
-        first, size = split.part(outputs, 8, "AWQ packs 8 output channels in each int32 word", where)
-        per_index = 1 if kind == "scales" else 8
-        return 1, first // per_index, size // per_index
     one_group = quant.group_size == -1
     if kind != "qweight":
         if one_group:
@@ -184,13 +248,6 @@ def _gptq(quant: GPTQConfig, kind: str, split: Split, shape: tuple[int, ...], wh
         return None
     p = quant.pack_factor
     words = f"{quant.bits}-bit GPTQ packs {p} channels in each int32 word"
-    if split.axis == "out":
-        if kind == "g_idx":
-            return None  # the inputs' groups: every rank reads all inputs
-        outputs = shape[1] * (p if kind == "qzeros" else 1)
-        first, size = split.part(outputs, p, words, where)
-        per_index = p if kind == "qzeros" else 1
-        return 1, first // per_index, size // per_index
     if kind in ("qzeros", "scales"):
         groups = shape[0]
         if groups == 1:
@@ -233,14 +290,12 @@ def _fp8(quant: FP8Config, kind: str, split: Split, shape: tuple[int, ...], wher
     """weight [N, K] e4m3, weight_scale_inv [ceil(N/bn), ceil(K/bk)]."""
     if kind not in ("weight", "weight_scale_inv"):
         return None
-    dim = 0 if split.axis == "out" else 1
     if kind == "weight_scale_inv":
-        first, size = split.part(shape[dim], 1, "the scale blocks must split evenly", where)
-        return dim, first, size
-    block = quant.block_size[dim]
+        first, size = split.part(shape[1], 1, "the scale blocks must split evenly", where)
+        return 1, first, size
+    block = quant.block_size[1]
     first, size = split.part(
-        shape[dim], block,
-        f"FP8 scale blocks are {block} {'rows' if dim == 0 else 'columns'}: a block cut between two ranks would "
-        "need one scale on both; online quantization of the 16-bit checkpoint (quantization='fp8') has no such "
-        "limit", where)
-    return dim, first, size
+        shape[1], block,
+        f"FP8 scale blocks are {block} columns: a block cut between two ranks would need one scale on both; online "
+        "quantization of the 16-bit checkpoint (quantization='fp8') has no such limit", where)
+    return 1, first, size

@@ -102,6 +102,10 @@ class DecodeGraphs:
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_logits: dict[int, torch.Tensor] = {}
         self.pool = pool
+        # Each graph's hidden states [bucket, H] (before the lm_head), by (bucket, block columns): an MTP head reads
+        # them (`last_hidden`); holding them keeps a few KiB per graph out of the pool's reuse.
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_key: tuple[str, int, bool] | None = None
         # Tensor parallelism (rank 0): called with each replay's key and input buffers just before the replay, so
         # that the workers replay theirs on the same inputs (distributed/mirror.py).
         self.before_replay: Callable[[tuple, list[torch.Tensor]], None] | None = None
@@ -115,6 +119,7 @@ class DecodeGraphs:
         if self.state_scratch_slot is not None:
             meta.state_slots, meta.has_initial_state = self.state_slots[:batch], self.has_initial_state[:batch]
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], meta)
+        self._captured_hidden = hidden  # kept as an output of the graph being captured (`last_hidden`)
         return self.model.compute_logits(hidden)
 
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -135,6 +140,7 @@ class DecodeGraphs:
                                   self.block_tables[:batch], self.block_size, self.host_row)
         if self.pool is None:
             self.pool = graph.pool()
+        self.hidden[(batch, blocks)] = self._captured_hidden
         return graph, logits
 
     @torch.inference_mode()
@@ -172,7 +178,14 @@ class DecodeGraphs:
         """The device buffers graph `key` reads its inputs from (tensor parallelism broadcasts rank 0's)."""
         return [self.dev_i64, self.dev_i32[:self.max_batch + key[1] * self.max_blocks]]
 
+    def last_hidden(self, batch: int) -> torch.Tensor:
+        """The last replay's hidden states [batch, H] (a view of the graph's buffer: read it in stream order before
+        the next replay)."""
+        _, bucket, short = self.last_key
+        return self.hidden[(bucket, self.short_blocks if short else self.max_blocks)][:batch]
+
     def _replay(self, key: tuple[str, int, bool]) -> torch.Tensor:
+        self.last_key = key
         graph, logits = self.graph_for(key)
         if self.before_replay is not None:
             self.before_replay(key, self.graph_inputs(key))

@@ -49,6 +49,7 @@ from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import DraftModelProposer
+from orinfer.spec_decode.mtp import MTPProposer, mtp_head
 from orinfer.spec_decode.proposer import make_proposer
 from orinfer.structured.constraint import SequenceConstraint
 from orinfer.structured.grammar import GrammarCompiler
@@ -100,6 +101,10 @@ class LLMEngine:
         hooks = parts.ops.graph_hooks if parts.ops is not None else None
         draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
                                                                        parts.act_dtype)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and spec.method == "mtp":  # the MTP head's KV pool, on the target's block ids
+            per_layer = kv_bytes_per_block(mcfg, config.block_size, parts.act_dtype) // mcfg.num_kv_layers
+            draft_bytes = len(mtp_head(parts.model).layers) * per_layer
         # A tensor-parallel rank's runner sizes its KV cache by its shard's heads.
         runner_cfg = mcfg if parts.executor is None else parts.executor.shard.config
         self.runner = ModelRunner(parts.model, runner_cfg, config, parts.device, parts.act_dtype, self.max_model_len,
@@ -116,6 +121,10 @@ class LLMEngine:
                                        config.replace(num_kv_blocks=self.runner.num_blocks), parts.device,
                                        parts.act_dtype, self.max_model_len, graph_hooks=hooks)
             self.draft = DraftModelProposer(draft_runner, self.block_manager, 1, config.max_num_batched_tokens)
+        self.mtp = None  # the MTP proposer: the target's MTP head, its KV pool on the target's block ids
+        if spec is not None and spec.method == "mtp":
+            self.runner.allocate_extra_kv(mtp_head(parts.model).attention_layers())
+            self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens, spec.max_batch)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
@@ -444,16 +453,30 @@ class LLMEngine:
         """Turns speculative decoding on with `spec`, or off (None), from the next step on (the benchmark compares
         settings on one engine)."""
         if spec is not None and self.parts.model_config.is_hybrid:
-            raise ConfigError("speculative decoding does not support hybrid models (Qwen3.5 family) yet: their "
-                              "linear-attention state cannot be rolled back past rejected draft tokens")
+            self._check_rollback(spec)
         self.spec = spec
-        self.proposer = make_proposer(spec, self.draft) if spec is not None else None
+        self.proposer = make_proposer(spec, self.draft, self.mtp) if spec is not None else None
         self._spec_misses = self._spec_pause = 0  # tries in a row that did not pay; steps until the next try
         self.runner.forced_acceptance = spec.forced_acceptance if spec is not None else None
         self.runner.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         if self.runner.forced_acceptance is not None:
             log.warning("speculative decoding with forced acceptance %.2f: drafts are accepted at random, the output "
                         "is meaningless (benchmarks only)", self.runner.forced_acceptance)
+
+    def _check_rollback(self, spec: SpeculativeConfig) -> None:
+        """Hybrid models roll their linear-attention state back past rejected drafts with resources sized at engine
+        start (engine/state_rollback.py): `spec` must fit them."""
+        if self.parts.executor is not None:
+            raise ConfigError("speculative decoding of hybrid models (Qwen3.5 family) does not support tensor "
+                              "parallelism yet")
+        rollback = self.runner.rollback
+        if rollback is None:
+            raise ConfigError("a hybrid model (Qwen3.5 family) speculates only when its engine is created with "
+                              "speculative_config: the state rollback's slots are sized then")
+        if spec.max_batch > rollback.max_seqs or spec.num_speculative_tokens > rollback.max_drafts:
+            raise ConfigError(f"speculative_config: max_batch {spec.max_batch} and num_speculative_tokens "
+                              f"{spec.num_speculative_tokens} exceed what the engine was created for "
+                              f"({rollback.max_seqs}, {rollback.max_drafts})")
 
     def _decoders(self) -> list[Sequence]:
         return [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]

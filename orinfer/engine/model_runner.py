@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs
 from orinfer.engine.sequence import Sequence
 from orinfer.engine.state_pools import StatePools
+from orinfer.engine.state_rollback import StateRollback
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
 from orinfer.errors import ConfigError
@@ -30,6 +32,7 @@ from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
+from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.verify import DraftLayout, verify_drafts
 from orinfer.structured.constraint import bitmask_words, fill_masks
 
@@ -78,11 +81,22 @@ class ModelRunner:
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         self.block_size = engine_config.block_size
         # Hybrid models: one slot of linear-attention state per sequence that may run.
+        # Speculative decoding of a hybrid model: work slots and kept rows to roll the state back past rejected drafts
+        # (engine/state_rollback.py), sized by the engine's speculative_config.
+        spec = SpeculativeConfig.parse(engine_config.speculative_config)
+        work_slots = spec.max_batch if spec is not None and model_config.is_hybrid else 0
+        self.num_speculative_drafts = spec.num_speculative_tokens if spec is not None else 0
         self.state = StatePools(model, model_config, engine_config.max_num_seqs, kv_dtype, device,
-                                num_snapshots=engine_config.state_snapshots(model_config.is_hybrid))
+                                num_snapshots=engine_config.state_snapshots(model_config.is_hybrid),
+                                num_work_slots=work_slots)
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
         self.state.allocate()
+        # Called with (plan, hidden states [T, H]) after each step whose forward returns them (method mtp keeps them).
+        self.hidden_sink: Callable[[StepPlan, torch.Tensor], None] | None = None
+        self.rollback: StateRollback | None = None
+        if self.state.num_work_slots:
+            self.rollback = StateRollback(self.state, model, self.num_speculative_drafts, kv_dtype)
         if device.type == "cuda":
             self._warmup_cached_prefix()
             self._warmup_logits(model_config.hidden_size)
@@ -100,7 +114,8 @@ class ModelRunner:
             max_seqs = engine_config.max_num_seqs
             scratch = self.state.scratch_slot if self.state.num_slots else None
             self.step_graphs = MixedStepGraphs(model, min(MAX_GRAPH_TOKENS, engine_config.max_num_batched_tokens),
-                                               max_seqs, max_blocks, self.block_size, device, scratch)
+                                               max_seqs, max_blocks, self.block_size, device, scratch,
+                                               keep_linear_inputs=self._keep_linear_inputs)
             self.step_graphs.capture()
             self.graphs = DecodeGraphs(model, graph_hooks, max_seqs, max_blocks, device, self.block_size,
                                        pool=self.step_graphs.pool, state_scratch_slot=scratch)
@@ -133,6 +148,9 @@ class ModelRunner:
         else:
             budget = CPU_DEFAULT_KV_BYTES
         budget -= self.state.bytes  # the state pools come out of the same budget
+        if self.state.num_work_slots:  # and so do the state rollback's kept rows
+            budget -= StateRollback.buffer_bytes(self.model_config, self.state.num_work_slots,
+                                                 self.num_speculative_drafts, self.kv_dtype)
         blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
         blocks = min_over_ranks(blocks, self.device)  # tensor parallelism: every rank indexes the same blocks
         if blocks < 1:
@@ -194,11 +212,17 @@ class ModelRunner:
                 self.model(torch.zeros(2, dtype=torch.int64, device=self.device), torch.arange(2, device=self.device),
                            meta)
 
-    def _allocate_kv_cache(self) -> None:
+    def allocate_extra_kv(self, layers: list[nn.Module]) -> None:
+        """Binds KV pools on this runner's block ids to more attention layers (an MTP head's: their bytes were planned
+        as `extra_bytes_per_block`)."""
+        self._allocate_kv_cache(layers)
+
+    def _allocate_kv_cache(self, layers: list[nn.Module] | None = None) -> None:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
+        if layers is None:
+            self.kv_caches = []
+        for attn in layers if layers is not None else self.model.attention_layers():
             if attn.k_cache is not None:
                 # Attention layers hold one pool: a second engine over the same model would point the first one's
                 # block tables at the wrong (and smaller or larger) pool.
@@ -219,6 +243,11 @@ class ModelRunner:
         step, on the device."""
         return self._upload_inputs(step_inputs(plan, self.block_size))
 
+    def upload_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids [T], positions [T], metadata, sampling rows) of a flat batch, on the device: for a forward of
+        another module over this runner's pools (an MTP head)."""
+        return self._upload_inputs(inputs)
+
     def _upload_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         width = max(len(table) for table in inputs.block_tables)
         tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]
@@ -234,6 +263,7 @@ class ModelRunner:
         if self.state.num_slots:
             meta.state_slots = self._upload(inputs.state_slots, torch.int64)
             meta.has_initial_state = self._upload(inputs.has_initial_state, torch.bool)
+            meta.keep_linear_inputs = self._keep_linear_inputs
         return (self._upload(inputs.ids, torch.int64), self._upload(inputs.positions, torch.int64), meta,
                 self._upload(inputs.sample_rows, torch.int64))
 
@@ -426,6 +456,7 @@ class ModelRunner:
             return self._verify(plan)
         if not sampled:  # prompt chunks only: K/V to write, nothing to sample
             hidden, _ = self._run_forward(plan, device_ids)
+            self._sink(plan, hidden)
             return self._with_prompt_logprobs(
                 SamplerOutput(token_ids=torch.zeros(0, dtype=torch.int64, device=self.device)), hidden, spans)
         # Uploaded before the forward is queued, so nothing waits for it; penalties see the pending tokens (the
@@ -447,12 +478,15 @@ class ModelRunner:
         hidden = None
         if plan.is_decode and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             logits = self.graphs.run(seqs, device_ids)
+            if self.hidden_sink is not None:
+                self._sink(plan, self.graphs.last_hidden(len(seqs)))
             if sampling.plain_argmax and not defer:  # what `sample` would compute, done inside the graph
                 batch = len(seqs)
                 return SamplerOutput(token_ids=self.graphs.greedy_ids(batch),
                                      host_token_ids=self.graphs.greedy_host_ids(batch))
         else:
             hidden, sample_rows = self._run_forward(plan, device_ids)
+            self._sink(plan, hidden)
             logits = self._logits(hidden, sample_rows)
         if defer:
             return DeferredSample(logits, sampling, sampled, hidden, spans)
@@ -462,9 +496,15 @@ class ModelRunner:
         """A step whose decode rows verify draft tokens (speculative decoding, spec_decode/verify.py): every sampling
         sequence gets logits after its newest token and after each of its drafts. Such steps are never lookahead
         steps: every input id is on the host."""
-        hidden, sample_rows = self._run_forward(plan, None)
-        logits = self._logits(hidden, sample_rows)
+        inputs = step_inputs(plan, self.block_size)
         sampled = plan.sampled
+        if self.rollback is not None:  # hybrid models: the speculating rows run on work slots (state_rollback.py)
+            sampled_index = {i: j for j, i in enumerate(i for i in range(len(plan.seqs)) if plan.samples(i))}
+            for index, slot in self.rollback.begin(plan, sampled_index).items():
+                inputs.state_slots[index] = slot
+        hidden, sample_rows = self._run_forward(plan, None, inputs)
+        self._sink(plan, hidden)
+        logits = self._logits(hidden, sample_rows)
         drafts = [seq.draft_token_ids for seq in sampled]
         row_seqs = [seq for seq, d in zip(sampled, drafts) for _ in range(len(d) + 1)]
         row_drafts = [d[:j] for d in drafts for j in range(len(d) + 1)]
@@ -472,7 +512,19 @@ class ModelRunner:
         width = max(1, self.num_speculative_tokens, max(len(d) for d in drafts))
         layout = DraftLayout([len(d) for d in drafts],
                              self._upload([d + [0] * (width - len(d)) for d in drafts], torch.int64))
-        return verify_drafts(logits, layout, sampling, [seq.generator for seq in sampled], self.forced_acceptance)
+        out = verify_drafts(logits, layout, sampling, [seq.generator for seq in sampled], self.forced_acceptance)
+        if self.rollback is not None:
+            self.rollback.finish(out.num_accepted)
+        return out
+
+    def _sink(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        if self.hidden_sink is not None:
+            self.hidden_sink(plan, hidden)
+
+    @property
+    def _keep_linear_inputs(self):
+        """The hook that keeps verify rows' linear-attention inputs (None without a state rollback)."""
+        return self.rollback.keep if self.rollback is not None else None
 
     def _with_prompt_logprobs(self, out: SamplerOutput, hidden: torch.Tensor | None,
                               spans: list[PromptSpan] | None) -> SamplerOutput:
@@ -496,11 +548,12 @@ class ModelRunner:
             sampling.token_bitmask = self._token_bitmask([deferred.seqs[i] for i in constrained])
         return self._with_prompt_logprobs(sample(deferred.logits, sampling), deferred.hidden, deferred.spans)
 
-    def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None, inputs: StepInputs | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a step that is not decode-only: (hidden states [T, H], the sampling rows on the device).
         Replayed from a mixed-step graph when one fits and no row needs images; else eager. `device_ids`: the input
-        ids of the first rows (lookahead decode rows), on the device."""
-        inputs = step_inputs(plan, self.block_size)
+        ids of the first rows (lookahead decode rows), on the device. `inputs`: the plan's flat batch, if made."""
+        inputs = inputs or step_inputs(plan, self.block_size)
         if not self._needs_images(plan):
             return self.forward_inputs(inputs, device_ids)
         input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)

@@ -28,12 +28,16 @@ log = logging.getLogger(__name__)
 
 class StatePools:
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device, num_snapshots: int = 0) -> None:
+                 device: torch.device, num_snapshots: int = 0, num_work_slots: int = 0) -> None:
         """`num_slots` 0 (models without linear attention): nothing is allocated."""
         self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
         self.num_slots = num_slots if cfg.is_hybrid else 0
         self.num_snapshots = num_snapshots if self.num_slots else 0
+        self.num_work_slots = num_work_slots if self.num_slots else 0
         self.scratch_slot = self.num_slots
+        self.first_work_slot = self.num_slots + 1 + self.num_snapshots
+        self.conv_pool: torch.Tensor | None = None  # [layers, slots, C, K-1]
+        self.ssm_pool: torch.Tensor | None = None   # [layers, slots, Hv, Dk, Dv] fp32
         # Called with (source slot, destination slot) before each copy: tensor parallelism's rank 0 sends it to the
         # workers, whose runners make the same copy (distributed/executor.py).
         self.before_copy: Callable[[int, int], None] | None = None
@@ -41,8 +45,11 @@ class StatePools:
     @property
     def bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        slots = self.num_slots + 1 + self.num_snapshots
-        return slots * self.cfg.state_bytes_per_sequence(elem) if self.num_slots else 0
+        return self.total_slots * self.cfg.state_bytes_per_sequence(elem) if self.num_slots else 0
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_slots + 1 + self.num_snapshots + self.num_work_slots
 
     def _snapshot_slot(self, snapshot: int) -> int:
         if not 0 <= snapshot < self.num_snapshots:
@@ -61,24 +68,35 @@ class StatePools:
         """Copies slot `src`'s state (every linear-attention layer) into slot `dst`."""
         if self.before_copy is not None:
             self.before_copy(src, dst)
-        for layer in self.model.state_layers():
-            layer.conv_states[dst].copy_(layer.conv_states[src])
-            layer.ssm_states[dst].copy_(layer.ssm_states[src])
+        self.conv_pool[:, dst].copy_(self.conv_pool[:, src])
+        self.ssm_pool[:, dst].copy_(self.ssm_pool[:, src])
 
-    def _bind(self, slots: int) -> None:
+    def copy_many(self, src: list[int], dst: list[int]) -> None:
+        """Copies slot src[i] into dst[i], every layer at once: 2 strided copies a slot, each reading and writing the
+        slot's state once (an indexed copy would pass through a gathered temporary: 3 passes). Not mirrored to
+        tensor-parallel workers."""
+        for s, d in zip(src, dst):
+            self.conv_pool[:, d].copy_(self.conv_pool[:, s])
+            self.ssm_pool[:, d].copy_(self.ssm_pool[:, s])
+
+    def _bind(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New zeroed pools of `slots` slots, bound to the layers as views; returns (conv pool, ssm pool)."""
         cfg = self.cfg
-        for layer in self.model.state_layers():
-            layer.conv_states = torch.zeros(slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1,
-                                            dtype=self.dtype, device=self.device)
-            layer.ssm_states = torch.zeros(slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                           cfg.linear_value_head_dim, dtype=torch.float32, device=self.device)
+        layers = self.model.state_layers()
+        conv = torch.zeros(len(layers), slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=self.dtype,
+                           device=self.device)
+        ssm = torch.zeros(len(layers), slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim, dtype=torch.float32, device=self.device)
+        for index, layer in enumerate(layers):
+            layer.conv_states, layer.ssm_states = conv[index], ssm[index]
+        return conv, ssm
 
     def allocate(self) -> None:
         """Binds the pools to the model's linear-attention layers."""
         if self.num_slots:
-            self._bind(self.num_slots + 1 + self.num_snapshots)
-            log.info("linear-attention state: %d slots and %d prefix-cache snapshots (%.1f MiB)", self.num_slots,
-                     self.num_snapshots, self.bytes / 2**20)
+            self.conv_pool, self.ssm_pool = self._bind(self.total_slots)
+            log.info("linear-attention state: %d slots, %d prefix-cache snapshots and %d speculative work slots "
+                     "(%.1f MiB)", self.num_slots, self.num_snapshots, self.num_work_slots, self.bytes / 2**20)
 
     @contextlib.contextmanager
     def scratch(self, meta: AttentionMetadata) -> Iterator[None]:

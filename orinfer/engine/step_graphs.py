@@ -49,10 +49,14 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 class MixedStepGraphs:
     def __init__(self, model: nn.Module, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, state_scratch_slot: int | None = None) -> None:
+                 device: torch.device, state_scratch_slot: int | None = None,
+                 keep_linear_inputs: Callable | None = None) -> None:
         """Graphs for steps of up to `max_tokens` rows over up to `max_seqs` sequences of up to `max_blocks_per_seq`
         KV-cache blocks (of `block_size` tokens) each. `state_scratch_slot` (hybrid models): sequences also carry
-        their linear-attention state slot and whether they continue it; padding sequences use this slot."""
+        their linear-attention state slot and whether they continue it; padding sequences use this slot.
+        `keep_linear_inputs`: hybrid models under speculative decoding, captured into every graph
+        (`AttentionMetadata.keep_linear_inputs`)."""
+        self.keep_linear_inputs = keep_linear_inputs
         self.model, self.device, self.block_size = model, device, block_size
         self.state_scratch_slot = state_scratch_slot
         self.buckets = token_buckets(max_tokens)
@@ -85,6 +89,7 @@ class MixedStepGraphs:
             slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables, fixed_launch=True)
         if self.state_scratch_slot is not None:
             meta.state_slots, meta.has_initial_state = self.state_slots, self.has_initial_state
+            meta.keep_linear_inputs = self.keep_linear_inputs
         return self.model(self.input_ids[:tokens], self.positions[:tokens], meta)
 
     @torch.inference_mode()

@@ -22,6 +22,18 @@ whatever the ids hold (a CUDA graph's padding rows route garbage; kernels/moe_ro
 
 Traffic per step: the distinct selected experts' 3*I*H weights once (Qwen3-30B-A3B at batch 1, bf16: 8 experts x
 9.4 MB = 75.5 MB per layer, 18 us at 4.1 TB/s), plus T*(H + 2*k*I + H) activations and SPLIT*T*H*4 partials.
+
+FP8 experts (`kernels/moe_fp8.py`): the same loops over e4m3 bytes with fp32 block scales s [E, rows, cols]; BLOCK_K
+divides bk, so a K step applies one scale per weight row n to its partial sums (the weights are not rounded to x's
+dtype, unlike the reference and the grouped path: the fp32 sum of q * s * x up to order):
+
+    acc[n, t] += s[e, row(n), k0 / bk] * sum_{k in step} q[n, k] x[t, k]
+
+(row(n) = n // bn; up rows ceil(I / bn) + n // bn). The FMA loop converts each weight to fp32 (one more multiply per
+weight for its scale); the dots unpack the tile in registers as the dense W8A16 kernel does (`fp8_mm._w_operand`:
+bf16 x takes the exact e4m3 -> bf16 bit move with x scaled by 2^64 and s by 2^56, fp16 x a convert, fp32 x and the
+interpreter exact fp32 dots). Half the bytes: 8 experts of Qwen3-30B-A3B-FP8 at batch 1 are 37.7 MB per layer (+ 0.3
+MB of scales).
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.moe_config import MoeConfig, Tile
-from orinfer.kernels.moe_gemm import _mma, _swiglu, dot_f32, moe_sum
+from orinfer.kernels.fp8_mm import _UNDO, _w_operand, _x_operand
+from orinfer.kernels.moe_gemm import _mma, _swiglu, dot_f32, fp8_mode, moe_sum, scale_args
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
@@ -60,11 +73,45 @@ def _expert_tokens(ids_ptr, e, T, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BL
 
 
 @triton.jit
-def _expert_dot(a_ptr, rows, ok, stride_a, w_ptrs, up_off, K, GATED: tl.constexpr, USE_DOT: tl.constexpr,
-                DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+def _mma_fp8(q, x, s, acc, MODE: tl.constexpr):
+    """acc + (q @ x) * s[:, None] in fp32: q [BLOCK_N, BLOCK_K] an e4m3 weight tile inside one scale column (swap-AB:
+    the weight rows are the MMA's M side), x [BLOCK_K, BLOCK_T] activations, s [BLOCK_N] the rows' scales. MODE as
+    `fp8_mm` (PLAIN: exact fp32 dots; A16_BF16: products come out times 2^-56, which s takes back)."""
+    if MODE == 2:
+        part = tl.dot(q.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(_w_operand(q, MODE), _x_operand(x, MODE))
+    if MODE == 0:
+        s = s * _UNDO
+    return acc + part * s[:, None]
+
+
+@triton.jit
+def _scaled_step(acc, w, a, s_ptrs, k0, USE_DOT: tl.constexpr, FP8: tl.constexpr, MODE: tl.constexpr,
+                 DOT_F32: tl.constexpr, BK: tl.constexpr):
+    """acc + one K step of the weight tile w [BLOCK_N, BLOCK_K] against a (x^T [BLOCK_K, BLOCK_T] for dots, x
+    [1, BLOCK_K] for the FMA loop); FP8: times the scales of the step's column, s_ptrs [BLOCK_N] at column 0."""
+    if FP8:
+        s = tl.load(s_ptrs + k0 // BK)
+        if USE_DOT:
+            return _mma_fp8(w, a, s, acc, MODE)
+        else:
+            return acc + w.to(tl.float32) * a.to(tl.float32) * s[:, None]
+    else:
+        if USE_DOT:
+            return _mma(w, a, acc, DOT_F32)
+        else:
+            return acc + w.to(tl.float32) * a.to(tl.float32)
+
+
+@triton.jit
+def _expert_dot(a_ptr, rows, ok, stride_a, w_ptrs, up_off, s_ptrs, s_up_off, K, GATED: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, MODE: tl.constexpr,
+                BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 EVEN_K: tl.constexpr):
     """(g, u) [BLOCK_N, BLOCK_T] fp32: the weight rows at w_ptrs ([BLOCK_N, BLOCK_K] pointers at k = 0; the up rows
-    up_off further when GATED) times activation rows `rows` of a (zero where not `ok`), summed over K."""
+    up_off further when GATED) times activation rows `rows` of a (zero where not `ok`), summed over K. FP8: s_ptrs
+    [BLOCK_N] point at the rows' scales of column 0 (the up rows' s_up_off further)."""
     offs_k = tl.arange(0, BLOCK_K)
     if USE_DOT:                                                  # x^T [BLOCK_K, BLOCK_T]
         a_ptrs = a_ptr + rows.to(tl.int64)[None, :] * stride_a + offs_k[:, None]
@@ -91,15 +138,9 @@ def _expert_dot(a_ptr, rows, ok, stride_a, w_ptrs, up_off, K, GATED: tl.constexp
             wg = tl.load(w_ptrs, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
             if GATED:
                 wu = tl.load(w_ptrs + up_off, mask=k_in[None, :], other=0.0, eviction_policy="evict_first")
-        if USE_DOT:
-            acc_g = _mma(wg, a, acc_g, DOT_F32)
-            if GATED:
-                acc_u = _mma(wu, a, acc_u, DOT_F32)
-        else:
-            af = a.to(tl.float32)
-            acc_g += wg.to(tl.float32) * af
-            if GATED:
-                acc_u += wu.to(tl.float32) * af
+        acc_g = _scaled_step(acc_g, wg, a, s_ptrs, k0, USE_DOT, FP8, MODE, DOT_F32, BK)
+        if GATED:
+            acc_u = _scaled_step(acc_u, wu, a, s_ptrs + s_up_off, k0, USE_DOT, FP8, MODE, DOT_F32, BK)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if USE_DOT:
@@ -109,10 +150,11 @@ def _expert_dot(a_ptr, rows, ok, stride_a, w_ptrs, up_off, K, GATED: tl.constexp
 
 
 @triton.jit
-def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, E, I, H, stride_xt, stride_we, stride_wn, stride_hm,
-                      TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
-                      USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _decode_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, T, E, I, H, stride_xt, stride_we, stride_wn, stride_se,
+                      stride_sn, UP_SROW, stride_hm, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                      FP8: tl.constexpr, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     p = tl.program_id(0)
@@ -122,8 +164,10 @@ def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, E, I, H, stride_xt, strid
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rn = tl.minimum(offs_n, I - 1).to(tl.int64)              # rows past I re-read the last (not stored)
         w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
-        g, u = _expert_dot(x_ptr, tl.arange(0, BLOCK_T), chose, stride_xt, w_ptrs, I * stride_wn, H, True,
-                           USE_DOT, DOT_F32, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_K)
+        s_ptrs = s_ptr + e.to(tl.int64) * stride_se + (rn // BN) * stride_sn
+        g, u = _expert_dot(x_ptr, tl.arange(0, BLOCK_T), chose, stride_xt, w_ptrs, I * stride_wn, s_ptrs,
+                           UP_SROW * stride_sn, H, True, USE_DOT, DOT_F32, FP8, MODE, BK, BLOCK_N, BLOCK_K, BLOCK_T,
+                           EVEN_K)
         if PDL:
             gdc_launch_dependents()
         h = _swiglu(g, u, h_ptr.dtype.element_ty)
@@ -132,11 +176,12 @@ def _decode_up_kernel(x_ptr, w_ptr, h_ptr, ids_ptr, T, E, I, H, stride_xt, strid
 
 
 @triton.jit
-def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, E, H, I, stride_hm, stride_we, stride_wn,
-                        stride_om, PAIRS_PER_SPLIT, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                        PDL: tl.constexpr):
+def _decode_down_kernel(h_ptr, w_ptr, s_ptr, wts_ptr, ids_ptr, out_ptr, T, E, H, I, stride_hm, stride_we, stride_wn,
+                        stride_se, stride_sn, UP_SROW, stride_om, PAIRS_PER_SPLIT, TOP_K: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr,
+                        DOT_F32: tl.constexpr, FP8: tl.constexpr, MODE: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        PARTIAL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,8 +194,9 @@ def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, E, H, I, str
         if _leads(ids_ptr, p, e, E, BLOCK_P):
             chose, pair_rows = _expert_tokens(ids_ptr, e, T, TOP_K, BLOCK_T, BLOCK_KS)
             w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
-            y, _ = _expert_dot(h_ptr, pair_rows, chose, stride_hm, w_ptrs, 0, I, False, USE_DOT, DOT_F32,
-                               BLOCK_N, BLOCK_K, BLOCK_T, EVEN_K)
+            s_ptrs = s_ptr + e.to(tl.int64) * stride_se + (rn // BN) * stride_sn
+            y, _ = _expert_dot(h_ptr, pair_rows, chose, stride_hm, w_ptrs, 0, s_ptrs, 0, I, False, USE_DOT, DOT_F32,
+                               FP8, MODE, BK, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_K)
             wt = tl.load(wts_ptr + pair_rows, mask=chose, other=0.0)
             acc += y.to(act_ty).to(tl.float32) * wt[None, :]
     if PDL:
@@ -166,25 +212,28 @@ def _decode_down_kernel(h_ptr, w_ptr, wts_ptr, ids_ptr, out_ptr, T, E, H, I, str
 def _meta(tokens: int, top_k: int, block_m: int, tile: Tile, k: int, x: torch.Tensor, w: torch.Tensor) -> dict:
     pdl = use_pdl(x)
     return dict(TOP_K=top_k, BLOCK_P=triton.next_power_of_2(tokens * top_k), BLOCK_T=max(block_m, 1),
-                BLOCK_KS=triton.next_power_of_2(top_k), USE_DOT=block_m > 1, DOT_F32=dot_f32(x, w),
+                BLOCK_KS=triton.next_power_of_2(top_k), USE_DOT=block_m > 1, DOT_F32=dot_f32(x, w), MODE=fp8_mode(x),
                 BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0, PDL=pdl,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl)
 
 
-def decode_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, block_m: int, tile: Tile) -> torch.Tensor:
-    """h [T*k, I] in x's dtype: row t*k + j = SwiGLU of token t through expert ids[t, j]."""
+def decode_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, block_m: int, tile: Tile,
+              scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """h [T*k, I] in x's dtype: row t*k + j = SwiGLU of token t through expert ids[t, j]. `scale`, `block_size`:
+    w13 is FP8 with these block scales."""
     tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w13.shape[1] // 2
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _decode_up_kernel[(tokens * top_k, triton.cdiv(inter, tile.block_n))](
-        x, w13, h, topk_ids, tokens, w13.shape[0], inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0),
-        **_meta(tokens, top_k, block_m, tile, hidden, x, w13))
+        x_ptr=x, w_ptr=w13, h_ptr=h, ids_ptr=topk_ids, T=tokens, E=w13.shape[0], I=inter, H=hidden,
+        stride_xt=x.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_hm=h.stride(0),
+        **scale_args(w13, scale, block_size, True), **_meta(tokens, top_k, block_m, tile, hidden, x, w13))
     return h
 
 
 def decode_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, block_m: int,
-                tile: Tile, split: int) -> torch.Tensor:
+                tile: Tile, split: int, scale: torch.Tensor | None = None,
+                block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """out [T, H] in h's dtype: sum_j weights[t, j] * (h[t*k + j] Wd_{ids[t, j]}^T), y rounded per pair."""
     tokens, top_k = topk_ids.shape
     hidden, inter = w2.shape[1], w2.shape[2]
@@ -196,13 +245,18 @@ def decode_down(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, t
     else:
         out = torch.empty(split * tokens, hidden, dtype=torch.float32, device=h.device)
     _decode_down_kernel[(triton.cdiv(hidden, tile.block_n), split)](
-        h, w2, topk_weights, topk_ids, out, tokens, w2.shape[0], hidden, inter, h.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), per_split, PARTIAL=split > 1, **_meta(tokens, top_k, block_m, tile, inter, h, w2))
+        h_ptr=h, w_ptr=w2, wts_ptr=topk_weights, ids_ptr=topk_ids, out_ptr=out, T=tokens, E=w2.shape[0], H=hidden,
+        I=inter, stride_hm=h.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_om=out.stride(0),
+        PAIRS_PER_SPLIT=per_split, PARTIAL=split > 1, **scale_args(w2, scale, block_size, False),
+        **_meta(tokens, top_k, block_m, tile, inter, h, w2))
     return out if split == 1 else moe_sum(out, None, tokens, split, 1, tokens, h.dtype)
 
 
 def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
-    """The decode path of `fused_moe` (inputs checked by the caller; T == 1 for block_m 1, T <= 16 for 16)."""
-    h = decode_up(x, w13, topk_ids, cfg.block_m, cfg.up)
-    return decode_down(h, w2, topk_weights, topk_ids, cfg.block_m, cfg.down, cfg.split)
+                     topk_ids: torch.Tensor, cfg: MoeConfig, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """The decode path of `fused_moe` (inputs checked by the caller; T == 1 for block_m 1, T <= 16 for 16).
+    `scales` (s13, s2) with `block_size`: FP8 experts (block_k dividing bk: `moe_fp8.fp8_config`)."""
+    s13, s2 = scales if scales is not None else (None, None)
+    h = decode_up(x, w13, topk_ids, cfg.block_m, cfg.up, s13, block_size)
+    return decode_down(h, w2, topk_weights, topk_ids, cfg.block_m, cfg.down, cfg.split, s2, block_size)

@@ -21,6 +21,18 @@ stores its epilogue; padding rows (pair N) read the last token and are never sto
 (fp32 x, 16-bit weights) take exact fp32 dots ("ieee"). Weights are read once per block of their expert:
 traffic ~ sum over used experts of ceil(rows_e / BLOCK_M) * 3*I*H*sizeof(w) (L2 shares it within a band) + the
 activations: gather of x (P*H), h written and read (2*P*I), y written and read (2*N*H), out (T*H).
+
+FP8 experts (`kernels/moe_fp8.py`, W8A16): w13 / w2 hold e4m3 bytes with fp32 block scales s [E, rows, cols] of
+[bn, bk] blocks; BLOCK_K divides bk, so each K step of a tile sees one scale per weight row n, and the tile is
+dequantised in registers before its dot, rounded once to x's dtype as `fused_moe_fp8_ref` rounds the weights:
+
+    acc[m, n] += sum_{k in step} x[m, k] * act(q[n, k] * s[e, row(n), k0 / bk])     (fp32 accumulate)
+
+with row(n) = n // bn (gate rows, down), ceil(I / bn) + n // bn (up rows: their own blocks). (Scaling each step's
+partial sums instead needs a second [BLOCK_M, BLOCK_N] fp32 tile per accumulator: the gated 64 x 128 tile then
+spills, tests/test_moe_fp8_codegen.py.) The conversion, ~3 instructions a weight, is shared by the BLOCK_M rows of
+the tile. Weight traffic is halved: ceil(rows_e / BLOCK_M) * 3*I*H bytes per used expert, plus E*3*I*H / (bn*bk) * 4
+of scales.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from orinfer.kernels.fp8_mm import A16_BF16, A16_FP16, PLAIN
 from orinfer.kernels.gemv import interpreting
 from orinfer.kernels.moe_align import MoeAlignment, moe_align
 from orinfer.kernels.moe_config import MoeConfig, Tile
@@ -46,6 +59,13 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _dequant_tile(q, s, act_ty: tl.constexpr):
+    """An e4m3 weight tile q [K, N] inside one scale column times its columns' scales s [N] (fp32), rounded once to
+    act_ty: the weights `fused_moe_fp8_ref` multiplies by, for the tensor cores to accumulate in place."""
+    return (q.to(tl.float32) * s[None, :]).to(act_ty)
+
+
+@triton.jit
 def _swiglu(g, u, act_ty: tl.constexpr):
     """silu(g) * u from fp32 sums with the unfused path's roundings: g and u to act_ty, silu, then the product."""
     g = g.to(act_ty).to(tl.float32)
@@ -55,10 +75,11 @@ def _swiglu(g, u, act_ty: tl.constexpr):
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks, A_ROWS, N_OUT, K, N_PAIRS,
-                    stride_am, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, GATED: tl.constexpr,
-                    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks, A_ROWS, N_OUT, K,
+                    N_PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_sn, UP_SROW, stride_om,
+                    TOP_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     band = GROUP_M * tl.cdiv(N_OUT, BLOCK_N)
     first_m = (pid // band) * GROUP_M
@@ -79,6 +100,8 @@ def _grouped_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blo
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
         wg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
         wu_ptrs = wg_ptrs + N_OUT * stride_wn
+        sg_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn // BN) * stride_sn    # FP8: [BLOCK_N] scale rows
+        su_ptrs = sg_ptrs + UP_SROW * stride_sn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -93,6 +116,11 @@ def _grouped_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blo
                 wg = tl.load(wg_ptrs, mask=k_in[:, None], other=0.0)
                 if GATED:
                     wu = tl.load(wu_ptrs, mask=k_in[:, None], other=0.0)
+            if FP8:
+                kb = k0 // BK
+                wg = _dequant_tile(wg, tl.load(sg_ptrs + kb), a.dtype)
+                if GATED:
+                    wu = _dequant_tile(wu, tl.load(su_ptrs + kb), a.dtype)
             acc_g = _mma(a, wg, acc_g, DOT_F32)
             if GATED:
                 acc_u = _mma(a, wu, acc_u, DOT_F32)
@@ -131,30 +159,56 @@ def dot_f32(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == torch.float32 or w.dtype == torch.float32 or interpreting()
 
 
+def fp8_mode(x: torch.Tensor) -> int:
+    """How FP8 weight tiles meet x on the tensor cores (`fp8_mm`'s modes): fp32 x and the interpreter take PLAIN."""
+    if x.dtype == torch.float32 or interpreting():
+        return PLAIN
+    return A16_FP16 if x.dtype == torch.float16 else A16_BF16
+
+
+def scale_args(w: torch.Tensor, scale: torch.Tensor | None, block_size: tuple[int, int] | None, gated: bool
+               ) -> dict:
+    """The scale arguments of the expert kernels: FP8 weights' scale tensor, its strides, the up rows' first scale
+    row (gated) and the block; for 16-bit weights placeholders that no load reads."""
+    if scale is None:
+        return dict(s_ptr=w, stride_se=0, stride_sn=0, UP_SROW=0, FP8=False, BN=1, BK=1)
+    bn, bk = block_size
+    up_srow = triton.cdiv(w.shape[1] // 2, bn) if gated else 0
+    return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), UP_SROW=up_srow, FP8=True,
+                BN=bn, BK=bk)
+
+
 def _launch_grouped(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, n_out: int,
-                    a_rows: int, n_pairs: int, top_k: int, gated: bool, tile: Tile) -> torch.Tensor:
+                    a_rows: int, n_pairs: int, top_k: int, gated: bool, tile: Tile,
+                    scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
     k = a.shape[1]
     num_blocks = align.block_expert.numel()
     grid = (num_blocks * triton.cdiv(n_out, tile.block_n),)
     _grouped_kernel[grid](
-        a, w, out, align.sorted_pairs, align.block_expert, num_blocks, a_rows, n_out, k, n_pairs, a.stride(0),
-        w.stride(0), w.stride(1), out.stride(0), TOP_K=top_k, GATED=gated, DOT_F32=dot_f32(a, w),
-        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=GROUP_M,
-        EVEN_K=k % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        a_ptr=a, w_ptr=w, out_ptr=out, sorted_ptr=align.sorted_pairs, block_expert_ptr=align.block_expert,
+        num_blocks=num_blocks, A_ROWS=a_rows, N_OUT=n_out, K=k, N_PAIRS=n_pairs, stride_am=a.stride(0),
+        stride_we=w.stride(0), stride_wn=w.stride(1), stride_om=out.stride(0), TOP_K=top_k, GATED=gated,
+        DOT_F32=dot_f32(a, w), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=GROUP_M, EVEN_K=k % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **scale_args(w, scale, block_size, gated))
     return out
 
 
-def grouped_up(x: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, tile: Tile) -> torch.Tensor:
-    """h [P, I] in x's dtype: SwiGLU of the gate/up GEMM for every sorted row (padding rows hold garbage)."""
+def grouped_up(x: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, tile: Tile,
+               scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """h [P, I] in x's dtype: SwiGLU of the gate/up GEMM for every sorted row (padding rows hold garbage). `scale`
+    and `block_size`: w13 is FP8 with these block scales."""
     inter = w13.shape[1] // 2
     h = torch.empty(align.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
-    return _launch_grouped(x, w13, h, align, inter, x.shape[0], x.shape[0] * top_k, top_k, True, tile)
+    return _launch_grouped(x, w13, h, align, inter, x.shape[0], x.shape[0] * top_k, top_k, True, tile, scale,
+                           block_size)
 
 
-def grouped_down(h: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, n_pairs: int, tile: Tile) -> torch.Tensor:
+def grouped_down(h: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, n_pairs: int, tile: Tile,
+                 scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """y [N, H] in h's dtype: row p = h's row of pair p times its expert's down weight (no routing weight)."""
     y = torch.empty(n_pairs, w2.shape[1], dtype=h.dtype, device=h.device)
-    return _launch_grouped(h, w2, y, align, w2.shape[1], h.shape[0], n_pairs, 1, False, tile)
+    return _launch_grouped(h, w2, y, align, w2.shape[1], h.shape[0], n_pairs, 1, False, tile, scale, block_size)
 
 
 def moe_sum(y: torch.Tensor, weights: torch.Tensor | None, tokens: int, terms: int, row_t: int, row_j: int,
@@ -171,10 +225,13 @@ def moe_sum(y: torch.Tensor, weights: torch.Tensor | None, tokens: int, terms: i
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
-    """The grouped path of `fused_moe` (inputs checked by the caller): align, up, down, sum. Five launches."""
+                      topk_ids: torch.Tensor, cfg: MoeConfig, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """The grouped path of `fused_moe` (inputs checked by the caller): align, up, down, sum. Five launches.
+    `scales` (s13, s2) with `block_size`: FP8 experts (the config's block_k dividing bk: `moe_fp8.fp8_config`)."""
     tokens, top_k = topk_ids.shape
+    s13, s2 = scales if scales is not None else (None, None)
     align = moe_align(topk_ids, w13.shape[0], cfg.block_m)
-    h = grouped_up(x, w13, align, top_k, cfg.up)
-    y = grouped_down(h, w2, align, tokens * top_k, cfg.down)
+    h = grouped_up(x, w13, align, top_k, cfg.up, s13, block_size)
+    y = grouped_down(h, w2, align, tokens * top_k, cfg.down, s2, block_size)
     return moe_sum(y, topk_weights, tokens, top_k, top_k, 1, x.dtype)

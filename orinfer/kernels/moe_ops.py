@@ -11,6 +11,9 @@ case and skips unused blocks on the device). Ids outside 0..E-1 select no expert
 and the router never emits them, even for rows of NaN (a mixed-step graph's padding rows; kernels/moe_route.py).
 Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit weights (mixed); other pairs take
 `fused_moe_ref`, which syncs with the host (not capturable: refused inside a capture).
+
+`fused_moe_fp8` runs the same two paths over FP8 block-wise experts (`kernels/moe_fp8.py`: e4m3 weights, fp32 block
+scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from orinfer.kernels.gemv import check_device
 from orinfer.kernels.moe import fused_moe_ref
 from orinfer.kernels.moe_config import MoeConfig, pick_config, valid
 from orinfer.kernels.moe_decode import fused_moe_decode
+from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_gemm import fused_moe_grouped
 from orinfer.kernels.moe_route import moe_route
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ["fused_moe", "moe_route"]
+__all__ = ["fused_moe", "fused_moe_fp8", "moe_route"]
 
 
 def _supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -62,10 +66,35 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     the tuner); it must suit T (`valid`). A token's k ids must be distinct (top-k's are) on the decode path."""
     _check(x, w13, w2, topk_weights, topk_ids)
     if not _supported(x, w13):
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"fused_moe: {x.dtype} activations with {w13.dtype} weights take the reference, which "
-                             "syncs with the host and cannot be captured in a CUDA graph")
+        _refuse_capture(x, f"{w13.dtype} weights")
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    return _run(x, w13, w2, topk_weights, topk_ids, config)
+
+
+def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  block_size: tuple[int, int], topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  config: MoeConfig | None = None) -> torch.Tensor:
+    """`fused_moe_fp8_ref`'s contract: w13 e4m3 [E, 2I, H] with s13 fp32 [E, 2 ceil(I/bn), ceil(H/bk)], w2 e4m3
+    [E, H, I] with s2 fp32 [E, ceil(H/bn), ceil(I/bk)]; the rest as `fused_moe`. `config` is a 16-bit config; its
+    K tiles are fitted to bk (`moe_fp8.fp8_config`)."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    check_expert_scales(w13, s13, w2, s2, block_size)
+    if x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
+        _refuse_capture(x, f"FP8 weights in blocks of {block_size[1]} inputs")
+        return fused_moe_fp8_ref(x, w13, s13, w2, s2, block_size, topk_weights, topk_ids)
+    return _run(x, w13, w2, topk_weights, topk_ids, config, (s13, s2), tuple(block_size))
+
+
+def _refuse_capture(x: torch.Tensor, what: str) -> None:
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"fused_moe: {x.dtype} activations with {what} take the reference, which syncs with the host "
+                         "and cannot be captured in a CUDA graph")
+
+
+def _run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+         config: MoeConfig | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+         block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """The kernels of the config's path (inputs checked); `scales`, `block_size`: FP8 experts."""
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device)
@@ -75,6 +104,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = pick_config(x, w13, top_k) if config is None else config
     if not valid(cfg, tokens):
         raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    if scales is not None:
+        cfg = fp8_config(cfg, block_size[1])
     if cfg.path == "decode":
-        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, cfg)
-    return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, cfg)
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, cfg, scales, block_size)
+    return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, cfg, scales, block_size)

@@ -8,6 +8,7 @@ share one code path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -44,6 +45,9 @@ class AttentionMetadata:
     # a state ([B] bool or int, nonzero: yes; zero: its first token is in this step, the slot's contents are ignored).
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    # Hybrid models under speculative decoding: each linear-attention layer hands this its conv inputs [T, C] and gate
+    # inputs [T, 2 Hv] (engine/state_rollback.py keeps the verify rows' ones to roll the state back).
+    keep_linear_inputs: Callable[[nn.Module, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def num_seqs(self) -> int:

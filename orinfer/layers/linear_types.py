@@ -2,7 +2,8 @@
 linears, so that model files build `make_linear(...)` and never name a format.
 
 Today: dense 16/32-bit (`Linear`, `PackedLinear`), AWQ INT4 (`AWQLinear`, `AWQPackedLinear`), FP8 block-wise
-(`FP8Linear`) and GPTQ 4/8-bit (`GPTQLinear`); each format's class lives in its own layer module.
+(`FP8Linear`) and GPTQ 4/8-bit (`GPTQLinear`); each format's class lives in its own layer module. The routed experts
+of an MoE layer likewise (`make_experts`): 16/32-bit `ExpertWeights`, FP8 `FP8ExpertWeights`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from orinfer.errors import ConfigError
 from orinfer.fp8_config import FP8Config
 from orinfer.gptq_config import GPTQConfig
 from orinfer.layers.awq_linear import QUANT_PARAMS, AWQLinear, AWQPackedLinear
+from orinfer.layers.fp8_experts import FP8ExpertWeights
 from orinfer.layers.fp8_linear import FP8Linear
 from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.linear import LinearBase, Linear, PackedLinear
+from orinfer.layers.moe import ExpertWeights
 from orinfer.layers.ops import Ops
 from orinfer.quant_config import AnyQuantConfig
 
@@ -43,6 +47,17 @@ def make_linear(quant: AnyQuantConfig | None, in_features: int, out: int | dict[
     if isinstance(out, dict):
         return AWQPackedLinear(in_features, out, bias, ops, dtype, group)
     return AWQLinear(in_features, out, bias, ops, dtype, group)
+
+
+def make_experts(quant: AnyQuantConfig | None, num_experts: int, hidden: int, intermediate: int, ops: Ops,
+                 dtype: torch.dtype) -> ExpertWeights:
+    """The routed experts of one MoE layer in the checkpoint's weight format (FP8 or 16/32-bit; config parsing
+    refuses the others for MoE models: moe_config.check_moe_weights)."""
+    if quant is None:
+        return ExpertWeights(num_experts, hidden, intermediate, ops, dtype)
+    if isinstance(quant, FP8Config):
+        return FP8ExpertWeights(num_experts, hidden, intermediate, ops, quant.block_size, online=quant.online)
+    raise ConfigError(f"{quant.method.upper()} weights are not supported for MoE experts")
 
 
 def misplaced_tensor(hf_name: str, our_name: str, params: dict[str, nn.Parameter],

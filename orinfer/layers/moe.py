@@ -12,6 +12,10 @@ Checkpoints store the routed experts one of two ways, both read here:
   Qwen3-VL-MoE), or transposed, [E, H, 2I] and [E, I, H] (the published Qwen3-VL-MoE checkpoints).
 `per_expert_tensors` turns fused tensors into per-expert views, so one loader fills the packed w13 / w2 expert by
 expert and never holds a second copy of them.
+
+The experts' weight format is their module's (`ExpertWeights`: 16/32-bit; layers/fp8_experts.py: FP8 block-wise, whose
+per-expert `weight_scale_inv` tensors, and HF's fused `gate_up_proj_scale_inv` / `down_proj_scale_inv`, load the
+same way); the model builds it with `linear_types.make_experts` and the module runs its own op.
 """
 
 from __future__ import annotations
@@ -23,48 +27,64 @@ import torch
 from torch import nn
 
 from orinfer.errors import WeightsError
-from orinfer.layers.linear import Linear, copy_checked
+from orinfer.kernels.fp8_block import FP8_DTYPE
+from orinfer.layers.linear import Linear, copy_checked, default_weight_loader
 from orinfer.layers.ops import Ops
 
-# A per-expert checkpoint tensor: (experts module, expert index, projection).
-_EXPERT_TENSOR = re.compile(
-    r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-# The packed parameter holding each projection.
+# A per-expert checkpoint tensor: (experts module, expert index, projection, tensor kind).
+_EXPERT_TENSOR = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                            r"\.(?P<kind>weight|weight_scale_inv)$")
+# The packed parameter holding each projection; a tensor kind's suffix on it (FP8 scales: "w13_scale_inv").
 _PACKED_IN = {"gate_proj": "w13", "up_proj": "w13", "down_proj": "w2"}
+_SUFFIX = {"weight": "", "weight_scale_inv": "_scale_inv"}
 
 
 class ExpertWeights(nn.Module):
-    """The routed experts' weights in the layout of `ops.fused_moe`: w13 [E, 2I, H] (each expert's gate rows, then
-    its up rows) and w2 [E, H, I]. A parameter's shards are the checkpoint's per-expert matrices, named by their
-    sub-name under `experts.` ("3.gate_proj"); each is copied into its slice as it arrives."""
+    """The routed experts' 16/32-bit weights in the layout of `ops.fused_moe`: w13 [E, 2I, H] (each expert's gate
+    rows, then its up rows) and w2 [E, H, I]. A parameter's shards are the checkpoint's per-expert matrices, named by
+    their sub-name under `experts.` ("3.gate_proj"); each is copied into its slice as it arrives. Calling the module
+    with (x [T, H], routing weights [T, k], expert ids [T, k]) gives the weighted sum of the chosen experts' FFNs."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self.ops, self.num_experts, self.intermediate = ops, num_experts, intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
         for param in (self.w13, self.w2):
             param.weight_loader = self._load_shard
 
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
     def shards_of(self, kind: str) -> tuple[str, ...]:
-        """Every checkpoint matrix that fills parameter `kind` ("w13" or "w2")."""
-        projs = [proj for proj, packed in _PACKED_IN.items() if packed == kind]
+        """Every checkpoint matrix that fills parameter `kind` ("w13" or "w2", or a tensor of theirs: "w13_...")."""
+        projs = [proj for proj, packed in _PACKED_IN.items() if kind.startswith(packed)]
         return tuple(f"{expert}.{proj}" for expert in range(self.num_experts) for proj in projs)
 
     def shard_view(self, tensor: torch.Tensor, shard: str) -> torch.Tensor:
-        """The slice of w13 or w2 (`tensor`) that holds checkpoint matrix `shard` ("{e}.gate_proj", ...)."""
+        """The slice of w13 or w2 (`tensor`, or a tensor of theirs packed the same way: FP8 scales) that holds
+        checkpoint matrix `shard` ("{e}.gate_proj", ...): gate in the first half of an expert's w13 rows, up in the
+        second."""
         expert, _, proj = shard.partition(".")
-        rows = self.intermediate
         part = tensor[int(expert)]
+        rows = part.shape[0] // 2
         if proj == "gate_proj":
             return part[:rows]
         return part[rows:] if proj == "up_proj" else part
 
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
+    def _kind(self, param: nn.Parameter, shard: object, name: str) -> str:
+        """The name of `param` here, after checking that checkpoint matrix `shard` belongs in it."""
+        kind = next(n for n, p in self._parameters.items() if p is param)
         expert, _, proj = str(shard).partition(".")
-        kind = "w13" if param is self.w13 else "w2"
-        if not expert.isdigit() or int(expert) >= self.num_experts or _PACKED_IN.get(proj) != kind:
+        if not expert.isdigit() or int(expert) >= self.num_experts or not kind.startswith(_PACKED_IN.get(proj, "?")):
             raise WeightsError(f"{name}: no expert matrix {shard!r} among {self.num_experts} experts")
+        return kind
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
+        self._kind(param, shard, name)
+        if loaded.dtype == FP8_DTYPE:
+            raise WeightsError(f"{name}: float8_e4m3fn expert weights, but config.json has no FP8 "
+                               "quantization_config")
         copy_checked(self.shard_view(param.data, str(shard)), loaded, name)
 
     def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -79,62 +99,124 @@ class SparseMoE(nn.Module):
     `shared_expert`, `shared_expert_gate`). The shared expert is any module mapping [T, H] to [T, H] (the model's
     MLP); the router and its gate stay 16-bit dense linears whatever the model's weight format."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool, ops: Ops,
-                 dtype: torch.dtype, shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, hidden: int, top_k: int, renormalize: bool, ops: Ops, dtype: torch.dtype,
+                 experts: ExpertWeights, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.ops, self.top_k, self.renormalize = ops, top_k, renormalize
-        self.gate = Linear(hidden, num_experts, False, ops, dtype)
-        self.experts = ExpertWeights(num_experts, hidden, intermediate, dtype)
+        self.gate = Linear(hidden, experts.num_experts, False, ops, dtype)
+        self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1, False, ops, dtype) if shared_expert is not None else None
+        for gate in (self.gate, self.shared_expert_gate):
+            if gate is not None:
+                gate.weight.weight_loader = _load_16_bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
-        out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
+def _load_16_bit(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
+    """The router's and the shared-expert gate's loader: they run 16/32-bit whatever the model's format (Qwen's FP8
+    releases list them in modules_to_not_convert), so an FP8 tensor there is an error, never a silent cast."""
+    if loaded.dtype == FP8_DTYPE or not loaded.is_floating_point():
+        raise WeightsError(f"{name}: the MoE router and shared-expert gate must be 16/32-bit weights (as Qwen's FP8 "
+                           f"releases keep them), checkpoint has {loaded.dtype}")
+    default_weight_loader(param, loaded, shard, name)
+
+
 def expert_param_for(name: str) -> tuple[str, str] | None:
-    """A per-expert checkpoint name ("...mlp.experts.3.up_proj.weight") -> (our packed parameter's name, shard), or
-    None for any other tensor."""
+    """A per-expert checkpoint name ("...mlp.experts.3.up_proj.weight", or its FP8 "...weight_scale_inv") -> (our
+    packed parameter's name: "...mlp.experts.w13", "...w13_scale_inv"; shard "3.up_proj"), or None for any other
+    tensor."""
     match = _EXPERT_TENSOR.match(name)
     if match is None:
         return None
-    return f"{match['module']}.{_PACKED_IN[match['proj']]}", f"{match['expert']}.{match['proj']}"
+    param = _PACKED_IN[match["proj"]] + _SUFFIX[match["kind"]]
+    return f"{match['module']}.{param}", f"{match['expert']}.{match['proj']}"
 
 
 def expert_checkpoint_name(param_name: str, shard: str) -> str | None:
     """The inverse of `expert_param_for` (for messages); None when `param_name` is no packed expert parameter."""
-    module, _, kind = param_name.rpartition(".")
-    if not module.endswith(".experts") or kind not in ("w13", "w2"):
+    module, _, param = param_name.rpartition(".")
+    kind = next((k for k, suffix in _SUFFIX.items() for packed in ("w13", "w2") if param == packed + suffix), None)
+    if not module.endswith(".experts") or kind is None:
         return None
-    return f"{module}.{shard}.weight"
+    return f"{module}.{shard}.{kind}"
 
 
-def per_expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]], hidden: int, intermediate: int
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def expert_block_size(quantization: object) -> tuple[int, int] | None:
+    """The block size whose scales fused expert tensors carry (FP8 block-wise), or None: the models pass their
+    quantization config through without naming a format."""
+    return getattr(quantization, "block_size", None)
+
+
+def per_expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]], hidden: int, intermediate: int,
+                       block_size: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every fused expert tensor (`experts.gate_up_proj`, `experts.down_proj`, either
-    orientation) replaced by per-expert views under the per-expert names; other tensors pass unchanged.
+    orientation) replaced by per-expert views under the per-expert names; other tensors pass unchanged. With the
+    FP8 `block_size` (bn, bk) their block scales too (HF's FP8 experts: `gate_up_proj_scale_inv` [E, ceil(2I/bn),
+    ceil(H/bk)], `down_proj_scale_inv` [E, ceil(H/bn), ceil(I/bk)]) become per-expert `weight_scale_inv` views.
 
     An orientation is told by the shape, as HF's loader tells it: the [E, 2I, H] / [E, H, I] layout when the tensor
-    has that shape, else the transposed one (so a square case, H == 2I, reads as untransposed, as in HF)."""
+    has that shape, else the transposed one (so a square case, H == 2I, reads as untransposed, as in HF); a scale
+    tensor by the same rule on its block grid (transposed scales need square blocks: W^T's blocks are then W's
+    transposed)."""
     for name, tensor in tensors:
         module, _, kind = name.rpartition(".")
-        if not module.endswith(".experts") or kind not in ("gate_up_proj", "down_proj"):
+        proj = kind.removesuffix("_scale_inv")
+        is_scale = proj != kind
+        if (not module.endswith(".experts") or proj not in ("gate_up_proj", "down_proj")
+                or (is_scale and block_size is None)):
             yield name, tensor
             continue
-        rows = 2 * intermediate if kind == "gate_up_proj" else hidden
-        cols = hidden if kind == "gate_up_proj" else intermediate
-        if tensor.dim() == 3 and tuple(tensor.shape[1:]) == (cols, rows) != (rows, cols):
-            tensor = tensor.transpose(1, 2)
-        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (rows, cols):
-            raise WeightsError(f"{name}: expected shape [E, {rows}, {cols}] (or [E, {cols}, {rows}]), checkpoint has "
-                               f"{list(tensor.shape)}")
+        rows = 2 * intermediate if proj == "gate_up_proj" else hidden
+        cols = hidden if proj == "gate_up_proj" else intermediate
+        if is_scale:
+            tensor = _fused_scales(name, tensor, rows, cols, intermediate if proj == "gate_up_proj" else 0,
+                                   block_size)
+            split, suffix = tensor.shape[1] // 2, "weight_scale_inv"
+        else:
+            tensor = _oriented(name, tensor, rows, cols)
+            split, suffix = intermediate, "weight"
         for expert in range(tensor.shape[0]):
-            if kind == "down_proj":
-                yield f"{module}.{expert}.down_proj.weight", tensor[expert]
+            if proj == "down_proj":
+                yield f"{module}.{expert}.down_proj.{suffix}", tensor[expert]
             else:
-                yield f"{module}.{expert}.gate_proj.weight", tensor[expert, :intermediate]
-                yield f"{module}.{expert}.up_proj.weight", tensor[expert, intermediate:]
+                yield f"{module}.{expert}.gate_proj.{suffix}", tensor[expert, :split]
+                yield f"{module}.{expert}.up_proj.{suffix}", tensor[expert, split:]
+
+
+def _oriented(name: str, tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """`tensor` as [E, rows, cols] (a transposed [E, cols, rows] viewed so); WeightsError for any other shape."""
+    if tensor.dim() == 3 and tuple(tensor.shape[1:]) == (cols, rows) != (rows, cols):
+        tensor = tensor.transpose(1, 2)
+    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (rows, cols):
+        raise WeightsError(f"{name}: expected shape [E, {rows}, {cols}] (or [E, {cols}, {rows}]), checkpoint has "
+                           f"{list(tensor.shape)}")
+    return tensor
+
+
+def _fused_scales(name: str, tensor: torch.Tensor, rows: int, cols: int, gate_rows: int,
+                  block_size: tuple[int, int]) -> torch.Tensor:
+    """The block scales of a fused [E, rows, cols] expert tensor as [E, ceil(rows/bn), ceil(cols/bk)]; a fused
+    gate|up (gate_rows = I) must have I divisible by bn, so that no block mixes gate and up rows (orinfer keeps each
+    matrix's own blocks; Qwen's real I all divide by 128)."""
+    bn, bk = block_size
+    grid, flipped = (-(-rows // bn), -(-cols // bk)), (-(-cols // bn), -(-rows // bk))
+    if tensor.dim() == 3 and tuple(tensor.shape[1:]) == flipped != grid:
+        if bn != bk:
+            raise WeightsError(f"{name}: transposed expert scales need square blocks, quantization_config has "
+                               f"weight_block_size {list(block_size)}")
+        tensor = tensor.transpose(1, 2)
+    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != grid:
+        raise WeightsError(f"{name}: expected block scales [E, {grid[0]}, {grid[1]}] for blocks {list(block_size)}, "
+                           f"checkpoint has {list(tensor.shape)}")
+    if gate_rows % bn:
+        raise WeightsError(f"{name}: moe_intermediate_size {gate_rows} does not divide by the block rows {bn}, so the "
+                           "fused gate_up_proj's blocks mix gate and up rows; orinfer reads such experts per expert "
+                           "(experts.N.gate_proj / up_proj with their own blocks)")
+    return tensor

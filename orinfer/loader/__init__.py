@@ -70,7 +70,7 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
         for name, param in model.named_parameters():
             if param.dtype == torch.float8_e4m3fn:  # FP8 codes ~ N(0, 1) (scales of std: below)
                 param.copy_(torch.randn(param.shape, generator=gen, device=device).clamp_(-448, 448))
-            elif name.endswith(".weight_scale_inv"):
+            elif name.endswith("scale_inv"):  # FP8 block scales (linears' weight_scale_inv, experts' w13_scale_inv)
                 param.fill_(std)
             elif param.dtype == torch.int32:  # packed nibbles / bytes: any bits are valid codes (GPTQ: below)
                 param.random_(generator=gen)

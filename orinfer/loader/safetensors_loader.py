@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,10 +18,21 @@ from tqdm.auto import tqdm
 
 from orinfer.errors import OrinferError, WeightsError
 
+
+
+@dataclass(frozen=True)
+class Then:
+    """A part of a tensor (any form `read_slice` takes), then `fn` applied to what was read (e.g. a transpose that
+    gives a rank's part of a fused tensor the layout the model's loader expects)."""
+
+    part: Any
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+
 # (name, shape) -> the part of a tensor to read: (dimension, first index, length), optionally with a function
-# applied to that part once read, or a list of such ranges along one dimension to concatenate, or None for the
-# whole tensor (distributed/sharding.py and slices.py make them).
-Slicer = Callable[[str, tuple[int, ...]], "tuple | list[tuple[int, int, int]] | None"]
+# applied to that part once read, or a list of such ranges along one dimension to concatenate, or such a part
+# wrapped in `Then`, or None for the whole tensor (distributed/sharding.py and slices.py make them).
+Slicer = Callable[[str, tuple[int, ...]], "tuple | list[tuple[int, int, int]] | Then | None"]
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +97,14 @@ def iter_safetensors(files: list[Path], device: torch.device | str = "cpu", dtyp
         bar.close()
 
 
-def read_slice(handle, name: str, part: "tuple | list[tuple[int, int, int]] | None") -> torch.Tensor:
+def read_slice(handle, name: str, part: "tuple | list[tuple[int, int, int]] | Then | None") -> torch.Tensor:
     """Only `part` (dimension, first index, length[, function of the part]) of tensor `name` of an open safetensors
-    file; a list of ranges: those parts, concatenated along their dimension; None: all of it."""
+    file; a list of ranges: those parts, concatenated along their dimension; `Then`: its part, then its function;
+    None: all of it."""
     if part is None:
         return handle.get_tensor(name)
+    if isinstance(part, Then):
+        return part.fn(read_slice(handle, name, part.part))
     if isinstance(part, list):
         return torch.cat([read_slice(handle, name, p) for p in part], dim=part[0][0])
     dim, start, length, *then = part

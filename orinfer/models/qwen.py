@@ -20,9 +20,9 @@ from orinfer.errors import WeightsError
 from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import LinearBase
-from orinfer.layers.linear_types import make_linear, misplaced_tensor
-from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_checkpoint_name, expert_param_for,
-                                per_expert_tensors)
+from orinfer.layers.linear_types import make_experts, make_linear, misplaced_tensor
+from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_block_size, expert_checkpoint_name,
+                                expert_param_for, per_expert_tensors)
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
@@ -76,8 +76,9 @@ def make_mlp(cfg: ModelConfig, index: int, ops: Ops, dtype: torch.dtype) -> nn.M
     if not cfg.is_sparse_layer(index):
         return QwenMLP(cfg, ops, dtype)
     width = cfg.shared_expert_intermediate_size
-    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                     cfg.norm_topk_prob, ops, dtype, shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
+    experts = make_experts(cfg.quantization, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype)
+    return SparseMoE(cfg.hidden_size, cfg.num_experts_per_tok, cfg.norm_topk_prob, ops, dtype, experts,
+                     shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
 
 
 class QwenDecoderLayer(nn.Module):
@@ -127,6 +128,7 @@ class QwenForCausalLM(nn.Module):
     tensor_parallel_plan = {
         "heads": ("q_proj",), "kv_heads": ("k_proj", "v_proj"), "columns": ("gate_proj", "up_proj"),
         "rows": ("o_proj", "down_proj"), "vocab": ("embed_tokens", "lm_head"), "reduce_outputs": ("self_attn", "mlp"),
+        "fused_experts": ("experts",),
     }
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
@@ -196,7 +198,8 @@ class QwenForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = self._expected_keys()
         if self.config.num_experts:
-            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size)
+            tensors = per_expert_tensors(tensors, self.config.hidden_size, self.config.moe_intermediate_size,
+                                         expert_block_size(self.config.quantization))
         loaded: set[tuple[str, object]] = set()
         for hf_name, tensor in tensors:
             target = self._param_for(hf_name)

@@ -10,7 +10,8 @@ Each layer mixes tokens one of two ways (`config.layer_types`, e.g. three "linea
   output multiplied by sigmoid of a gate that q_proj emits beside each query head.
 The norms are zero-centred (scale 1 + w). MLP, residual structure, embedding and head are Qwen3's; in the MoE
 variants (Qwen3_5Moe*) every layer's MLP is routed experts plus a gated shared expert (`make_mlp`). The MTP head
-(`mtp.*`, one extra layer for speculative decoding) is loaded and kept when the checkpoint has it, not run yet.
+(`mtp.*`, one extra layer for speculative decoding: models/qwen3_5_mtp.py) is built when the config asks for it (the
+engine asks only for speculative_config method "mtp") and dropped when the checkpoint lacks it.
 A Qwen3_5ForConditionalGeneration checkpoint (this decoder behind a vision tower) is models/qwen3_5_vl.py.
 """
 
@@ -31,6 +32,7 @@ from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
 from orinfer.models.qwen import QwenForCausalLM, make_mlp
+from orinfer.models.qwen3_5_mtp import MTPHead
 
 # checkpoint sub-name -> (packed parameter's sub-name, shard id)
 _PACKED = {
@@ -56,6 +58,7 @@ _TENSOR_PARALLEL_PLAN = {
     "parts": {"in_proj_qkv": (_KEYS, _KEYS, _VALUES), "conv1d": (_KEYS, _KEYS, _VALUES), "in_proj_z": (_VALUES,),
               "in_proj_b": _PER_VALUE_HEAD, "in_proj_a": _PER_VALUE_HEAD, "linear_attn.A_log": _PER_VALUE_HEAD,
               "linear_attn.dt_bias": _PER_VALUE_HEAD},
+    "unquantized": ("conv1d",),
     "reduce_outputs": ("self_attn", "linear_attn", "mlp"),
 }
 
@@ -121,21 +124,40 @@ class GatedDeltaNetBlock(nn.Module):
         self.ssm_states: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        cfg, ops, tokens = self.cfg, self.ops, hidden.shape[0]
+        cfg, tokens = self.cfg, hidden.shape[0]
         if self.conv_states is None or meta.state_slots is None:
             raise RuntimeError("a Gated DeltaNet layer runs only inside an engine step (it needs state slots)")
+        heads, value_dim = cfg.linear_num_value_heads, cfg.linear_value_dim
+        projected = self.in_proj(hidden)
+        mixed, z, gates = projected.split([cfg.linear_conv_dim, value_dim, 2 * heads], dim=-1)
+        if meta.keep_linear_inputs is not None:
+            # Speculative verify steps: the state-changing inputs are kept, so that the state can be rebuilt after
+            # the last accepted token (`advance_state`).
+            meta.keep_linear_inputs(self, mixed, gates)
+        out = self._mix(mixed, gates, meta, decode=meta.max_query_len == 1)
+        out = self.ops.gated_rms_norm(out.reshape(tokens * heads, -1), z.reshape(tokens * heads, -1),
+                                      self.norm.weight, self.norm.eps)
+        return self.out_proj(out.reshape(tokens, value_dim))
+
+    def advance_state(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Advances each sequence's state slot over rows of conv inputs `mixed` [T, C] and gate inputs `gates`
+        [T, 2 Hv] (b | a) that `forward` kept, as `forward` would over the same tokens; no output. One row a sequence
+        at a time is what decode does: the recurrent path (any number of rows)."""
+        self._mix(mixed, gates, meta, decode=True)
+
+    def _mix(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata, decode: bool) -> torch.Tensor:
+        """The conv and the gated delta rule over the state slots: [T, Hv, Dv]."""
+        cfg, ops, tokens = self.cfg, self.ops, mixed.shape[0]
         heads, key_dim, value_dim = cfg.linear_num_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
-        mixed, z, b, a = self.in_proj(hidden).split([cfg.linear_conv_dim, value_dim, heads, heads], dim=-1)
+        b, a = gates.split([heads, heads], dim=-1)
         mixed = ops.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), meta.query_start_loc, self.conv_states,
                                   meta.state_slots, meta.has_initial_state)
         q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        out = ops.gated_delta_rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk), v.reshape(tokens, heads, dv),
-                                   a, b, self.A_log, self.dt_bias, meta.query_start_loc, self.ssm_states,
-                                   meta.state_slots, meta.has_initial_state, decode=meta.max_query_len == 1)
-        out = ops.gated_rms_norm(out.reshape(tokens * heads, dv), z.reshape(tokens * heads, dv), self.norm.weight,
-                                 self.norm.eps)
-        return self.out_proj(out.reshape(tokens, value_dim))
+        return ops.gated_delta_rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk),
+                                    v.reshape(tokens, heads, dv), a, b, self.A_log, self.dt_bias,
+                                    meta.query_start_loc, self.ssm_states, meta.state_slots, meta.has_initial_state,
+                                    decode=decode)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -166,22 +188,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class MTPHead(nn.Module):
-    """The multi-token-prediction head's weights (HF names under `mtp.`): fc over [norm(embedding) | norm(hidden)],
-    full-attention decoder layer(s), a final norm. Kept for speculative decoding; not run yet."""
-
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.fc = make_linear(None, 2 * cfg.hidden_size, cfg.hidden_size, False, ops, dtype)
-        self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
-        self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
-        # Numbered after the decoder's layers (an MoE model's are all sparse: so are these).
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, "full_attention", rotary, ops, dtype, index)
-                                    for index in range(cfg.num_hidden_layers, cfg.num_hidden_layers
-                                                       + cfg.mtp_num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
-
-
 class Qwen3_5ForCausalLM(QwenForCausalLM):
     """The text decoder (HF's Qwen3_5ForCausalLM layout: `model.*`, `lm_head`, optionally `mtp.*`)."""
 
@@ -204,7 +210,10 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, weight_dtype, zero_centered=True)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ops, weight_dtype,
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
-        self.mtp = MTPHead(cfg, self.rotary, ops, weight_dtype) if cfg.mtp_num_hidden_layers else None
+        self.mtp = None
+        if cfg.mtp_num_hidden_layers:
+            self.mtp = MTPHead(cfg, ops, weight_dtype, lambda index: Qwen3_5DecoderLayer(
+                cfg, "full_attention", self.rotary, ops, weight_dtype, index))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]

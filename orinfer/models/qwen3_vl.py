@@ -52,6 +52,12 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     decoder_class: type[QwenForCausalLM] = QwenForCausalLM
     # Checkpoint tensors outside "model." that belong to the decoder, under their own names.
     decoder_top_level: tuple[str, ...] = ("lm_head.",)
+    # Prefix of the decoder's tensors in checkpoints.
+    hf_prefix = TEXT_PREFIX
+    # Tensor parallelism (distributed/sharding.py): the decoder splits as Qwen3 / Qwen3-MoE (fused experts too);
+    # every rank holds the whole tower, which rank 0 alone runs (the runner encodes images there); the embeddings,
+    # DeepStack features and M-RoPE positions reach the workers with the forward's inputs (MultimodalBatch).
+    tensor_parallel_plan = {**QwenForCausalLM.tensor_parallel_plan, "whole": ("visual",)}
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -70,7 +76,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         self.visual = Qwen3VLVisionTower(self.vision_config, ops, weight_dtype)
         self.vision_graphs: VisionGraphCache | None = None   # `enable_vision_graphs()`
         self.language_model = self.decoder_class(cfg, ops, weight_dtype, act_dtype)
-        self.language_model.hf_prefix = TEXT_PREFIX
+        self.language_model.hf_prefix = self.hf_prefix
         # One axis per rotary frequency: rotary_dim / 2 of them (all of head_dim, or the partial-rotary share).
         self.register_buffer("mrope_axes", mrope_frequency_axes(cfg.rotary_dim, cfg.mrope_section), persistent=False)
 

@@ -8,6 +8,7 @@ from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import DraftModelProposer
+from orinfer.spec_decode.mtp import MTPProposer
 from orinfer.spec_decode.ngram import TokenArrays, ngram_draft
 
 
@@ -42,8 +43,10 @@ class NgramProposer:
         self.arrays.keep_only({seq.seq_id for seq in running})
 
 
-def make_proposer(config: SpeculativeConfig, draft: "DraftModelProposer | None" = None) -> Proposer:
-    """The proposer of `config.method`; `draft`: the engine's draft-model proposer, if it loaded a draft model."""
+def make_proposer(config: SpeculativeConfig, draft: "DraftModelProposer | None" = None,
+                  mtp: "MTPProposer | None" = None) -> Proposer:
+    """The proposer of `config.method`; `draft`: the engine's draft-model proposer, if it loaded a draft model;
+    `mtp`: its MTP proposer, if it was created with method mtp."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "draft_model":
@@ -52,5 +55,11 @@ def make_proposer(config: SpeculativeConfig, draft: "DraftModelProposer | None" 
                               "(LLM(..., speculative_config={'method': 'draft_model', 'model': DIR, ...}) does)")
         draft.k = config.num_speculative_tokens
         return draft
-    raise ConfigError(f"speculative_config: method {config.method!r} is not supported yet (ngram and draft_model "
-                      "are)")
+    if mtp is None:
+        raise ConfigError("speculative_config: method 'mtp' needs the engine created with it (LLM(..., "
+                          "speculative_config={'method': 'mtp', ...}) loads the MTP head and sizes its KV cache)")
+    if config.num_speculative_tokens > mtp.k:
+        raise ConfigError(f"speculative_config: num_speculative_tokens {config.num_speculative_tokens} exceeds the "
+                          f"{mtp.k} the engine was created with")
+    mtp.k, mtp.max_batch = config.num_speculative_tokens, config.max_batch
+    return mtp

@@ -228,6 +228,29 @@ def test_decode_bytes_count_the_experts_a_batch_hits():
         10**10 - 2 * dense.vocab_size * dense.hidden_size + 4 * 2 * 36 * 100 * dense.kv_size * 2)
 
 
+def test_structured_bench_compares_constrained_with_plain_decoding(tiny_llm):
+    """`--structured`: the engine holds the structured batches; each batch gets a plain and a JSON-constrained row
+    of full length (the schema's shortest instance is longer than the decode tokens), and their ratio."""
+    from orinfer.bench.structured_bench import bench_structured, structured_markdown
+
+    args = _args("--backend", "torch", "--batch-sizes", "1", "--structured", "/unused",
+                 "--structured-batch-sizes", "1,5", "--decode-tokens", "9")
+    plan = bench_plan(args, preset("qwen3-0.6b"), torch.float32)
+    assert plan["engine_config"].max_num_seqs == 5
+    cfg = tiny_llm.engine.parts.model_config
+    queued = tiny_llm.engine.num_queued_steps
+    rows = bench_structured(tiny_llm, cfg, [1, 3], 9, 6, repeats=1)
+    assert list(rows) == [1, 3] and set(rows[3]) == {"plain", "json", "ratio"}
+    for batch_rows in rows.values():
+        for mode in ("plain", "json"):
+            row = batch_rows[mode]
+            assert row["min_tokens"] == row["max_tokens"] == 9 and row["tok_s"] > 0
+        assert batch_rows["ratio"] == batch_rows["json"]["tok_s"] / batch_rows["plain"]["tok_s"]
+    assert tiny_llm.engine.num_queued_steps > queued  # the constrained rows took the overlapped path
+    table = "\n".join(structured_markdown(rows))
+    assert "| 3 |" in table and "20-field JSON schema" in table
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
 def test_synthetic_fp8_moe_has_fp8_experts(name):
     """`bench --synthetic qwen3-30b-a3b --quant fp8`: the routed experts are FP8 too (built on the meta device at the

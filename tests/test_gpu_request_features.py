@@ -52,12 +52,18 @@ def test_structured_outputs_with_graphs_and_lookahead(pair):
               "required": ["name", "age"], "additionalProperties": False}
     params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs={"json": schema}),
               SamplingParams(**GREEDY), SamplingParams(temperature=0.0, max_tokens=8,
-                                                       structured_outputs={"choice": ["yes", "no"]})]
-    got, want = _both(pair, [ALICE] * 3, params)
+                                                       structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(temperature=0.0, max_tokens=64, repetition_penalty=1.2, logprobs=2,
+                             structured_outputs={"json": schema})]
+    queued = pair[0].engine.num_queued_steps
+    got, want = _both(pair, [ALICE] * 4, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[0].finish_reason == "stop" and set(json.loads(got[0].text)) == {"name", "age"}
     assert got[2].text in ("yes", "no")
     assert pair[0].engine.num_lookahead_steps > 0
+    # Steps queued before the previous tokens were processed: their sampler read a graph's logits after the masks
+    # of the next step's forward had been built (kernels/token_bitmask.py applies them).
+    assert pair[0].engine.num_queued_steps > queued
 
 
 def test_thinking_budget_between_graph_steps(pair):

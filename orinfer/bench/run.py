@@ -57,6 +57,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--draft-synthetic", default="qwen3-0.6b", metavar="PRESET",
                    help="--speculative draft_model: random weights of this preset's shapes draft (default qwen3-0.6b)")
     p.add_argument("--spec-batch-sizes", default="1,8")
+    p.add_argument("--structured", default=None, metavar="TOKENIZER_DIR",
+                   help="also measure JSON-schema-constrained decoding against unconstrained (temperature 1) at "
+                        "--structured-batch-sizes; the masks need the model family's real tokenizer: a directory "
+                        "with its tokenizer.json (bench/structured_bench.py)")
+    p.add_argument("--structured-batch-sizes", default="1,64")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     # The engine settings a benchmark may vary; the workload sets the batching limits and the KV-cache size.
     add_engine_args(p, only=BENCH_ENGINE_SETTINGS, defaults={"dtype": "bfloat16"})
@@ -89,8 +94,9 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
         plan.update(kv_tokens=fit["kv_tokens"], notes=fit["notes"])
         kv_budget: dict = {"num_kv_blocks": fit["num_blocks"]}
     # The engine (sequences, KV cache) must also hold the speculative runs' batches.
-    engine_batches = batch_sizes + ([int(x) for x in args.spec_batch_sizes.split(",") if x]
-                                    if getattr(args, "speculative", None) else [])
+    engine_batches = batch_sizes + (_ints(args.spec_batch_sizes)
+                                    if getattr(args, "speculative", None) else []) \
+        + (_ints(args.structured_batch_sizes) if getattr(args, "structured", None) else [])
     max_len = max(prompt_lens + [seq_tokens]) + 16
     if args.kv_tokens is None:
         kv_bytes = 2 * cfg.num_kv_layers * cfg.kv_size * dtype.itemsize * max(engine_batches) * (seq_tokens + 32)
@@ -115,6 +121,10 @@ def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -
     plan["engine_config"] = engine_config
     plan.update(prompt_lens=prompt_lens, batch_sizes=batch_sizes)
     return plan
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def _bench_spec_config(args: argparse.Namespace, engine_batches: list[int]) -> dict | None:
@@ -188,7 +198,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         llm = LLM(args.model, engine_config.replace(device="cuda"))
     else:
         draft = preset(args.draft_synthetic) if args.speculative == "draft_model" else None
-        llm = build_synthetic_llm(cfg, dtype, device, engine_config, draft=draft)
+        tokenizer = None
+        if args.structured:
+            from orinfer.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(args.structured)
+        llm = build_synthetic_llm(cfg, dtype, device, engine_config, tokenizer=tokenizer, draft=draft)
     llm.engine.set_speculation(None)  # (created with --speculative's config: plain decoding first)
     model = llm.engine.parts.model
     wbytes = weight_bytes(model)
@@ -219,6 +234,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             llm, cfg, spec, [int(x) for x in args.spec_batch_sizes.split(",") if x], args.decode_tokens,
             args.decode_prompt_len)}
         name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
+    if args.structured:
+        from orinfer.bench.structured_bench import bench_structured
+
+        result["structured"] = bench_structured(llm, cfg, _ints(args.structured_batch_sizes), args.decode_tokens,
+                                                args.decode_prompt_len)
+        name = result["model"] = f"{name}-structured"
     for batch, row in timings["decode"].items():
         # A step of `batch` rows reads the dense weights once, the routed experts its tokens hit, each row's KV.
         step_bytes = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, batch, experts, world)
@@ -280,6 +301,10 @@ def markdown(r: dict) -> str:
     lines.extend(["", "Peak GPU memory: torch.cuda.max_memory_allocated from the model build to the end of orinfer's "
                   "runs (reset after the ceilings)."])
     lines.extend(f"Note: {note}." for note in o.get("notes", ()))
+    if "structured" in r:
+        from orinfer.bench.structured_bench import structured_markdown
+
+        lines.extend(structured_markdown(r["structured"]))
     if "speculation" in r:
         from orinfer.bench.spec_bench import speculation_markdown
         from orinfer.spec_decode.config import SpeculativeConfig

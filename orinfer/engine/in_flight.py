@@ -66,6 +66,7 @@ class InFlightStep:
         ids = out.host_token_ids if out.host_token_ids is not None else _to_host(out.token_ids)
         self._host = SamplerOutput(token_ids=ids, **host)
         self._event = None
+        self._sample: HostSample | None = None
         if out.token_ids.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
@@ -78,8 +79,11 @@ class InFlightStep:
         return None if any(r is None for r in rows) else rows
 
     def wait(self) -> HostSample:
-        """Blocks until this step's outputs are on the host (not longer: later steps may still run)."""
+        """Blocks until this step's outputs are on the host (not longer: later steps may still run). A second call
+        returns the same lists."""
         assert self.deferred is None, "a step waits for its tokens before it was sampled"
+        if self._sample is not None:
+            return self._sample
         if self._event is not None:
             self._event.synchronize()
         h = self._host
@@ -87,9 +91,10 @@ class InFlightStep:
         def lists(t: torch.Tensor | None) -> list | None:
             return None if t is None else t.tolist()
 
-        return HostSample(h.token_ids.tolist(), lists(h.logprobs), lists(h.top_logprobs), lists(h.top_ids),
-                          lists(h.prompt_logprobs), lists(h.prompt_top_logprobs), lists(h.prompt_top_ids),
-                          lists(h.num_accepted))
+        self._sample = HostSample(h.token_ids.tolist(), lists(h.logprobs), lists(h.top_logprobs), lists(h.top_ids),
+                                  lists(h.prompt_logprobs), lists(h.prompt_top_logprobs), lists(h.prompt_top_ids),
+                                  lists(h.num_accepted))
+        return self._sample
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

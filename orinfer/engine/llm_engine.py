@@ -10,12 +10,17 @@ Anything that needs the host to know every token first (a prompt to admit or con
 
 Structured outputs (orinfer/structured/): a constrained sequence's mask for its next token depends on its previous
 token, which is still on the device when a lookahead step is launched. Such a step is launched in two parts: its
-forward is queued at once (so the device keeps running), and its sampler only after the host has waited for the
-previous step's tokens, advanced the matchers and built the masks (`ModelRunner.finish_sampling`). The cost: the
-device may idle between that forward and the sampler for the host's per-step work (stop checks, detokenizing, the
-masks: ~0.1 ms a row for JSON on a 2-core CPU), where an unconstrained batch hides it entirely; and the greedy
-decode graphs then leave the argmax to the sampler. Unconstrained rows in the batch get the same tokens as alone
-(their logits are untouched), and CUDA graphs still replay the forward.
+forward is queued at once (a DeferredSample), and its sampler once the host has the previous step's tokens. The host
+then does the least it must before queuing that sampler: it gives each constrained row's matcher its new token
+(`SequenceConstraint.advance_ahead`), fills the masks on llguidance's thread pool and uploads them; then it queues the
+forward of the step after (`queued`, a second step in flight, its sampler deferred in turn), and only then processes
+the tokens (stop checks, detokenizing, outputs; the matchers' `accept` finds its token already taken). So the
+device runs step N+1's forward while the host builds its masks, and step N+2's forward while the host processes
+step N and its caller takes the outputs: at steady state it waits only when the masks take longer than a forward.
+A sequence that finishes at step N's token then wastes a row in steps N+1 and N+2 (skipped when they resolve; its
+K/V writes go to its own blocks, freed behind them in stream order). The greedy decode graphs leave the argmax of
+such steps to the sampler. Unconstrained rows in the batch get the same tokens as alone (their logits are
+untouched), and CUDA graphs still replay the forward.
 """
 
 from __future__ import annotations
@@ -127,7 +132,11 @@ class LLMEngine:
         self.proposer = None
         self.set_speculation(SpeculativeConfig.parse(config.speculative_config))
         self.in_flight: InFlightStep | None = None  # a launched step not yet processed (lookahead)
+        # A step launched behind `in_flight` whose sampler waits for in_flight's tokens (structured outputs: see the
+        # module docstring); the next `step` samples it first.
+        self.queued: InFlightStep | None = None
         self.num_lookahead_steps = 0                 # steps launched behind one still in flight
+        self.num_queued_steps = 0                    # of those, launched before the previous tokens were processed
         self._request_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # made at the first constrained request (tokenizer setup)
         # Whether image sources may be local paths / file:// URLs (a server serving remote clients turns this off).
@@ -234,7 +243,7 @@ class LLMEngine:
         for token in closing:
             seq.append_token(token)
             if seq.constraint is not None and seq.constraint.think_state is not ThinkState.CONTENT:
-                seq.constraint.advance(token)  # up to </think>: the grammar starts with the answer, after it
+                seq.constraint.accept(token)  # up to </think>: the grammar starts with the answer, after it
             if seq.detokenizer is not None:
                 before = len(seq.output_text)
                 seq.output_text += seq.detokenizer.push(token)
@@ -295,7 +304,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         # A step in flight counts even if all its sequences were aborted: one more step() collects it.
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.queued is not None
 
     # --- the loop ---------------------------------------------------------------------------------------------------
 
@@ -325,24 +334,45 @@ class LLMEngine:
                 return []
             current = self.in_flight = self._launch(plan)
         self._finish_sampling(current)  # (only if a failure left it unsampled: it was launched as a lookahead)
+        nxt, self.queued = self.queued, None
+        if nxt is None:
+            nxt = self._launch_lookahead(current)
         # (in_flight is replaced only once the next step is launched: if launching raises, `current` stays there
         # for the next call to collect, so no sequence keeps a pending token that nothing will resolve.)
-        self.in_flight = self._launch_lookahead(current)
+        self.in_flight = nxt
         try:
+            if nxt is not None and nxt.deferred is not None:
+                self._sample_ahead(current, nxt)
             return self._resolve(current)
         finally:
-            # The next step's forward ran meanwhile; its constrained rows' matchers have now seen their tokens.
-            if self.in_flight is not None:
-                self._finish_sampling(self.in_flight)
+            if nxt is not None and nxt.deferred is not None:
+                self._finish_sampling(nxt)  # (only if the above raised before sampling it)
+
+    def _sample_ahead(self, current: InFlightStep, nxt: InFlightStep) -> None:
+        """`nxt` was launched behind `current` with its sampler deferred (constrained rows): as soon as current's
+        tokens are on the host, the matchers of nxt's constrained rows take them, nxt's sampler is queued with their
+        masks, and the step after nxt is launched (`queued`), all before current's tokens are processed, so that the
+        device has the next forward while the host works (module docstring)."""
+        sample = current.wait()
+        row_of = {id(seq): i for i, seq in enumerate(current.seqs)}
+        for seq in nxt.deferred.seqs:
+            row = row_of.get(id(seq))
+            # (no row: its first token comes from nxt, a prompt that ended there; finished: constraint is None)
+            if seq.constraint is not None and row is not None:
+                seq.constraint.advance_ahead(sample.token_ids[row])
+        self._finish_sampling(nxt)
+        self.queued = self._launch_lookahead(nxt, older=current)
+        self.num_queued_steps += self.queued is not None
 
     def _finish_sampling(self, step: InFlightStep) -> None:
         if step.deferred is not None:
             step.sampled(self.runner.finish_sampling(step.deferred))
 
-    def _launch(self, plan: StepPlan, after: InFlightStep | None = None, rows: list[int] | None = None
-                ) -> InFlightStep:
+    def _launch(self, plan: StepPlan, after: InFlightStep | None = None, rows: list[int] | None = None,
+                older: InFlightStep | None = None) -> InFlightStep:
         """Queues a step on the device: each sequence's planned tokens count as computed, and each that samples gets
-        a pending token. `after`/`rows`: lookahead inputs."""
+        a pending token. `after`/`rows`: lookahead inputs; `older`: the step before `after`, still unprocessed (its
+        tokens are pending too, for the penalties)."""
         start = time.perf_counter()
         for seq in plan.seqs:
             if seq.first_scheduled_time is None:
@@ -352,7 +382,8 @@ class LLMEngine:
         prompt_seqs = [seq for seq in plan.seqs if not seq.is_decoding]
         self._restore_snapshots(plan)
         spans = prompt_spans(plan)
-        out = self.runner.execute(plan, prev_ids, rows, spans)
+        older_pending = self._older_pending(plan, len(rows), older) if older is not None and rows else None
+        out = self.runner.execute(plan, prev_ids, rows, spans, older_pending)
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             seq.num_computed_tokens += num_new
         self._save_snapshots(plan)
@@ -379,11 +410,24 @@ class LLMEngine:
                 if snapshot is not None:
                     self.runner.state.save(seq.state_slot, snapshot)
 
-    def _launch_lookahead(self, current: InFlightStep) -> InFlightStep | None:
+    def _older_pending(self, plan: StepPlan, num_rows: int, older: InFlightStep
+                       ) -> tuple[torch.Tensor, list[int]] | None:
+        """For the first `num_rows` (decode) rows of `plan`: `older`'s sampled ids on the device and each row's index
+        in them (len(ids) where `older` samples none for its sequence: a prompt that ended in the step after it),
+        the pending tokens the penalties must count besides the previous step's; None when no row has a penalty."""
+        seqs = plan.seqs[:num_rows]
+        if not any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0
+                   or s.params.frequency_penalty != 0 for s in seqs):
+            return None
+        row_of = {id(seq): i for i, seq in enumerate(older.seqs)}
+        return older.device_ids, [row_of.get(id(seq), len(older.seqs)) for seq in seqs]
+
+    def _launch_lookahead(self, current: InFlightStep, older: InFlightStep | None = None) -> InFlightStep | None:
         """The next step, launched while `current` is in flight: decode rows for the running sequences whose tokens
         it samples (their input ids are its samples, on the device) and the next chunks of running prompts; None
         (drain) whenever the plain next step could differ: a sequence to admit or a preemption. (Penalties read the
-        pending tokens on the device: `ModelRunner.sampling_batch`.)"""
+        pending tokens on the device: `ModelRunner.sampling_batch`.) `older`: the step before `current` when it is
+        still unprocessed (`_sample_ahead`)."""
         if not self.lookahead or current.verifies or self._speculates():
             return None  # (speculation: the next step's drafts need every token on the host)
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is
@@ -401,7 +445,7 @@ class LLMEngine:
         if plan is None:
             return None
         self.num_lookahead_steps += 1
-        return self._launch(plan, current, rows)
+        return self._launch(plan, current, rows, older)
 
     # --- speculative decoding ---------------------------------------------------------------------------------------
 
@@ -585,7 +629,7 @@ class LLMEngine:
     def _constraint_done(seq: Sequence, token: int) -> bool:
         """Advances the sequence's matcher; True when the grammar is complete (nothing but EOS could follow) or,
         which sampling under its mask rules out, refused the token."""
-        if not seq.constraint.advance(token):
+        if not seq.constraint.accept(token):
             return True
         return seq.constraint.is_complete
 

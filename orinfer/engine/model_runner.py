@@ -102,6 +102,10 @@ class ModelRunner:
             self._warmup_logits(model_config.hidden_size)
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: MixedStepGraphs | None = None
+        # Structured-output masks: host buffers made at the first constrained step (`_mask_buffer`).
+        self._mask_host: list[torch.Tensor] | None = None
+        self._mask_uploaded: list[torch.cuda.Event] = []
+        self._mask_turn = 0
         # Graphs need a backend whose forward never syncs with the host (the torch reference does): one that has
         # graph hooks. MoE models too: their router and expert kernels launch from the shapes alone and stay in
         # bounds whatever a padding row holds (kernels/moe_ops.py).
@@ -390,24 +394,47 @@ class ModelRunner:
         return {"bias_ids": self._upload(ids, torch.int64), "bias_values": self._upload(values, torch.float32)}
 
     def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The allowed next tokens of constrained sequences, [len(seqs), ceil(V/32)] int32, computed on the host by
-        their matchers, which have seen every token of their sequences (`execute` defers the masks until they have)."""
+        """The allowed next tokens of constrained sequences, [len(seqs), ceil(V/32)] int32 on the device, computed on
+        the host by their matchers, which have seen every token of their sequences (`execute` defers the masks until
+        they have). One packed tensor for all rows: filled in place in a pinned buffer, uploaded by one asynchronous
+        copy."""
+        host = self._mask_buffer(len(seqs))
+        fill_masks([seq.constraint for seq in seqs], host)
+        if self.device.type != "cuda":
+            return host.clone()
+        mask = host.to(self.device, non_blocking=True)
+        self._mask_uploaded[self._mask_turn].record()
+        return mask
+
+    def _mask_buffer(self, rows: int) -> torch.Tensor:
+        """A [rows, ceil(V/32)] int32 host buffer for masks, reused across steps (pinned on the GPU). Two alternate,
+        and each is refilled only once its last upload is done (an event), so no upload ever reads a mask being
+        rewritten."""
         words = bitmask_words(self.model_config.vocab_size)
-        pin = self.device.type == "cuda"
-        mask = torch.empty(len(seqs), words, dtype=torch.int32, pin_memory=pin)
-        fill_masks([seq.constraint for seq in seqs], mask)
-        return mask.to(self.device, non_blocking=True) if pin else mask.to(self.device)
+        cuda = self.device.type == "cuda"
+        if self._mask_host is None or self._mask_host[0].shape[0] < rows:
+            capacity = max(rows, self.config.max_num_seqs)
+            self._mask_host = [torch.empty(capacity, words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+            self._mask_uploaded = [torch.cuda.Event() for _ in range(2)] if cuda else []
+            self._mask_turn = 1
+        self._mask_turn ^= 1
+        if cuda:
+            self._mask_uploaded[self._mask_turn].synchronize()  # (an event never recorded passes at once)
+        return self._mask_host[self._mask_turn][:rows]
 
     def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
         padded = self._upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
-        return padded if pending is None else torch.cat([padded, pending.to(torch.int64)[:, None]], dim=1)
+        if pending is None:
+            return padded
+        return torch.cat([padded, pending.to(torch.int64).reshape(len(rows), -1)], dim=1)
 
     # --- step -------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev_ids: torch.Tensor | None = None, rows: list[int] | None = None,
-                spans: list[PromptSpan] | None = None) -> SamplerOutput | DeferredSample:
+                spans: list[PromptSpan] | None = None,
+                older_pending: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput | DeferredSample:
         """Queues one step; returns the samples of the plan's sampling sequences, on the device (nothing here waits
         for the device).
 
@@ -415,7 +442,9 @@ class ModelRunner:
         step's sample, read on the device while that step may still be running (stream order makes it wait), never
         through the host. `spans`: prompt log-probabilities to compute from this step's prompt rows. A DeferredSample
         comes back instead when a constrained row's previous token is still on the device: the engine samples it with
-        `finish_sampling` once that token has reached the host."""
+        `finish_sampling` once that token has reached the host. `older_pending` (ids, index per decode row; index
+        len(ids): none): a second pending token of each decode row, sampled by the step before the previous one, still
+        unprocessed (the engine's `_sample_ahead`), which the penalties count as well."""
         seqs = plan.seqs
         device_ids = None
         if prev_ids is not None and rows:
@@ -436,6 +465,13 @@ class ModelRunner:
         if device_ids is not None and len(sampled) > len(device_ids):
             pad = torch.full((len(sampled) - len(device_ids),), -1, dtype=device_ids.dtype, device=self.device)
             pending = torch.cat([device_ids, pad])
+        if older_pending is not None and device_ids is not None:
+            ids, index = older_pending
+            older = torch.cat([ids, torch.full((1,), -1, dtype=ids.dtype, device=ids.device)])
+            older = older.index_select(0, self._upload(index, torch.int64))
+            older = torch.cat([older, torch.full((len(pending) - len(older),), -1, dtype=older.dtype,
+                                                 device=self.device)])
+            pending = torch.stack([older, pending.to(older.dtype)], dim=1)  # [B, 2]: the order does not matter
         # A constrained row whose previous token is still on the device (lookahead) gets its mask later.
         defer = any(seq.constraint is not None and seq.num_pending for seq in sampled)
         sampling = self.sampling_batch(sampled, pending=pending, with_masks=not defer)

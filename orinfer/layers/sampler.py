@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orinfer.kernels.token_bitmask import (apply_token_bitmask_, apply_token_bitmask_ref,  # noqa: F401
+                                           unpack_bitmask)  # (unpack_bitmask: part of this module's API)
+
 
 @dataclass
 class SamplingBatch:
@@ -91,20 +94,12 @@ def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits.scatter_add(1, batch.bias_ids, batch.bias_values.to(logits.dtype))
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[C, W] int32 token bitmask -> [C, vocab] bool, True where allowed (ids beyond W * 32 are not)."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).to(torch.bool).reshape(bitmask.shape[0], -1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    return allowed[:, :vocab]
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] with the disallowed tokens of rows `rows` set to -inf; other rows untouched (bit for bit)."""
-    allowed = unpack_bitmask(bitmask, logits.shape[-1])
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    """A copy of logits [B, V] with the disallowed tokens of rows `rows` set to -inf; other rows untouched (bit for
+    bit). On the GPU: a copy and one kernel for all constrained rows (kernels/token_bitmask.py)."""
+    if logits.is_cuda:
+        return apply_token_bitmask_(logits.contiguous().clone(), rows, bitmask)
+    return apply_token_bitmask_ref(logits, rows, bitmask)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

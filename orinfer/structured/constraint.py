@@ -3,7 +3,10 @@
 The grammar applies to the answer only: while the output is inside Qwen3's <think> block the mask allows every token
 (and the matcher does not see them); at the start, where the output may still open a <think> block, the mask is the
 grammar's plus `<think>` (rules in orinfer/thinking.py). The engine calls `fill_mask` before each sampling of the
-sequence (its previous token is on the host by then, see llm_engine.py) and `advance` with each accepted token.
+sequence (its previous token is on the host by then, see llm_engine.py) and `accept` with each token it processes, in
+order. A lookahead step's masks are wanted before the engine processes the previous token (detokenizing, stop
+checks): `advance_ahead` gives the matcher that token as soon as it reaches the host, and the `accept` of it later
+returns the result then remembered.
 Preemption needs nothing here: a recomputed sequence keeps its output tokens, which the matcher has consumed
 already, so its next mask is the right one.
 """
@@ -34,6 +37,7 @@ class SequenceConstraint:
         self.think_state = think_state
         self.think_start_id, self.think_end_id = think_start_id, think_end_id
         self.num_consumed = 0  # tokens the matcher accepted (the answer's tokens so far)
+        self._ahead: tuple[int, bool] | None = None  # (token, advance's result): taken early, not yet accepted
 
     @property
     def is_complete(self) -> bool:
@@ -64,6 +68,22 @@ class SequenceConstraint:
                 value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
                 row[word] = value - (1 << 32) if value >= 1 << 31 else value
             return
+
+    def advance_ahead(self, token: int) -> None:
+        """Advances with `token` now, before the engine processes it; its `accept` then returns this result. One
+        token at most is ahead (the engine's lookahead is one step)."""
+        assert self._ahead is None, "a second token advanced ahead before the first was accepted"
+        self._ahead = (token, self.advance(token))
+
+    def accept(self, token: int) -> bool:
+        """The engine's in-order call for each generated token: advances (or returns what `advance_ahead` did with
+        it); False if the grammar refused it."""
+        if self._ahead is None:
+            return self.advance(token)
+        ahead, ok = self._ahead
+        assert ahead == token, f"token {token} accepted, but {ahead} was advanced ahead"
+        self._ahead = None
+        return ok
 
     def advance(self, token: int) -> bool:
         """Takes one generated token; False if the grammar refused it (the matcher is then in its error state)."""

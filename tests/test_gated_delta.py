@@ -151,9 +151,12 @@ def test_conv_wide_channels_cross_blocks():
 
 # --- gated delta rule ---------------------------------------------------------------------------------------------
 
+RECURRENT_ROWS_CASE = 16  # the longest sequence the token loop takes (kernels/gated_delta_chunk.RECURRENT_MAX_ROWS)
+
+
 def check_delta(lens: list[int], *, k_heads: int = 1, v_heads: int = 3, dk: int = 16, dv: int = 16,
                 dtype: torch.dtype = torch.float32, decode: bool | None = None, pad_rows: int = 0,
-                pad_seqs: int = 0, seed: int = 0) -> None:
+                pad_seqs: int = 0, seed: int = 0, max_rows_per_seq: int | None = None) -> None:
     """The kernels on `lens` (plus pad_rows rows past the last sequence and pad_seqs empty sequences with initial
     states on spare slots: a CUDA graph's padding) against the reference on the unpadded batch."""
     qsl, slots, init, num_slots = batch_layout(lens, seed, spare_slots=3 + pad_seqs)
@@ -167,7 +170,8 @@ def check_delta(lens: list[int], *, k_heads: int = 1, v_heads: int = 3, dk: int 
     qsl = torch.cat([qsl, qsl[-1:].expand(pad_seqs)])
     slots = torch.cat([slots, spare.to(DEVICE)])
     init = torch.cat([init, torch.ones(pad_seqs, dtype=torch.bool, device=DEVICE)])
-    got = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, qsl, got_states, slots, init, decode=decode)
+    got = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, qsl, got_states, slots, init, decode=decode,
+                           max_rows_per_seq=max_rows_per_seq)
     assert got.shape == v.shape and got.dtype == dtype
     torch.testing.assert_close(got[:tokens].double(), want.double(), **tol(dtype))
     torch.testing.assert_close(got_states, want_states, **tol(torch.float32, 2))  # fp32 math on the same inputs
@@ -192,6 +196,22 @@ def test_delta_chunked_matches_the_reference(lens, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delta_decode_matches_the_reference(lens, decode, dtype):
     check_delta(lens, dtype=dtype, decode=decode)
+
+
+def test_a_few_rows_a_sequence_take_the_token_loop():
+    """A speculative verify step (k + 1 rows a sequence) runs the recurrent kernel, whose cost grows with the rows,
+    up to RECURRENT_MAX_ROWS; longer ones, or unknown lengths with more rows than sequences, the chunked kernels."""
+    from orinfer.kernels.gated_delta_chunk import RECURRENT_MAX_ROWS, recurrent_fits
+
+    assert RECURRENT_ROWS_CASE == RECURRENT_MAX_ROWS
+    assert recurrent_fits(16, 4, 4) and recurrent_fits(RECURRENT_MAX_ROWS, 1, RECURRENT_MAX_ROWS)
+    assert not recurrent_fits(RECURRENT_MAX_ROWS + 1, 1, RECURRENT_MAX_ROWS + 1)
+    assert recurrent_fits(3, 4, None) and not recurrent_fits(5, 4, None)
+
+
+@pytest.mark.parametrize("lens", [[4, 4, 1, 0], [RECURRENT_ROWS_CASE, 2]])
+def test_delta_verify_rows_match_the_reference(lens):
+    check_delta(lens, max_rows_per_seq=max(lens), seed=5)
 
 
 @pytest.mark.parametrize("k_heads, v_heads, dk, dv, decode", [

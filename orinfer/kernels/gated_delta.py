@@ -55,10 +55,11 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          A_log: torch.Tensor, dt_bias: torch.Tensor, query_start_loc: torch.Tensor,
                          ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor,
-                         decode: bool | None = None) -> torch.Tensor:
+                         decode: bool | None = None, max_rows_per_seq: int | None = None) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv] (the gate projections), A_log, dt_bias [Hv] -> o [T, Hv, Dv] in
-    v's dtype; each sequence's final state goes to its slot of ssm_states [slots, Hv, Dk, Dv] (fp32). `decode`
-    (every sequence has at most one row) picks a kernel's path; the reference ignores it."""
+    v's dtype; each sequence's final state goes to its slot of ssm_states [slots, Hv, Dk, Dv] (fp32). `decode` (force
+    the token-loop path) and `max_rows_per_seq` (the most rows any sequence has, known on the host) pick a kernel's
+    path; the reference ignores them."""
     out = torch.empty_like(v)
     group = v.shape[1] // k.shape[1]
     qf = _l2norm(q.float()).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5

@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 
 from orinfer.kernels.gated_delta_chunk import gated_delta_rule as gated_delta_rule_triton
+from orinfer.kernels.gated_delta_chunk import recurrent_fits
 
 
-def _use_fla(v: torch.Tensor, tokens: int, num_seqs: int, decode: bool | None) -> bool:
-    if decode or (decode is None and tokens <= num_seqs):
-        return False  # decode rows: our recurrent kernel reads each state once
+def _use_fla(v: torch.Tensor, tokens: int, num_seqs: int, decode: bool | None, max_rows_per_seq: int | None) -> bool:
+    if decode or (decode is None and recurrent_fits(tokens, num_seqs, max_rows_per_seq)):
+        return False  # decode rows, or a few a sequence: our recurrent kernel reads each state once
     if v.dtype not in (torch.float16, torch.bfloat16) or not v.is_cuda or torch.cuda.is_current_stream_capturing():
         return False
     try:
@@ -37,15 +38,15 @@ def _use_fla(v: torch.Tensor, tokens: int, num_seqs: int, decode: bool | None) -
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, query_start_loc: torch.Tensor,
                      ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor, *,
-                     decode: bool | None = None) -> torch.Tensor:
+                     decode: bool | None = None, max_rows_per_seq: int | None = None) -> torch.Tensor:
     """`gated_delta_rule_ref`'s contract: q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv], A_log, dt_bias [Hv],
     query_start_loc [B+1] int32, ssm_states [slots, Hv, Dk, Dv] fp32 (updated in place), state_slots [B],
     has_initial_state [B] -> o [T, Hv, Dv] in v's dtype. fla-core's chunked kernels for 16-bit prompt rows outside
     graph capture, else `kernels/gated_delta_chunk.gated_delta_rule`."""
     tokens, num_seqs = v.shape[0], state_slots.shape[0]
-    if not _use_fla(v, tokens, num_seqs, decode):
+    if not _use_fla(v, tokens, num_seqs, decode, max_rows_per_seq):
         return gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, query_start_loc, ssm_states, state_slots,
-                                       has_initial_state, decode=decode)
+                                       has_initial_state, decode=decode, max_rows_per_seq=max_rows_per_seq)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     slots = state_slots.long()

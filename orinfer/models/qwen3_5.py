@@ -134,7 +134,7 @@ class GatedDeltaNetBlock(nn.Module):
             # Speculative verify steps: the state-changing inputs are kept, so that the state can be rebuilt after
             # the last accepted token (`advance_state`).
             meta.keep_linear_inputs(self, mixed, gates)
-        out = self._mix(mixed, gates, meta, decode=meta.max_query_len == 1)
+        out = self._mix(mixed, gates, meta)
         out = self.ops.gated_rms_norm(out.reshape(tokens * heads, -1), z.reshape(tokens * heads, -1),
                                       self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(tokens, value_dim))
@@ -145,8 +145,10 @@ class GatedDeltaNetBlock(nn.Module):
         at a time is what decode does: the recurrent path (any number of rows)."""
         self._mix(mixed, gates, meta, decode=True)
 
-    def _mix(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata, decode: bool) -> torch.Tensor:
-        """The conv and the gated delta rule over the state slots: [T, Hv, Dv]."""
+    def _mix(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata, decode: bool | None = None
+             ) -> torch.Tensor:
+        """The conv and the gated delta rule over the state slots: [T, Hv, Dv]. `decode` forces the one-row-at-a-time
+        path; otherwise the kernels pick it from the most rows a sequence has."""
         cfg, ops, tokens = self.cfg, self.ops, mixed.shape[0]
         heads, key_dim, value_dim = cfg.linear_num_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
         b, a = gates.split([heads, heads], dim=-1)
@@ -157,7 +159,7 @@ class GatedDeltaNetBlock(nn.Module):
         return ops.gated_delta_rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk),
                                     v.reshape(tokens, heads, dv), a, b, self.A_log, self.dt_bias,
                                     meta.query_start_loc, self.ssm_states, meta.state_slots, meta.has_initial_state,
-                                    decode=decode)
+                                    decode=decode, max_rows_per_seq=meta.max_query_len)
 
 
 class Qwen3_5DecoderLayer(nn.Module):

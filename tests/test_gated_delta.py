@@ -151,7 +151,7 @@ def test_conv_wide_channels_cross_blocks():
 
 # --- gated delta rule ---------------------------------------------------------------------------------------------
 
-RECURRENT_ROWS_CASE = 16  # the longest sequence the token loop takes (kernels/gated_delta_chunk.RECURRENT_MAX_ROWS)
+RECURRENT_ROWS_CASE = 64  # the longest sequence the token loop takes (kernels/gated_delta_chunk.RECURRENT_MAX_ROWS)
 
 
 def check_delta(lens: list[int], *, k_heads: int = 1, v_heads: int = 3, dk: int = 16, dv: int = 16,

@@ -227,9 +227,11 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_
 
 
 # The token loop's cost grows with a sequence's rows, the chunked kernels' is nearly fixed for short inputs (two
-# launches over 64-row chunks: ~160 us a layer at Qwen3.5-27B's heads on an H200 for a 4-row verify step, against
-# ~7 us for a decode row's loop, run 298): up to this many rows a sequence the loop wins.
-RECURRENT_MAX_ROWS = 16
+# launches over 64-row chunks). Graph-timed on an H200 at Qwen3.5-27B's heads (run 301), loop / chunked: one sequence
+# of 1, 4, 16, 64 rows 4 / 153, 9 / 153, 28 / 153, 105 / 157 us; eight sequences of 4, 32, 64 rows 30 / 691,
+# 181 / 707, 387 / 730 us. So the loop takes sequences of up to 64 rows (a speculative verify step's k + 1 rows,
+# and a CUDA graph bucket of up to 64 rows, whatever mix of sequences it holds).
+RECURRENT_MAX_ROWS = 64
 
 
 def recurrent_fits(tokens: int, num_seqs: int, max_rows_per_seq: int | None) -> bool:

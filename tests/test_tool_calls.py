@@ -456,3 +456,45 @@ def test_published_template_rendering_parses_back(template):
     res = parse_chat_output(turn, ThinkState.START, True, TOOLS)
     assert res.reasoning == "Think." and res.content == "Checking."
     assert [(c.name, json.loads(c.arguments)) for c in res.calls] == [("get_weather", args), ("noop", {})]
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["str", "int", "float", "lit", "obj", "arr"] if depth < 3 else ["str", "int", "lit"])
+    if kind == "str":
+        return "".join(rng.choice('ab "\\\n\té日\U0001F600</>{}[],:') for _ in range(rng.randint(0, 8)))
+    if kind == "int":
+        return rng.randint(-10**6, 10**6)
+    if kind == "float":
+        return rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-20, 20)
+    if kind == "lit":
+        return rng.choice([True, False, None])
+    if kind == "obj":
+        return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 4))}
+    return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+
+
+def test_random_json_calls_stream_as_parsed():
+    """Random arguments (any spacing, escapes or raw unicode), whole, cut off or with one character corrupted:
+    streamed in random pieces they give what the whole text gives, the arguments always parse, and a well-formed
+    call's arguments are the model's text, parsing to the object it wrote."""
+    rng = random.Random(2024)
+    for trial in range(150):
+        args = {f"p{i}": _random_value(rng) for i in range(rng.randint(0, 5))}
+        spacing = rng.choice([{}, {"separators": (",", ":")}, {"indent": 2}])
+        args_text = json.dumps(args, ensure_ascii=rng.random() < 0.5, **spacing)
+        text = f'Hi.\n<tool_call>\n{{"name": "get_weather", "arguments": {args_text}}}\n</tool_call>'
+        if trial % 3 == 1:
+            text = text[:rng.randint(0, len(text))]
+        elif trial % 3 == 2:
+            at = rng.randrange(len(text))
+            text = text[:at] + rng.choice('"\\{}[],: x\n') + text[at + 1:]
+        content, calls = parse_tool_calls(text, TOOLS)
+        for c in calls:
+            assert isinstance(json.loads(c.arguments), dict)
+        if trial % 3 == 0:
+            assert [(c.name, c.arguments) for c in calls] == [("get_weather", args_text)] and content == "Hi."
+            assert json.loads(calls[0].arguments) == args
+        for cuts in (_cuts(text, rng), _token_cuts(text, rng)):
+            got, deltas, _ = _stream(text, cuts)
+            assert got == content
+            assert [(c.name, c.arguments) for c in join_deltas(deltas)] == [(c.name, c.arguments) for c in calls]

@@ -45,11 +45,12 @@ class JsonCallReader:
         self._seen = 0                       # scanner events already read
         self._key = ""                       # the current top-level key
         self._value_at = -1                  # where the current top-level value starts
-        self._args_key_seen = False          # the first "arguments"/"parameters" key came
-        self._args_at = -1                   # where the arguments object starts (-1: none)
-        self._args_end = -1                  # where it ends, once complete
-        self._args_text: str | None = None   # the arguments when given as a string, or "{}" when absent
-        self._sent = 0                       # characters of the arguments handed out
+        self._args_at = -1                   # where the first "arguments"/"parameters" value starts (-1: none yet)
+        self._args_is_string = False         # that value is a string (read when it ends), not an object
+        self._args_end = -1                  # where the arguments object ends, once complete
+        self._args_text: str | None = None   # the arguments when not streamed: a string's object, or "{}"
+        self._sent = 0                       # characters of the arguments object handed out
+        self._all_sent = False               # the arguments were handed out whole (closed, if the body broke)
         self.name: str | None = None
         self.broken = False
 
@@ -70,23 +71,25 @@ class JsonCallReader:
         self.broken = self.broken or not self._scan.done
 
     def take_arguments(self) -> str:
-        """The arguments text that is final and not handed out yet."""
-        full = self._arguments()
-        piece = full[self._sent:]
-        self._sent = len(full)
-        return piece
-
-    def _arguments(self) -> str:
-        if self._args_at >= 0:
+        """The arguments text that is final and not handed out yet (linear: only the new part is copied)."""
+        if self._all_sent:
+            return ""
+        if self._args_at >= 0 and not self._args_is_string:
+            # Up to the end of the object, else to the last safe place (then, if the body broke, the containers
+            # opened since the arguments' `{` are closed: the open containers at `safe` are the open ones now).
+            end = self._args_end if self._args_end >= 0 else self._scan.safe
+            piece = self._text[self._args_at + self._sent:end]
+            self._sent += len(piece)
             if self._args_end >= 0:
-                return self._text[self._args_at:self._args_end]
-            # Open: up to the last safe place; the containers open since the arguments' `{` are closed when broken.
-            # (Between safe places the open containers do not change, so the scanner's stack now is the one there.)
-            cut = self._text[self._args_at:self._scan.safe]
-            return cut + self._scan.closing(keep=1) if self.broken else cut
-        if self._args_text is not None:
-            return self._args_text
-        return "{}" if self.broken or self.done else ""
+                self._all_sent = True
+            elif self.broken:
+                piece += self._scan.closing(keep=1)
+                self._all_sent = True
+            return piece
+        if self._args_text is None and (self.broken or self.done):
+            self._args_text = "{}"
+        self._all_sent = self._args_text is not None
+        return self._args_text or ""
 
     # --- the top-level keys and values ------------------------------------------------------------------------------
 
@@ -106,33 +109,29 @@ class JsonCallReader:
                 self._value_at = start
                 self._start_value(self._text[start])
             else:
-                self._end_value(self._text[self._value_at:end])
+                self._end_value(end)
 
     def _start_value(self, first: str) -> None:
         if self._key == "name" and self.name is None and first != '"':
             self.broken = True                           # a name that is not a string
-        elif self._key in ARGUMENT_KEYS and not self._args_key_seen:
-            self._args_key_seen = True
-            if first == "{":
-                self._args_at = self._value_at
-            elif first != '"':
+        elif self._key in ARGUMENT_KEYS and self._args_at == -1:   # the first arguments key: its value counts
+            if first in '{"':
+                self._args_at, self._args_is_string = self._value_at, first == '"'
+            else:
                 self.broken = True                       # arguments neither an object nor a string
 
-    def _end_value(self, token: str) -> None:
+    def _end_value(self, end: int) -> None:
         if self._key == "name" and self.name is None:
-            name = json.loads(token).strip()
+            name = json.loads(self._text[self._value_at:end]).strip()
             if name:
                 self.name = name
             else:
                 self.broken = True                       # a blank name
-        elif self._key in ARGUMENT_KEYS and self._value_at == self._args_at:
-            self._args_end = self._value_at + len(token)
-        elif self._key in ARGUMENT_KEYS and self._args_at < 0 and self._args_text is None and token[0] == '"':
-            self._args_text = object_text(json.loads(token))
+        elif self._value_at == self._args_at and self._args_is_string:
+            self._args_text = object_text(json.loads(self._text[self._value_at:end]))
             self.broken = self._args_text is None        # a string that does not hold an object
+        elif self._value_at == self._args_at:
+            self._args_end = end
 
     def _end_object(self) -> None:
-        if self.name is None:
-            self.broken = True                           # no name
-        elif self._args_at < 0 and self._args_text is None:
-            self._args_text = "{}"
+        self.broken = self.broken or self.name is None   # no name

@@ -99,14 +99,15 @@ class JsonScanner:
             j = _PLAIN.match(text, i).end()
             if not self._in_key:
                 self._safe(self._base + j, True)
-            if j < len(text):
-                c = text[j]
-                if c == '"':
-                    self._end_string(self._base + j + 1)
-                elif c == "\\":
-                    self.state = ESCAPE
-                else:
-                    self._fail(self._base + j)     # a raw control character
+            if j == len(text):
+                return j
+            c = text[j]
+            if c == '"':
+                self._end_string(self._base + j + 1)
+            elif c == "\\":
+                self.state = ESCAPE
+            else:
+                self._fail(self._base + j)         # a raw control character
             return j + 1
         c = text[i]
         if state == ESCAPE:

@@ -1,5 +1,6 @@
 """Tool calls of Qwen models, for the server and `LLM.chat`: which format a model writes (`formats`), the request's
-tools and tool_choice (`choice`), an incremental parser of `<tool_call>` blocks (`parser`, rules in its docstring),
+tools and tool_choice (`choice`), an incremental parser of `<tool_call>` blocks (`parser`, rules in its docstring;
+JSON bodies read as they stream by `json_call` over the strict-JSON scanner `json_scan`),
 schema types of XML parameter values (`values`), and the split of an answer into reasoning, content and calls
 (`output`, including calls written inside the reasoning)."""
 

@@ -3,7 +3,8 @@
 
 Tool calls inside the reasoning: the Qwen3.5 family can write a `<tool_call>` block before `</think>` (or end its
 turn there, without closing the thinking). A complete call found in the reasoning is returned as a tool call, like
-one in the content, and taken out of the reasoning text; an incomplete block there stays reasoning text. Calls are
+one in the content, and taken out of the reasoning text; an incomplete block there stays reasoning text (a JSON
+call whose name already went out is closed as a call too, orinfer/tool_calls/parser.py). Calls are
 numbered in the order they start, reasoning first. `max_calls=1` (`parallel_tool_calls: false`) keeps the first
 call and drops the others (their markup does not become content either).
 

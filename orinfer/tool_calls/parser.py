@@ -8,16 +8,36 @@ understood. What is held back, and when a call is committed:
 - Content: a possible start of `<tool_call>` at the end of a piece (`<tool_`) waits until it is decided, and so does
   trailing whitespace (it is the separator the template writes before a call: dropped if a call follows). The
   whitespace after a call is dropped too. No markup ever reaches the content of a well-formed call.
-- JSON body: the block is read when `</tool_call>` arrives; a body that is not `{"name": str, "arguments": object}`
-  (or `"parameters"`, or arguments as a JSON string of an object) is malformed and goes to the content verbatim,
-  markup included, so no text is lost. The call is then sent as two deltas (name, then the whole arguments).
+- JSON body (`{"name": ..., "arguments": {...}}`): read as it arrives by a strict-JSON scanner
+  (orinfer/tool_calls/json_call.py, json_scan.py). The call is committed, its name delta sent, as soon as the first
+  top-level "name" key has a complete, non-blank string value; then each piece of the arguments goes out once it is
+  final. Pieces end only at safe places (after a complete value, after an opening bracket, inside a string value
+  between two characters): a number, literal, key or escape is sent whole, and nothing sent is ever taken back.
+- The arguments string of a JSON call is the model's own text of the arguments object, verbatim from its `{` to its
+  `}`, not a re-serialization. It streams character by character with no re-encoding, it is what Qwen's templates
+  render (`tojson`), clients parse it to the same object, and as the non-streaming answer is this same parser over
+  the whole text, the fragments join up to exactly its arguments for any split of the text. (A canonical json.dumps
+  form would have to hold every number and escape back and still could not match json.loads on duplicate keys.)
+  Keys in any order: arguments written before the name are held until the name comes. "parameters" is read like
+  "arguments"; the first of the two keys counts. Arguments given as a JSON string holding an object go out whole
+  when that string ends (the string's value, less the whitespace around it); no arguments key gives `{}` when the
+  object closes. Strict JSON: json.loads' extensions (NaN, raw control characters in strings) break the body, as
+  the text reaches clients verbatim.
+- A JSON body that breaks (stops being JSON, or is not a call: no name, a name or arguments of the wrong type,
+  text after the object, cut off): before its name went out, the block goes to the content verbatim, markup
+  included. After, the call is closed: its arguments are what was sent, closed at the last safe place (a `"`, then
+  `]`/`}` for the open containers), so they are valid JSON; and the block's text goes to the content too, so no
+  text is lost. (vLLM and SGLang re-serialize a partial parse with json.dumps and send the growing prefix, which is
+  where fragments that do not join up to the final JSON come from; their non-streaming path returns a malformed
+  block as content while the stream already sent a call.) The first `</tool_call>` ends the block, even inside a
+  JSON string; a possible start of it is held back, never sent as arguments.
 - XML body: the call is committed at `<function=NAME>` (its name delta goes out at once) and each parameter adds a
   fragment when its `</parameter>` arrives, so long arguments stream (a missing `</parameter>` is tolerated: the
   next `<parameter=` or `</function>` on a new line ends the value). A `<function=...>` without a usable name makes
   the block malformed (content, as above). Stray text between parameters is dropped; a missing `</tool_call>` after
   `</function>` is tolerated (what follows is content); several `<function=...>` in one block are several calls.
-- End of the text inside a block: a JSON body that parses is still a call (the closing tag was cut off), else the
-  block is content; an XML call keeps its complete parameters (a parameter cut off is dropped) and is closed.
+- End of the text inside a block: a complete JSON call is still a call (the closing tag was cut off), else the body
+  broke (above); an XML call keeps its complete parameters (a parameter cut off is dropped) and is closed.
 - A call to a function that is not among the tools is still returned as a call: the client learns what the model
   tried (and can answer with an error), instead of getting markup as text.
 """
@@ -30,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orinfer.reasoning import partial_suffix  # the same hold-back rule as the <think> tags
+from orinfer.tool_calls.json_call import JsonCallReader
 from orinfer.tool_calls.types import ToolCall, ToolCallDelta, join_deltas, new_call_id
 from orinfer.tool_calls.values import convert_value
 
@@ -93,25 +114,6 @@ def tool_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]
     return out
 
 
-def parse_json_body(body: str) -> tuple[str, str] | None:
-    """(name, arguments as a JSON string) of a JSON call body, or None when it is malformed."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"].strip():
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(args, dict):
-        return None
-    return obj["name"].strip(), json.dumps(args, ensure_ascii=False)
-
-
 class ToolCallParser:
     """Feed text pieces in order (`feed`), then `finish`; each call returns the content and call deltas completed.
     Call indices count from 0 in the order the calls start."""
@@ -128,6 +130,9 @@ class ToolCallParser:
         self._nargs = 0            # parameters written so far in the current XML call
         self._xml_name = ""        # the current XML call's function name
         self._scanned = 0          # how far a closing tag was already looked for (long values and blocks stay linear)
+        self._json: JsonCallReader | None = None   # the current JSON call's reader
+        self._json_fed = 0         # how much of _raw the reader has read
+        self._json_open = False    # the current JSON call's name went out
         self.num_calls = 0
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -148,11 +153,9 @@ class ToolCallParser:
         elif self._state in (_BLOCK, _BAD):
             out.content += self._raw
         elif self._state == _JSON:
-            parsed = parse_json_body(self._raw[self._body_at:])
-            if parsed is None:
+            self._read_json(len(self._raw), True, out)
+            if self._json.broken:
                 out.content += self._raw
-            else:
-                self._json_call(*parsed, out)
         elif self._state == _XML_ARGS:
             self._close_xml(out)
         self._buf, self._held_ws, self._raw, self._state = "", "", "", _TEXT
@@ -163,8 +166,10 @@ class ToolCallParser:
     def _step(self, out: Parsed) -> bool:
         if self._state == _TEXT:
             return self._step_text(out)
-        if self._state in (_BLOCK, _JSON, _BAD):
+        if self._state in (_BLOCK, _BAD):
             return self._step_block(out)
+        if self._state == _JSON:
+            return self._step_json(out)
         if self._state == _XML_ARGS:
             return self._step_xml_args(out)
         return self._step_xml_after(out)
@@ -196,21 +201,33 @@ class ToolCallParser:
             if head.startswith(FUNC_OPEN):
                 return self._start_xml(self._raw[body_at:].lstrip(), out)
             if head.startswith("{"):
+                self._json, self._json_open = JsonCallReader(), False
+                self._json_fed = self._raw.index("{", body_at)
                 self._state = _JSON
-            elif end < 0 and (not head or _may_become(head, FUNC_OPEN)):
+                return True
+            if end < 0 and (not head or _may_become(head, FUNC_OPEN)):
                 return False
-            else:
-                self._state = _BAD
+            self._state = _BAD
         if end < 0:
             return False
-        rest = self._raw[end + len(CLOSE):]
-        parsed = parse_json_body(self._raw[body_at:end]) if self._state == _JSON else None
-        if parsed is None:
-            out.content += self._raw[:end + len(CLOSE)]
-            self._skip_ws = False
+        self._malformed_block(end, out)
+        return True
+
+    def _step_json(self, out: Parsed) -> bool:
+        """Reads the body up to the closing tag, or up to what might start it; True once the block ended."""
+        self._raw += self._buf
+        self._buf = ""
+        end = self._raw.find(CLOSE, self._json_fed)   # the text read holds no part of a closing tag
+        if end < 0:
+            self._read_json(len(self._raw) - partial_suffix(self._raw, CLOSE), False, out)
+            if self._json.broken:
+                self._state, self._scanned = _BAD, 0   # the block becomes content when it closes
+            return False
+        self._read_json(end, True, out)
+        if self._json.broken:
+            self._malformed_block(end, out)
         else:
-            self._json_call(*parsed, out)
-        self._raw, self._buf, self._state = "", rest, _TEXT
+            self._raw, self._buf, self._state, self._skip_ws = "", self._raw[end + len(CLOSE):], _TEXT, True
         return True
 
     def _start_xml(self, head: str, out: Parsed) -> bool:
@@ -301,10 +318,25 @@ class ToolCallParser:
         self.num_calls += 1
         out.calls.append(ToolCallDelta(self._index, new_call_id(), name, ""))
 
-    def _json_call(self, name: str, arguments: str, out: Parsed) -> None:
-        self._begin_call(name, out)
-        out.calls.append(ToolCallDelta(self._index, arguments=arguments))
-        self._skip_ws = True
+    def _read_json(self, upto: int, ended: bool, out: Parsed) -> None:
+        """Feeds the JSON body up to `upto` in _raw (`ended`: that is the end of the body) and sends what it
+        completed: the name once it is known, then each final piece of the arguments (their closing if it broke)."""
+        reader = self._json
+        reader.feed(self._raw[self._json_fed:upto])
+        self._json_fed = upto
+        if ended:
+            reader.end()
+        if not self._json_open and reader.name is not None:
+            self._begin_call(reader.name, out)
+            self._json_open = True
+        if self._json_open and (piece := reader.take_arguments()):
+            out.calls.append(ToolCallDelta(self._index, arguments=piece))
+
+    def _malformed_block(self, end: int, out: Parsed) -> None:
+        """The block closing at `end` in _raw is malformed: its text, markup included, is content."""
+        out.content += self._raw[:end + len(CLOSE)]
+        self._skip_ws = False
+        self._raw, self._buf, self._state = "", self._raw[end + len(CLOSE):], _TEXT
 
     def _add_param(self, name: str, text: str, out: Parsed) -> None:
         props = self._schemas.get(self._xml_name, {})

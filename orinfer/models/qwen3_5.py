@@ -58,7 +58,7 @@ _TENSOR_PARALLEL_PLAN = {
     "parts": {"in_proj_qkv": (_KEYS, _KEYS, _VALUES), "conv1d": (_KEYS, _KEYS, _VALUES), "in_proj_z": (_VALUES,),
               "in_proj_b": _PER_VALUE_HEAD, "in_proj_a": _PER_VALUE_HEAD, "linear_attn.A_log": _PER_VALUE_HEAD,
               "linear_attn.dt_bias": _PER_VALUE_HEAD},
-    "unquantized": ("conv1d",),
+    "unquantized": ("conv1d", "fc"),  # fc: 16-bit in every format (MTPHead builds it so)
     "reduce_outputs": ("self_attn", "linear_attn", "mlp", "fc"),
 }
 

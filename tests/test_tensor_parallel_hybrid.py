@@ -185,12 +185,12 @@ def expected_slice(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int,
         return cols(tensor, cfg.num_attention_heads, heads)
     if module in ("gate_proj", "up_proj"):
         return rows(tensor, world, [rank])
-    if module == "down_proj":
+    if module in ("down_proj", "fc"):  # fc: the MTP head's, split by its input columns as down_proj
         return cols(tensor, world, [rank])
     if module in ("embed_tokens", "lm_head"):
         n = -(-cfg.vocab_size // world)
         return tensor[rank * n:(rank + 1) * n]
-    return tensor  # norms (the gated norm's weight too), the router, the shared-expert gate, the MTP head's fc
+    return tensor  # norms (the gated norm's weight too), the router, the shared-expert gate
 
 
 def shard_of(path, cfg: ModelConfig, rank: int, world: int, monkeypatch) -> dict[str, torch.Tensor]:
@@ -207,7 +207,7 @@ def shard_of(path, cfg: ModelConfig, rank: int, world: int, monkeypatch) -> dict
 @pytest.mark.parametrize("kind", ["qwen3.5-mixed-tied-v8", "qwen3.5moe-e6-top2"])
 def test_each_rank_holds_its_heads_of_every_tensor(kind, tmp_path, monkeypatch):
     """Every rank of 2 and of 4 loads exactly its slice of every tensor of a checkpoint with an MTP head (whose layers
-    split as the decoder's; its fc and norms whole)."""
+    split as the decoder's, its fc by input columns, its norms whole)."""
     path = _with_mtp(save_hf_model(MODELS[kind](), tmp_path / kind), tmp_path)
     cfg = ModelConfig.from_hf(path)
     tensors = {}
@@ -274,7 +274,7 @@ def test_checkpoint_slices_of_qwen3_5_27b():
     assert two("model.visual.blocks.0.attn.qkv.weight", (3456, 1152)) is None
     assert two("mtp.layers.0.self_attn.q_proj.weight", (12288, 5120)) == (0, 6144, 6144)
     assert two("mtp.layers.0.linear_attn.A_log", (48,)) == (0, 24, 24)
-    assert two("mtp.fc.weight", (5120, 10240)) is None
+    assert two("mtp.fc.weight", (5120, 10240)) == (1, 5120, 5120)  # the hidden half of the input columns
     four = checkpoint_slicer(plan, cfg, TensorParallelGroup(2, 4))
     assert four(layer + "linear_attn.in_proj_qkv.weight", (10240, 5120)) == [(0, 1024, 512), (0, 3072, 512),
                                                                               (0, 7168, 1536)]

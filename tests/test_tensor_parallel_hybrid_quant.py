@@ -198,6 +198,7 @@ def test_qwen3_6_27b_fp8_slices(world):
         kv = r * 4 // n if n <= 4 else r // 2  # the rank's first KV head: 2 block rows a head
         assert s(attn + "k_proj.weight_scale_inv", (8, 40)) == (0, kv * 2, 2 * max(1, 4 // n))
         assert s("mtp.layers.0.mlp.down_proj.weight_scale_inv", (40, 136)) == (1, r * 136 // n, 136 // n)
+        assert s("mtp.fc.weight", (5120, 10240)) == (1, r * 10240 // n, 10240 // n)  # 16-bit: its input columns
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -231,6 +232,8 @@ def test_awq_and_gptq_slices_of_qwen3_5_27b_shapes(world):
         assert a(layer + "in_proj_b.qzeros", (40, 6)) == (1, r * 3, 3)
         assert a(layer + "out_proj.qweight", (6144, 640)) == (0, r * values, values)
         assert a(layer + "out_proj.scales", (48, 5120)) == (0, r * 48 // n, 48 // n)
+        # The MTP head's fc is 16-bit in every format (MTPHead builds it so): split by its input columns.
+        assert a("mtp.fc.weight", (5120, 10240)) == (1, r * 10240 // n, 10240 // n)
         g = checkpoint_slicer(plan, gptq, TensorParallelGroup(r, world))
         assert g(layer + "in_proj_qkv.qweight", (640, 10240)) == [
             (1, r * keys, keys), (1, 2048 + r * keys, keys), (1, 4096 + r * values, values)]

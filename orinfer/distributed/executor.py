@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from orinfer.distributed.group import TensorParallelGroup, destroy_group, init_group
-from orinfer.distributed.mirror import DriverModel, Mirror
+from orinfer.distributed.mirror import DriverModel, Mirror, runner_hooks
 from orinfer.distributed.shard_source import Shard, ShardSource, build_shard
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class TensorParallelExecutor:
 
     def attach(self, runner) -> None:
         """Called once rank 0's runner is built (the workers build theirs alongside, making the same collectives):
-        waits for every worker to be ready, then mirrors the runner's calls, graph replays and state-slot copies from
-        here on."""
+        waits for every worker to be ready, then mirrors the runner's calls, graph replays, state-slot copies and
+        state rollback from here on."""
         with self._changed:
             while len(self._ready) < self.world_size - 1 and self.failure is None:
                 self._changed.wait(timeout=1.0)
@@ -99,6 +99,9 @@ class TensorParallelExecutor:
             if graphs is not None:
                 graphs.before_replay = self.mirror.replay
         runner.state.before_copy = self.mirror.copy_state
+        if runner.rollback is not None:
+            runner.rollback.before_call = self.mirror.rollback
+        self.mirror.hooks = runner_hooks(runner)
         self.mirror.active = True
 
     def explain(self, error: RuntimeError, wait_s: float = 5.0) -> None:

@@ -14,7 +14,8 @@ qwen3_vl.py have one), naming checkpoint sub-names ("q_proj") and submodules ("m
                the loader concatenates them, so the rank's tensor is packed like the whole one; a part with fewer
                heads than ranks is replicated as KV heads are. A name is a module's sub-name ("in_proj_qkv") or, for
                a block's own parameter, "block.param" ("linear_attn.A_log": never quantized).
-  unquantized  modules that are no linear (a conv): 16-bit whatever the checkpoint's format
+  unquantized  modules that are 16-bit whatever the checkpoint's format: no linear (a conv), or a linear the model
+               always builds 16-bit (Qwen3.5's MTP fc)
   fused_experts  modules holding every expert's FFN in two tensors (Qwen3-VL-MoE's checkpoints): gate_up_proj
                [E, 2I, H] and down_proj [E, H, I], or both transposed; split inside the experts as per-expert
                tensors are (`fused_expert_slice`)
@@ -211,8 +212,8 @@ def checkpoint_slicer(plan: dict[str, Any], cfg: ModelConfig, group: TensorParal
         split = split_of(module)
         if split is None:
             return None
-        return tensor_slice(stored_format(cfg.quantization, module), kind, split, shape,
-                            f"{name} (tensor_parallel_size {world})")
+        stored = None if module in unquantized else stored_format(cfg.quantization, module)
+        return tensor_slice(stored, kind, split, shape, f"{name} (tensor_parallel_size {world})")
 
     return slicer
 

@@ -14,7 +14,7 @@ from multiprocessing.connection import Client
 import torch
 
 from orinfer.distributed.group import broadcast_, destroy_group, init_group
-from orinfer.distributed.mirror import receive
+from orinfer.distributed.mirror import receive, runner_hooks
 from orinfer.distributed.shard_source import build_shard
 
 log = logging.getLogger(__name__)
@@ -32,12 +32,19 @@ def worker_main(address: str, authkey: bytes, rank: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck worker is
     from orinfer.engine.model_runner import ModelRunner
+    from orinfer.spec_decode.mtp import attach_mtp_kv, mtp_kv_bytes_per_block
 
     try:
         group = init_group(rank, world_size, init_method, source.device(rank))
         shard = build_shard(source, group)
+        # Method mtp: the shard of the MTP head gets its KV pool on the target's block ids, as on rank 0 (the draft
+        # model of method draft_model lives on rank 0 alone).
+        mtp_bytes = mtp_kv_bytes_per_block(shard.model, shard.config, source.args, source.act_dtype)
         runner = ModelRunner(shard.model, shard.config, source.args, shard.device, source.act_dtype,
-                             source.max_model_len(), graph_hooks=shard.ops.graph_hooks)
+                             source.max_model_len(), graph_hooks=shard.ops.graph_hooks,
+                             extra_bytes_per_block=mtp_bytes)
+        if mtp_bytes:
+            attach_mtp_kv(runner, shard.model)
         status.send(("ready", rank))
         stopped = serve(commands, runner)
     except BaseException as exc:  # noqa: BLE001 - whatever stops a worker is reported to rank 0, then it exits
@@ -56,10 +63,10 @@ def worker_main(address: str, authkey: bytes, rank: int) -> None:
 
 @torch.inference_mode()
 def serve(commands, runner) -> bool:
-    """Runs rank 0's calls in the order they come: ("call", method, flattened arguments), ("replay", graph key),
-    ("state_copy", source slot, destination slot), ("stop",). Returns True at "stop", False when rank 0's end of the
-    pipe closed (rank 0 is gone)."""
-    model, device = runner.model, runner.device
+    """Runs rank 0's calls in the order they come: ("call", "model" or "rollback", method, flattened arguments),
+    ("replay", graph key), ("state_copy", source slot, destination slot), ("stop",). Returns True at "stop", False
+    when rank 0's end of the pipe closed (rank 0 is gone)."""
+    model, device, hooks = runner.model, runner.device, runner_hooks(runner)
     while True:
         try:
             message = commands.recv()
@@ -67,9 +74,9 @@ def serve(commands, runner) -> bool:
             return False
         kind = message[0]
         if kind == "call":
-            _, method, skeleton = message
-            args, kwargs = receive(skeleton, device)
-            getattr(model, method)(*args, **kwargs)
+            _, target, method, skeleton = message
+            args, kwargs = receive(skeleton, device, hooks)
+            getattr(model if target == "model" else runner.rollback, method)(*args, **kwargs)
         elif kind == "replay":
             key = message[1]
             graphs = runner.graphs if key[0] == "decode" else runner.step_graphs

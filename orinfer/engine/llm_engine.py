@@ -49,7 +49,7 @@ from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import DraftModelProposer
-from orinfer.spec_decode.mtp import MTPProposer, mtp_head
+from orinfer.spec_decode.mtp import MTPProposer, attach_mtp_kv, mtp_kv_bytes_per_block
 from orinfer.spec_decode.proposer import make_proposer
 from orinfer.structured.constraint import SequenceConstraint
 from orinfer.structured.grammar import GrammarCompiler
@@ -102,11 +102,10 @@ class LLMEngine:
         draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
                                                                        parts.act_dtype)
         spec = SpeculativeConfig.parse(config.speculative_config)
-        if spec is not None and spec.method == "mtp":  # the MTP head's KV pool, on the target's block ids
-            per_layer = kv_bytes_per_block(mcfg, config.block_size, parts.act_dtype) // mcfg.num_kv_layers
-            draft_bytes = len(mtp_head(parts.model).layers) * per_layer
         # A tensor-parallel rank's runner sizes its KV cache by its shard's heads.
         runner_cfg = mcfg if parts.executor is None else parts.executor.shard.config
+        if spec is not None and spec.method == "mtp":  # the MTP head's KV pool, on the target's block ids
+            draft_bytes = mtp_kv_bytes_per_block(parts.model, runner_cfg, config, parts.act_dtype)
         self.runner = ModelRunner(parts.model, runner_cfg, config, parts.device, parts.act_dtype, self.max_model_len,
                                   graph_hooks=hooks, vision_warmup_patches=self._largest_image_patches(),
                                   extra_bytes_per_block=draft_bytes)
@@ -123,7 +122,7 @@ class LLMEngine:
             self.draft = DraftModelProposer(draft_runner, self.block_manager, 1, config.max_num_batched_tokens)
         self.mtp = None  # the MTP proposer: the target's MTP head, its KV pool on the target's block ids
         if spec is not None and spec.method == "mtp":
-            self.runner.allocate_extra_kv(mtp_head(parts.model).attention_layers())
+            attach_mtp_kv(self.runner, parts.model)
             self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens, spec.max_batch)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
@@ -466,9 +465,6 @@ class LLMEngine:
     def _check_rollback(self, spec: SpeculativeConfig) -> None:
         """Hybrid models roll their linear-attention state back past rejected drafts with resources sized at engine
         start (engine/state_rollback.py): `spec` must fit them."""
-        if self.parts.executor is not None:
-            raise ConfigError("speculative decoding of hybrid models (Qwen3.5 family) does not support tensor "
-                              "parallelism yet")
         rollback = self.runner.rollback
         if rollback is None:
             raise ConfigError("a hybrid model (Qwen3.5 family) speculates only when its engine is created with "

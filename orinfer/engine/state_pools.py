@@ -74,7 +74,7 @@ class StatePools:
     def copy_many(self, src: list[int], dst: list[int]) -> None:
         """Copies slot src[i] into dst[i], every layer at once: 2 strided copies a slot, each reading and writing the
         slot's state once (an indexed copy would pass through a gathered temporary: 3 passes). Not mirrored to
-        tensor-parallel workers."""
+        tensor-parallel workers by itself: its caller (StateRollback.start) is."""
         for s, d in zip(src, dst):
             self.conv_pool[:, d].copy_(self.conv_pool[:, s])
             self.ssm_pool[:, d].copy_(self.ssm_pool[:, s])

@@ -13,6 +13,11 @@ fold every row into the state, but only the first 1 + a (a: accepted drafts) may
    over its first 1 + a kept rows (`GatedDeltaNetBlock.advance_state`: the conv, which rebuilds the conv window from
    the inputs, then the recurrent delta rule as decode runs it). The work slot's state is dropped.
 
+Tensor parallelism: every rank holds its shard of the state (its value heads) and of the kept rows (its heads' conv
+and gate inputs), and does 1 and 3 on them: rank 0 decides what `begin` copies and keeps (`start`, then the
+forward), and hands `start` and `finish` to the workers first (`before_call`, distributed/mirror.py), so every rank
+copies, keeps and advances the same slots in the same order; `finish`'s acceptance counts come with it.
+
 Memory (bytes, L linear-attention layers, S = max_batch, R = S (1 + k) rows):
   work slots  S * state_bytes_per_sequence = S * L * (C (K-1) act + Hv Dk Dv 4); Qwen3.5-27B (L = 48, C = 10240,
               Hv = 48, Dk = Dv = 128): 147 MiB a slot, 2.3 GiB at S = 16;
@@ -23,6 +28,8 @@ position instead would write k states and hold k slots per sequence.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,6 +56,9 @@ class StateRollback:
         self.gates = torch.zeros(layers, self.max_rows, 2 * cfg.linear_num_value_heads, dtype=act_dtype,
                                  device=device)
         self._pending: tuple[list[int], list[int], list[int]] | None = None
+        # Called with (method name, its arguments) before `start` and `finish` run: tensor parallelism's rank 0 has
+        # every worker's rollback run them too, at the same point of its calls (distributed/executor.py).
+        self.before_call: Callable[[str, tuple[Any, ...]], None] | None = None
 
     @staticmethod
     def buffer_bytes(cfg: ModelConfig, max_seqs: int, max_drafts: int, act_dtype: torch.dtype) -> int:
@@ -83,15 +93,26 @@ class StateRollback:
                 picked.append(sampled_index[index])
             offset += num_new
         counts = [plan.num_drafts[i] + 1 for i in overrides]
+        self.start(rows, slots, list(overrides.values()), counts, picked)
+        return overrides
+
+    def start(self, rows: list[int], slots: list[int], work_slots: list[int], counts: list[int],
+              picked: list[int]) -> None:
+        """`begin`'s work on the device: the flat-batch `rows` to keep, each speculating sequence's state slot
+        slots[j] copied into work_slots[j]; counts[j] (1 + drafts) and picked[j] (its sampler row) kept for
+        `finish`. Tensor-parallel workers run it with rank 0's lists."""
+        if self.before_call is not None:
+            self.before_call("start", (rows, slots, work_slots, counts, picked))
         device = self.rows.device
         self.rows.copy_(_upload(rows + [0] * (self.max_rows - len(rows)), device))
-        self.pools.copy_many(slots, list(overrides.values()))
+        self.pools.copy_many(slots, work_slots)
         self._pending = (slots, counts, picked)
-        return overrides
 
     def finish(self, num_accepted: torch.Tensor) -> None:
         """After the verify sampler: advances each speculating sequence's own slot over its newest token and its
         accepted drafts (`num_accepted` [sampling sequences] on the device), from the rows kept."""
+        if self.before_call is not None:
+            self.before_call("finish", (num_accepted,))
         slots, counts, picked = self._pending
         self._pending = None
         device = self.rows.device

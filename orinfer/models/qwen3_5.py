@@ -54,12 +54,12 @@ _VALUES = ("linear_num_value_heads", "linear_value_head_dim")
 _PER_VALUE_HEAD = (("linear_num_value_heads", 1),)
 _TENSOR_PARALLEL_PLAN = {
     **QwenForCausalLM.tensor_parallel_plan,
-    "rows": ("o_proj", "down_proj", "out_proj"),
+    "rows": ("o_proj", "down_proj", "out_proj", "fc"),  # fc: the MTP head's (models/qwen3_5_mtp.py)
     "parts": {"in_proj_qkv": (_KEYS, _KEYS, _VALUES), "conv1d": (_KEYS, _KEYS, _VALUES), "in_proj_z": (_VALUES,),
               "in_proj_b": _PER_VALUE_HEAD, "in_proj_a": _PER_VALUE_HEAD, "linear_attn.A_log": _PER_VALUE_HEAD,
               "linear_attn.dt_bias": _PER_VALUE_HEAD},
-    "unquantized": ("conv1d",),
-    "reduce_outputs": ("self_attn", "linear_attn", "mlp"),
+    "unquantized": ("conv1d", "fc"),  # fc: 16-bit in every format (MTPHead builds it so)
+    "reduce_outputs": ("self_attn", "linear_attn", "mlp", "fc"),
 }
 
 
@@ -196,7 +196,8 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
     packed = _PACKED
     # Full attention splits as Qwen3's: q_proj by heads (each head's query and gate rows together), k/v by KV heads,
     # o_proj by rows; linear attention by its heads (_TENSOR_PARALLEL_PLAN), out_proj by rows; the gated norm's
-    # weight (one head's width) whole. The MTP head's layers split as the decoder's, its fc and norms whole.
+    # weight (one head's width) whole. The MTP head's layers split as the decoder's, its fc by rows (input columns),
+    # its norms whole.
     tensor_parallel_plan = _TENSOR_PARALLEL_PLAN
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
@@ -219,6 +220,12 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata, step: int = 0) -> torch.Tensor:
+        """One draft step of the MTP head (`MTPHead.forward`) on the tokens `input_ids` [T] (embedded here):
+        g [T, H]."""
+        return self.mtp(self.embed_tokens(input_ids), hidden, positions, meta, step)
 
     def state_layers(self) -> list[GatedDeltaNetBlock]:
         """The layers that own per-sequence state; the runner binds conv/ssm state pools to each."""

@@ -8,7 +8,8 @@ Math, for a row at position i whose next token x_{i+1} is known and whose hidden
 g_i predicts x_{i+2}; for k drafts it is fed back as the next row's hidden state, with that row's token the draft
 just chosen. The layer (gated attention with q/k norms, the decoder's MLP or experts) attends over a KV cache of its
 own, one entry per position. A checkpoint with several MTP layers uses layer j % L at draft step j. The norms are
-zero-centred, as the decoder's.
+zero-centred, as the decoder's. Tensor parallelism splits the layer as the decoder's and fc by its input columns
+(each rank multiplies its share of the concatenation; the model's plan all-reduces fc's output).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.linear_types import make_linear
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
+from orinfer.layers.row_parallel import InputColumns
 
 
 class MTPHead(nn.Module):
@@ -32,7 +34,8 @@ class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype,
                  make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        self.fc = make_linear(None, 2 * cfg.hidden_size, cfg.hidden_size, False, ops, dtype)
+        self.fc_columns = InputColumns(2 * cfg.hidden_size)  # (all of them without tensor parallelism)
+        self.fc = make_linear(None, self.fc_columns.width, cfg.hidden_size, False, ops, dtype)
         self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
         self.layers = nn.ModuleList(make_layer(index) for index in range(cfg.num_hidden_layers, cfg.num_hidden_layers
@@ -47,7 +50,7 @@ class MTPHead(nn.Module):
                 step: int = 0) -> torch.Tensor:
         """embeds [T, H] (the next tokens' embeddings), hidden [T, H] (h_i) -> g [T, H], the normed hidden state that
         the lm_head reads and the next step takes as h. `step`: the draft step (picks the layer)."""
-        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = self.fc_columns(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         layer = self.layers[step % len(self.layers)]
         out, residual = layer(positions, self.fc(x), None, meta)
         normed, _ = self.norm(out, residual)

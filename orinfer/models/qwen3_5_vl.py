@@ -14,6 +14,8 @@ Text-only prompts and every decode step run the decoder's own forward, unchanged
 
 from __future__ import annotations
 
+import torch
+
 from orinfer.models.qwen3_5 import GatedDeltaNetBlock, MTPHead, Qwen3_5ForCausalLM
 from orinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
@@ -36,3 +38,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def mtp(self) -> MTPHead | None:
         """The decoder's MTP head, or None when the checkpoint has none."""
         return self.language_model.mtp
+
+    def mtp_forward(self, *args) -> torch.Tensor:
+        """The decoder's MTP draft step (Qwen3_5ForCausalLM.mtp_forward)."""
+        return self.language_model.mtp_forward(*args)

@@ -9,7 +9,8 @@ sequence by position until the head has consumed them. A proposal, for each sequ
   2. k - 1 more steps, each one row per sequence at the next position, with the draft just chosen and g.
 The drafts are argmaxes, deterministic, so the verify step's one-hot rule applies (exact greedy output, the target's
 distribution when sampling). The head's KV lives in its own pool on the target's block ids (the runner plans it from
-the same budget); positions from N on hold draft-fed entries, so `done` becomes N and the next catch-up rewrites them.
+the same budget); under tensor parallelism each rank runs its shard of the head (split as the decoder's layers, fc by
+its input columns) on rank 0's kept hidden rows, sent with each step's call; positions from N on hold draft-fed entries, so `done` becomes N and the next catch-up rewrites them.
 Every step path hands its hidden states over (eager and mixed-graph forwards; the decode graphs keep theirs as an
 extra output). Positions whose rows were dropped (past MAX_KEPT_ROWS) stay stale in the head's cache: that lowers
 acceptance, never exactness.
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from orinfer.args import EngineArgs
+from orinfer.config import ModelConfig
 from orinfer.engine.block_manager import BlockManager
-from orinfer.engine.model_runner import ModelRunner
+from orinfer.engine.model_runner import ModelRunner, kv_bytes_per_block
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError
+from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import flat_inputs
 
 # Hidden-state rows kept per sequence at most (H * act bytes each: 10 KiB at Qwen3.5-27B), and chunks before they are
@@ -43,14 +47,28 @@ def mtp_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def mtp_kv_bytes_per_block(model: torch.nn.Module, cfg: ModelConfig, args: EngineArgs, kv_dtype: torch.dtype) -> int:
+    """Bytes per KV block of the MTP head's attention layers when `args` asks for method mtp, else 0. `cfg`: the
+    config `model` was built from (a tensor-parallel rank's shard's: its KV heads)."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None or spec.method != "mtp":
+        return 0
+    per_layer = kv_bytes_per_block(cfg, args.block_size, kv_dtype) // cfg.num_kv_layers
+    return len(mtp_head(model).layers) * per_layer
+
+
+def attach_mtp_kv(runner: ModelRunner, model: torch.nn.Module) -> None:
+    """Binds KV pools on `runner`'s block ids to `model`'s MTP head (planned as its extra bytes per block)."""
+    runner.allocate_extra_kv(mtp_head(model).attention_layers())
+
+
 class MTPProposer:
     """Greedy drafts from the target model's MTP head, run through the target's runner (`runner`)."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, k: int, max_batch: int) -> None:
         """`k` drafts a sequence at most; `max_batch`: decoding sequences above which steps do not speculate."""
         self.runner, self.block_manager, self.k, self.max_batch = runner, block_manager, k, max_batch
-        self.decoder = getattr(runner.model, "language_model", runner.model)
-        self.head = mtp_head(runner.model)
+        mtp_head(runner.model)  # (ConfigError without one)
         self.kept: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq_id -> (first position, hidden rows) chunks
         self.done: dict[int, int] = {}                              # seq_id -> positions the head has seen
         runner.hidden_sink = self.keep_hidden
@@ -140,7 +158,8 @@ class MTPProposer:
             input_ids, positions, meta, sample_rows = runner.upload_inputs(inputs)
             if ids is not None:
                 input_ids = ids
-            g = self.head(self.decoder.embed_tokens(input_ids), hidden, positions, meta, step)
+            # (Tensor parallelism: `runner.model` mirrors the step to the workers, each on its shard of the head.)
+            g = runner.model.mtp_forward(input_ids, hidden, positions, meta, step)
             hidden = g.index_select(0, sample_rows)
             ids = runner.model.compute_logits(hidden).argmax(dim=-1)
             drafts[:, step] = ids

@@ -120,15 +120,19 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, graph_hooks, max_seqs, max_blocks, device, self.block_size,
                                        pool=self.step_graphs.pool, state_scratch_slot=scratch)
             self.graphs.capture()
+            if self.rollback is not None:
+                self.rollback.use_graphs(max_seqs)
             if hasattr(model, "enable_vision_graphs"):
                 model.enable_vision_graphs()  # repeated image sizes replay the vision tower as a graph
 
     def release_graphs(self) -> None:
         """Frees the CUDA graphs; later steps run eagerly (tensor parallelism frees them before leaving the group)."""
-        for graphs in (self.graphs, self.step_graphs):
+        for graphs in (self.graphs, self.step_graphs, self.rollback and self.rollback.graphs):
             if graphs is not None:
                 graphs.release()
         self.graphs = self.step_graphs = None
+        if self.rollback is not None:
+            self.rollback.graphs = None
 
     # --- KV cache ---------------------------------------------------------------------------------------------------
 

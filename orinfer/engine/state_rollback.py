@@ -59,6 +59,7 @@ class StateRollback:
         # Called with (method name, its arguments) before `start` and `finish` run: tensor parallelism's rank 0 has
         # every worker's rollback run them too, at the same point of its calls (distributed/executor.py).
         self.before_call: Callable[[str, tuple[Any, ...]], None] | None = None
+        self.graphs: RollbackGraphs | None = None  # `use_graphs`
 
     @staticmethod
     def buffer_bytes(cfg: ModelConfig, max_seqs: int, max_drafts: int, act_dtype: torch.dtype) -> int:
@@ -115,10 +116,19 @@ class StateRollback:
             self.before_call("finish", (num_accepted,))
         slots, counts, picked = self._pending
         self._pending = None
-        device = self.rows.device
-        n = len(slots)
-        offsets = _upload([sum(counts[:j]) for j in range(n)], device)                           # [n] packed starts
-        accepted = num_accepted.index_select(0, _upload(picked, device))
+        if self.graphs is None:
+            device = self.rows.device
+            offsets = _upload([sum(counts[:j]) for j in range(len(slots))], device)
+            self._advance(offsets, _upload(slots, device), num_accepted.index_select(0, _upload(picked, device)),
+                          max(counts))
+            return
+        self.graphs.run(slots, counts, picked, num_accepted)
+
+    def _advance(self, offsets: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor, max_count: int) -> None:
+        """The device work of `finish` for n speculating sequences: offsets [n] (where sequence j's kept rows start),
+        slots [n] (its own state slot), accepted [n] (its accepted drafts). Fixed shapes for a given n, no host
+        sync: `RollbackGraphs` captures it."""
+        n, device = slots.shape[0], slots.device
         ends = torch.cumsum(1 + accepted, 0)                                                   # [n]
         starts = torch.cat([torch.zeros(1, dtype=ends.dtype, device=device), ends])          # [n+1]
         p = torch.arange(self.max_rows, device=device)
@@ -127,11 +137,68 @@ class StateRollback:
         meta = AttentionMetadata(
             from_start=False, query_start_loc=starts.to(torch.int32), context_lens=torch.zeros(n, dtype=torch.int32,
                                                                                                device=device),
-            max_query_len=max(counts), max_context_len=0, state_slots=_upload(slots, device),
+            max_query_len=max_count, max_context_len=0, state_slots=slots,
             has_initial_state=torch.ones(n, dtype=torch.bool, device=device))
         mixed, gates = self.mixed.index_select(1, source), self.gates.index_select(1, source)
         for layer, layer_mixed, layer_gates in zip(self.layers, mixed, gates):
             layer.advance_state(layer_mixed, layer_gates, meta)
+
+    def use_graphs(self, max_sampled: int) -> None:
+        """Replays `finish`'s device work from CUDA graphs (one per number of speculating sequences, captured the
+        second time that number occurs) instead of ~2 eager launches per linear-attention layer: at Qwen3.5-27B those
+        48 layers cost several ms of host time a verify step while the device waited (benchmarks/NOTES.md, run 301).
+        `max_sampled`: the most sampling sequences a step has (the length of `num_accepted`)."""
+        self.graphs = RollbackGraphs(self, max_sampled)
+
+
+class RollbackGraphs:
+    """`StateRollback._advance` replayed from CUDA graphs keyed by the number n of speculating sequences.
+
+    Static inputs: the sequences' kept-row offsets, slots and sampler rows (uploaded from the host lists each step)
+    and the step's acceptance counts (copied in on the device). The first step with a given n runs eagerly (its
+    Triton kernels compile and warm up then), the second captures and every later one replays. All graphs share one
+    memory pool: they never run concurrently and keep nothing past a replay."""
+
+    def __init__(self, rollback: StateRollback, max_sampled: int) -> None:
+        device = rollback.rows.device
+        self.rollback, self.max_count = rollback, 1 + rollback.max_drafts
+        size = rollback.max_seqs
+        self.offsets = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(size, dtype=torch.int64, device=device)
+        self.picked = torch.zeros(size, dtype=torch.int64, device=device)
+        self.num_accepted = torch.zeros(max_sampled, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.warm: set[int] = set()
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, slots: list[int], counts: list[int], picked: list[int], num_accepted: torch.Tensor) -> None:
+        n = len(slots)
+        host = torch.tensor([[sum(counts[:j]) for j in range(n)], slots, picked], dtype=torch.int64).pin_memory()
+        staged = host.to(self.slots.device, non_blocking=True)
+        self.offsets[:n].copy_(staged[0])
+        self.slots[:n].copy_(staged[1])
+        self.picked[:n].copy_(staged[2])
+        self.num_accepted[:num_accepted.shape[0]].copy_(num_accepted)
+        graph = self.graphs.get(n)
+        if graph is not None:
+            graph.replay()
+            return
+        if n not in self.warm:
+            self.warm.add(n)
+            self._body(n)
+            return
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._body(n)
+        self.graphs[n] = graph
+        graph.replay()  # capturing recorded the work without doing it
+
+    def _body(self, n: int) -> None:
+        accepted = self.num_accepted.index_select(0, self.picked[:n])
+        self.rollback._advance(self.offsets[:n], self.slots[:n], accepted, self.max_count)
+
+    def release(self) -> None:
+        self.graphs.clear()
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:

@@ -73,25 +73,28 @@ def test_dequantize_is_the_formula_and_the_reference_the_16_bit_path():
 
 
 def test_w4_configs_step_one_chunk():
-    cfg = w4_config(DECODE_FMA._replace(up=DECODE_FMA.up._replace(block_n=4, block_k=512)), 128)
+    cfg = w4_config(DECODE_FMA._replace(up=DECODE_FMA.up._replace(block_n=4, block_k=512)), 128, 16)
     assert cfg.up.block_k == 128 and cfg.up.block_n == 16        # the FMA loop keeps its weights per step
-    assert w4_config(GROUPED_32, 32).up.block_k == 32 and w4_config(GROUPED_32, 32).up.block_n == 16
-    assert w4_config(GROUPED_32, 256).down.block_k == 128        # a chunk is 128 inputs at most
+    assert cfg.down.block_k == 16 and cfg.down.block_n == 16
+    assert w4_config(GROUPED_32, 32, 32).up.block_k == 32 and w4_config(GROUPED_32, 32, 32).up.block_n == 16
+    assert w4_config(GROUPED_32, 256, 256).down.block_k == 128    # a chunk is 128 inputs at most
 
 
 # --- the kernels ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tokens,n_experts,top_k,mode,cfg,shape", [
     # grouped GEMMs: odd token counts, several experts per token, an expert no token chose, one that all chose
-    (1, 4, 1, "random", GROUPED_16, (80, 48, 16)), (3, 8, 2, "skip", GROUPED_32, (96, 64, 32)),
+    (1, 4, 1, "random", GROUPED_16, (80, 48, 16)), pytest.param(3, 8, 2, "skip", GROUPED_32, (96, 64, 32), marks=slow),
     (17, 12, 3, "skip", GROUPED_16, (80, 48, 16)), (5, 4, 2, "same", GROUPED_64, (256, 128, 128)),
-    (9, 8, 4, "random", None, (96, 64, 32)),
+    pytest.param(9, 8, 4, "random", None, (96, 64, 32), marks=slow),
     pytest.param(33, 8, 2, "random", GROUPED_32, (256, 128, 128), marks=slow),
     pytest.param(17, 60, 8, "skip", GROUPED_16, (80, 48, 16), marks=slow),
     # the decode path: one token on the FMA loop (split or not), up to 16 on dots
-    (1, 8, 2, "skip", DECODE_FMA, (80, 48, 16)), (1, 12, 4, "random", DECODE_FMA_SPLIT, (256, 128, 128)),
-    (1, 4, 1, "random", None, (96, 64, 32)), (3, 8, 2, "same", DECODE_DOT, (96, 64, 32)),
-    (5, 12, 3, "skip", DECODE_DOT_SPLIT, (80, 48, 16)), (7, 8, 2, "random", None, (256, 128, 128)),
+    (1, 8, 2, "skip", DECODE_FMA, (80, 48, 16)),
+    pytest.param(1, 12, 4, "random", DECODE_FMA_SPLIT, (256, 128, 128), marks=slow),
+    pytest.param(1, 4, 1, "random", None, (96, 64, 32), marks=slow), (3, 8, 2, "same", DECODE_DOT, (96, 64, 32)),
+    (5, 12, 3, "skip", DECODE_DOT_SPLIT, (80, 48, 16)),
+    pytest.param(7, 8, 2, "random", None, (256, 128, 128), marks=slow),
     pytest.param(16, 4, 2, "random", DECODE_DOT_SPLIT, (256, 128, 128), marks=slow)])
 def test_fused_moe_w4(tokens, n_experts, top_k, mode, cfg, shape):
     """Each path in fp32 against fp64 on the dequantised experts (H, I, group)."""
@@ -99,8 +102,8 @@ def test_fused_moe_w4(tokens, n_experts, top_k, mode, cfg, shape):
     check_w4(tokens, n_experts, top_k, hidden, inter, group, torch.float32, cfg, mode)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("tokens,cfg", [(1, DECODE_FMA), (5, DECODE_DOT), (9, GROUPED_16)],
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=slow)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("tokens,cfg", [(1, DECODE_FMA), pytest.param(5, DECODE_DOT, marks=slow), (9, GROUPED_16)],
                          ids=["b1-fma", "b5-dot", "b9-grouped"])
 def test_fused_moe_w4_16_bit_activations(dtype, tokens, cfg):
     check_w4(tokens, 4, 2, 96, 64, 32, dtype, cfg)

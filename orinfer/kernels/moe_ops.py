@@ -113,7 +113,7 @@ def fused_moe_w4(x: torch.Tensor, w13: W4Experts, w2: W4Experts, topk_weights: t
     cfg = config or default_config(tokens, w13.num_experts, top_k, x.dtype == torch.float32)
     if not valid(cfg, tokens):
         raise ValueError(f"config {cfg} cannot run {tokens} tokens")
-    cfg = w4_config(cfg, w13.group_size)
+    cfg = w4_config(cfg, w13.group_size, w2.group_size)
     if cfg.path == "decode":
         return fused_moe_w4_decode(x, w13, w2, topk_weights, topk_ids, cfg)
     return fused_moe_w4_grouped(x, w13, w2, topk_weights, topk_ids, cfg)

@@ -102,16 +102,15 @@ def check_w4_experts(x: torch.Tensor, w13: W4Experts, w2: W4Experts) -> None:
         raise ValueError(f"w13 {tuple(w13.packed.shape)} and w2 {tuple(w2.packed.shape)} are not one set of experts")
 
 
-def w4_config(cfg: MoeConfig, group_size: int) -> MoeConfig:
-    """A launch config of the 16-bit experts adapted to W4 weights: a K step is one chunk of 8R inputs (inside one
-    group: one zero point and scale per weight row); the one-token FMA loop takes as many more rows as keep its
-    weights per step (its [BLOCK_N, BLOCK_K] fp32 register tile)."""
-    chunk = 8 * chunk_int32(group_size)
-
-    def adapt(tile: Tile) -> Tile:
+def w4_config(cfg: MoeConfig, up_group: int, down_group: int) -> MoeConfig:
+    """A launch config of the 16-bit experts adapted to W4 weights (w13 in groups of up_group inputs, w2 of
+    down_group): a K step is one chunk of 8R inputs (inside one group: one zero point and scale per weight row); the
+    one-token FMA loop takes as many more rows as keep its weights per step (its [BLOCK_N, BLOCK_K] fp32 tile)."""
+    def adapt(tile: Tile, group: int) -> Tile:
+        chunk = 8 * chunk_int32(group)
         n = tile.block_n
         if cfg.block_m == 1 and cfg.path == "decode":
             n = max(1, tile.block_n * tile.block_k // chunk)
         return tile._replace(block_n=n, block_k=chunk)
 
-    return cfg._replace(up=adapt(cfg.up), down=adapt(cfg.down))
+    return cfg._replace(up=adapt(cfg.up, up_group), down=adapt(cfg.down, down_group))

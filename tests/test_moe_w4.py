@@ -165,3 +165,21 @@ def test_the_triton_ops_give_hf_tokens(w4_moe):
 def test_gpu_triton_backend_matches_torch_backend(w4_moe, cuda_graph):
     path, _, _ = w4_moe
     assert_triton_matches_torch_on_cuda(path, cuda_graph)
+
+
+# --- tensor parallelism ---------------------------------------------------------------------------------------------
+
+@slow  # two processes over gloo
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_w4_moe_under_tensor_parallelism_matches_one_process(tmp_path, fmt):
+    """2 ranks split every expert inside (gate/up by output columns in whole words, down by inputs in whole groups:
+    16 of each expert's 32 per rank, one group of 16) and give the single process's tokens and top log-probs."""
+    from orinfer import LLM
+    from test_tensor_parallel import GREEDY as TP_GREEDY, PROMPTS as TP_PROMPTS, SETTINGS, assert_same_outputs
+
+    kind, overrides = QWEN3_MOE
+    orig = save_hf_model(build_hf_qwen3_moe(kind, **overrides, intermediate_size=64), tmp_path / "orig")
+    write(orig, tmp_path / "q", fmt, 16)
+    want = LLM(tmp_path / "q", **SETTINGS).generate(TP_PROMPTS, TP_GREEDY)
+    with LLM(tmp_path / "q", tensor_parallel_size=2, **SETTINGS) as llm:
+        assert_same_outputs(llm.generate(TP_PROMPTS, TP_GREEDY), want)

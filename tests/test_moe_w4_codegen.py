@@ -78,7 +78,8 @@ def test_w4_expert_launches_compile_for_sm90_without_spills():
     built = compile_in_child(_COMPILE, str(Path(__file__).parent))
     kernels = {b["kernel"] for b in built}
     assert {"_w4_grouped_kernel", "_w4_decode_up_kernel", "_w4_decode_down_kernel"} <= kernels and len(built) >= 20
-    for b in built:
-        assert b["error"] is None, f"{b['kernel']} {b['constexprs']}: {b['error']}"
-        spill = f"{b['kernel']} {b['constexprs']}: {b['registers']} registers, spills"
-        assert b["stack"] == 0 or not b["engine"], spill
+    errors = [f"{b['kernel']} {b['constexprs']}: {b['error']}" for b in built if b["error"] is not None]
+    # The tests' small-stage tiles may spill; the engine's launches (default configs) must not
+    spills = [f"{b['kernel']} {b['constexprs']}: {b['registers']} registers, {b['stack']} bytes of stack"
+              for b in built if b["stack"] and b["engine"]]
+    assert not errors and not spills, "\n".join(errors + spills)

@@ -5,7 +5,8 @@ experts.
 Experts are random codes 0..15 with random zero points 0..15 and fp16 scales per group, packed into W4 by
 `kernels/w4.w4_from_codes` (whose exactness tests/test_w4.py checks) and dequantised here from the codes by the
 format's formula, W = (q - z) * s. On the CPU the kernels run in Triton's interpreter at small shapes (groups of 16,
-32 and 128: chunks of 16, 32 and 128 inputs), odd token counts, several experts per token, an expert no token chose,
+32 and 128: chunks of 16, 32 and 128 inputs; from 128 on the kernels take a chunk as eight nibble slices, below as
+one unpacked tile), odd token counts, several experts per token, an expert no token chose,
 every inner loop (explicit configs of test_moe_kernels.py); on the GPU (marked gpu) at the real expert shapes of
 Qwen3-30B-A3B and Qwen3.5-35B-A3B with groups of 128, 16-bit activations, and CUDA-graph capture.
 """
@@ -90,7 +91,8 @@ def test_w4_configs_step_one_chunk():
     pytest.param(33, 8, 2, "random", GROUPED_32, (256, 128, 128), marks=slow),
     pytest.param(17, 60, 8, "skip", GROUPED_16, (80, 48, 16), marks=slow),
     # the decode path: one token on the FMA loop (split or not), up to 16 on dots
-    (1, 8, 2, "skip", DECODE_FMA, (80, 48, 16)),
+    (1, 8, 2, "skip", DECODE_FMA, (80, 48, 16)), (1, 6, 2, "skip", DECODE_FMA_SPLIT, (128, 128, 128)),
+    (3, 6, 2, "skip", DECODE_DOT, (128, 128, 128)),
     pytest.param(1, 12, 4, "random", DECODE_FMA_SPLIT, (256, 128, 128), marks=slow),
     pytest.param(1, 4, 1, "random", None, (96, 64, 32), marks=slow), (3, 8, 2, "same", DECODE_DOT, (96, 64, 32)),
     (5, 12, 3, "skip", DECODE_DOT_SPLIT, (80, 48, 16)),

@@ -102,15 +102,23 @@ def check_w4_experts(x: torch.Tensor, w13: W4Experts, w2: W4Experts) -> None:
         raise ValueError(f"w13 {tuple(w13.packed.shape)} and w2 {tuple(w2.packed.shape)} are not one set of experts")
 
 
+# The most weights a program unpacks per K step (both of a gated pair each): the unpacked [BLOCK_N, 8R] tile lives in
+# registers between the load and the dot, beside the accumulators; past these the sm_90 builds spill
+# (tests/test_moe_w4_codegen.py).
+UNPACKED_LIMIT = {"grouped": 8192, "decode": 4096}
+
+
 def w4_config(cfg: MoeConfig, up_group: int, down_group: int) -> MoeConfig:
     """A launch config of the 16-bit experts adapted to W4 weights (w13 in groups of up_group inputs, w2 of
     down_group): a K step is one chunk of 8R inputs (inside one group: one zero point and scale per weight row); the
-    one-token FMA loop takes as many more rows as keep its weights per step (its [BLOCK_N, BLOCK_K] fp32 tile)."""
+    one-token FMA loop takes as many more rows as keep its weights per step (its [BLOCK_N, BLOCK_K] fp32 tile); every
+    path keeps BLOCK_N * 8R within UNPACKED_LIMIT."""
     def adapt(tile: Tile, group: int) -> Tile:
         chunk = 8 * chunk_int32(group)
         n = tile.block_n
         if cfg.block_m == 1 and cfg.path == "decode":
             n = max(1, tile.block_n * tile.block_k // chunk)
+        n = min(n, max(16, UNPACKED_LIMIT[cfg.path] // chunk))
         return tile._replace(block_n=n, block_k=chunk)
 
     return cfg._replace(up=adapt(cfg.up, up_group), down=adapt(cfg.down, down_group))

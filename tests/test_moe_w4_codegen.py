@@ -2,8 +2,8 @@
 (`orinfer/kernels/sm90.py`): every launch that `fused_moe_w4` makes at the expert shapes of Qwen3-30B-A3B and
 Qwen3.5-35B-A3B in groups of 128 (bf16, fp16 and fp32 activations; decode and prefill token counts) and at the GPU
 tests' explicit tiles (groups of 32 and 128) compiles with the launcher's own specialization, and the engine's
-launches with 16-bit activations keep their registers (no local-memory spills; fp32 ones do spill). The interpreter never lowers the in-register unpacking
-(shifts, reshape, transpose) to PTX; this does.
+launches with 16-bit activations keep their registers (no local-memory spills; fp32 ones do spill). The interpreter
+never lowers the in-register unpacking (shifts, slices, transposes, the bf16 / fp16 PTX of w4_mma) to PTX; this does.
 """
 
 from __future__ import annotations

@@ -80,8 +80,6 @@ class GPTQConfig:
             if name.rsplit(".", 1)[-1] in _DECODER_LINEARS:
                 raise ConfigError(f"{where}: modules_to_not_convert lists {name!r}; orinfer needs every decoder "
                                   "linear quantized")
-        if cfg.is_hybrid:
-            raise ConfigError(f"{where}: GPTQ Qwen3.5 checkpoints are not supported yet")
         p = self.pack_factor
         shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
                   "o_proj": (cfg.q_size, cfg.hidden_size), "gate_proj": (cfg.hidden_size, cfg.intermediate_size),

@@ -98,15 +98,29 @@ def sparse_layer(num_experts: int, decoder_sparse_step: int, mlp_only_layers: tu
 
 
 def check_moe_weights(cfg: "ModelConfig", source: str) -> None:
-    """ConfigError for an MoE model in a weight format its experts do not run: they run 16/32-bit and FP8 block-wise
-    weights (checkpoints and online FP8; layers/fp8_experts.py), not AWQ / GPTQ so far."""
+    """ConfigError for an MoE model in a weight format its experts do not run. They run 16/32-bit, FP8 block-wise
+    (checkpoints and online FP8; layers/fp8_experts.py) and 4-bit AWQ / GPTQ (layers/w4_experts.py: GPTQ without
+    act-order; each expert matrix's in_features in whole groups the W4 layout holds, out_features in whole words)."""
     quant = cfg.quantization
     if quant is None or not cfg.is_moe or quant.method == "fp8":
         return
-    kind = "online FP8 (--quantization fp8)" if getattr(quant, "online", False) else quant.method.upper()
-    raise ConfigError(f"{source}: {kind} weights are not yet supported for MoE experts ({cfg.architecture}); "
-                      "orinfer runs mixture-of-experts models from 16-bit (bf16 / fp16 / fp32) and FP8 block-wise "
-                      "checkpoints")
+    where = f"{source}: quantization_config"
+    if quant.method == "gptq" and quant.bits != 4:
+        raise ConfigError(f"{where}: GPTQ {quant.bits}-bit weights are not supported for MoE experts "
+                          f"({cfg.architecture}); orinfer runs 4-bit GPTQ experts")
+    if quant.method == "gptq" and quant.desc_act:
+        raise ConfigError(f"{where}: GPTQ act-order (desc_act true) is not supported for MoE experts "
+                          f"({cfg.architecture}): every expert would need its own input permutation")
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    for name, fin, fout in (("gate_proj / up_proj", hidden, inter), ("down_proj", inter, hidden)):
+        group = quant.group_for(fin)
+        if fin % group or not (group % 128 == 0 or group in (16, 32, 64)):
+            raise ConfigError(f"{where}: the experts' {name} has in_features {fin}; {quant.method.upper()} MoE "
+                              f"experts need group_size ({quant.group_size}) to divide it and be a multiple of 128 "
+                              "or 16, 32, 64")
+        if fout % 8:
+            raise ConfigError(f"{where}: the experts' {name} has out_features {fout}, not a multiple of 8 (4-bit "
+                              "packing)")
 
 
 def moe_hf_dict(cfg: "ModelConfig", out: dict[str, Any]) -> dict[str, Any]:

@@ -224,22 +224,24 @@ QWEN3_5_MOE_CONFIGS = {
 }
 
 
-def build_hf_qwen3_moe(kind: str, vocab_size: int = 211, seed: int = 0):
-    """An HF Qwen3MoeForCausalLM: experts of width 24 beside dense layers of width 80 (so a mix-up shows)."""
+def build_hf_qwen3_moe(kind: str, vocab_size: int = 211, seed: int = 0, **overrides):
+    """An HF Qwen3MoeForCausalLM: experts of width 24 beside dense layers of width 80 (so a mix-up shows);
+    `overrides` replace config fields (4-bit tests: experts of width 32, whole groups)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=80, moe_intermediate_size=24,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                            rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=vocab_size - 1,
-                            pad_token_id=None, **QWEN3_MOE_CONFIGS[kind])
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=80, moe_intermediate_size=24,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=vocab_size - 1,
+                  pad_token_id=None, **QWEN3_MOE_CONFIGS[kind])
+    config = Qwen3MoeConfig(**(fields | overrides))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return randomize_parameters(Qwen3MoeForCausalLM(config).eval(), seed)
 
 
-def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False):
+def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False, **overrides):
     """An HF Qwen3_5MoeForCausalLM (with `vision`, a Qwen3_5MoeForConditionalGeneration): a QWEN3_5_CONFIGS decoder
-    whose MLPs are experts of width 24 and a shared expert of width 40."""
+    whose MLPs are experts of width 24 and a shared expert of width 40; `overrides` replace text config fields."""
     from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
                               Qwen3_5MoeTextConfig)
 
@@ -247,7 +249,8 @@ def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False):
     dense = qwen3_5_text_config(spec.pop("base"), vocab_size=300 if vision else 211).to_dict()
     for key in ("intermediate_size", "model_type", "architectures", "transformers_version"):
         dense.pop(key, None)
-    text = Qwen3_5MoeTextConfig(**dense, moe_intermediate_size=24, shared_expert_intermediate_size=40, **spec)
+    fields = dense | dict(moe_intermediate_size=24, shared_expert_intermediate_size=40) | spec | overrides
+    text = Qwen3_5MoeTextConfig(**fields)
     text._attn_implementation = "eager"
     classes = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if vision else Qwen3_5MoeForCausalLM
     return _hf_qwen3_5_family(text, seed, classes)

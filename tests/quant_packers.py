@@ -10,7 +10,14 @@ consecutive outputs, `scales` fp16 [groups, N], `g_idx` int32 [K]. With desc_act
 permuted input order (GPTQ's act-order): g_idx[perm[i]] = i // G, the weights stay in the original order; matrices
 that read the same input (q/k/v, gate/up) share the order, as GPTQ's Hessian of that input gives them.
 
-Every packer returns the dequantised fp32 weights too: the HF reference model runs those.
+AWQ (AutoAWQ "gemm", zero_point true): per group of G inputs and output column, s = (max - min) / 15 rounded to
+fp16, z = clamp(round(-min / s), 0, 15), q = clamp(round(W / s) + z, 0, 15); `qweight` int32 [K, N / 8] holds in
+nibble p (bits 4p..) of word j the output column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[p], `qzeros` int32 [K / G, N / 8]
+packs z the same way, `scales` fp16 [K / G, N]. W = (q - z) * s.
+
+Every packer returns the dequantised fp32 weights too: the HF reference model runs those. The MoE releases' experts are
+per expert (`mlp.experts.{e}.gate_proj.qweight`, ...) and quantized like any linear; the routers (`mlp.gate`) and
+the shared-expert gate stay 16-bit (their names are no decoder linear here).
 """
 
 from __future__ import annotations
@@ -84,6 +91,32 @@ def gptq_pack(w: torch.Tensor, bits: int, group: int, desc_act: bool, seed: int 
     return {"qweight": _to_int32(qweight), "qzeros": _to_int32(qzeros), "scales": scales, "g_idx": g_idx}, deq
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p of a word holds column 8j + AWQ_ORDER[p]
+
+
+def _awq_words(v: torch.Tensor) -> torch.Tensor:
+    """[R, C] codes 0..15 -> [R, C / 8] int32 in AWQ's interleaved column order."""
+    v = v.long().reshape(v.shape[0], -1, 8)
+    words = torch.zeros(v.shape[0], v.shape[1], dtype=torch.int64)
+    for p, col in enumerate(AWQ_ORDER):
+        words |= v[:, :, col] << (4 * p)
+    return _to_int32(words)
+
+
+def awq_pack(w: torch.Tensor, group: int) -> tuple[dict, torch.Tensor]:
+    """({qweight, qzeros, scales}, dequantised W fp32 [N, K]) for W [N, K], asymmetric round to nearest."""
+    n, k = w.shape
+    g = k if group == -1 else group
+    wt = w.float().t().reshape(k // g, g, n)                 # [groups, G, N]
+    lo, hi = wt.amin(dim=1), wt.amax(dim=1)
+    scales = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi)).half()
+    s = scales.float()
+    z = torch.round(-lo / s).clamp(0, 15)
+    q = (torch.round(wt / s[:, None]) + z[:, None]).clamp(0, 15)
+    deq = ((q - z[:, None]) * s[:, None]).reshape(k, n).t().contiguous()
+    return {"qweight": _awq_words(q.reshape(k, n)), "qzeros": _awq_words(z), "scales": scales}, deq
+
+
 def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dict) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"))
@@ -129,6 +162,24 @@ def write_gptq_checkpoint(src: Path, dst: Path, bits: int, group: int, desc_act:
             deq_state[name] = t.float()
     quant = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": True,
              "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+    _rewrite(src, dst, tensors, quant)
+    return deq_state
+
+
+def write_awq_checkpoint(src: Path, dst: Path, group: int) -> dict[str, torch.Tensor]:
+    """The AWQ version of the fp32 checkpoint in `src`; returns the dequantised state (HF names, fp32)."""
+    tensors, deq_state = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if is_decoder_linear(name):
+            packed, deq = awq_pack(t, group)
+            base = name.removesuffix(".weight")
+            tensors.update({f"{base}.{kind}": v for kind, v in packed.items()})
+            deq_state[name] = deq
+        else:
+            tensors[name] = t
+            deq_state[name] = t.float()
+    quant = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+             "modules_to_not_convert": None}
     _rewrite(src, dst, tensors, quant)
     return deq_state
 

@@ -307,3 +307,42 @@ def test_mtp_speculation_on_random_weights(tmp_path):
     rows = bench_speculation(llm, cfg, SpeculativeConfig("mtp", 2), [2], 7, 9, acceptances=(1.0,))
     assert rows[2]["forced 1"]["tokens_per_verify"] == 3.0 and rows[2]["forced 1"]["acceptance_rate"] == 1.0
     assert rows[2]["real"]["verify_steps"] > 0
+
+
+@pytest.mark.parametrize("quant", ["awq", "gptq4"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+def test_synthetic_w4_moe_has_w4_experts(name, quant):
+    """`bench --synthetic qwen3-30b-a3b --quant awq | gptq4`: the routed experts are 4-bit W4 experts (built on the
+    meta device at the real shapes in the checkpoint layout: about half a byte a weight), the router 16-bit, and a
+    tiny random model of the family (groups of 128) generates on the CPU with weights of about the std asked for."""
+    import dataclasses
+
+    from orinfer.bench.roofline import routed_expert_bytes
+    from orinfer.bench.run import SYNTHETIC_QUANT
+    from orinfer.kernels.moe_w4 import dequantize_w4_experts
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.layers.w4_experts import W4ExpertWeights
+    from orinfer.loader import random_model
+    from orinfer.models.registry import build_model
+
+    cfg = preset(name)
+    cfg.quantization = SYNTHETIC_QUANT[quant]
+    model = build_model(cfg, TORCH_OPS, torch.bfloat16, torch.bfloat16, torch.device("meta"))
+    experts = model.layers[0].mlp.experts
+    assert isinstance(experts, W4ExpertWeights) and experts.fmt == quant.removesuffix("4")
+    weights = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_parameters
+    assert 0.5 * weights < routed_expert_bytes(model) < 0.53 * weights
+    assert model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+    if cfg.is_hybrid:
+        return
+    tiny = dataclasses.replace(cfg, vocab_size=256, hidden_size=128, num_hidden_layers=2, num_experts=8,
+                               moe_intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                               max_position_embeddings=1024)
+    random = random_model(tiny, TORCH_OPS, torch.float32, torch.float32, CPU, std=0.02)
+    assert random.layers[0].mlp.experts.repacked
+    w13 = dequantize_w4_experts(random.layers[0].mlp.experts.w4("w13"))
+    assert 0.01 < w13.std().item() < 0.04
+    llm = build_synthetic_llm(tiny, torch.float32, CPU, bench_plan(
+        _args("--quant", quant, "--backend", "torch", "--kv-tokens", "512"), tiny, torch.float32)["engine_config"])
+    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

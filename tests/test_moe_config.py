@@ -118,17 +118,29 @@ def test_unsupported_fields_are_named(name, edit, message):
         ModelConfig.from_dict(raw)
 
 
-@pytest.mark.parametrize("name, quant, format_name", [
-    ("Qwen3-30B-A3B", {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
-     "GPTQ"),
-    ("Qwen3-30B-A3B", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-     "AWQ"),
-])
-def test_quantized_experts_are_refused_naming_the_format(name, quant, format_name):
+AWQ_128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+GPTQ_128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
+
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "Qwen3.5-35B-A3B"])
+@pytest.mark.parametrize("quant", [AWQ_128, GPTQ_128], ids=["awq", "gptq4"])
+def test_4_bit_experts_of_the_published_shapes_are_read(name, quant):
+    """AWQ and 4-bit GPTQ MoE checkpoints load with 4-bit experts (layers/w4_experts.py)."""
     raw = _raw(name)
-    if quant is not None:
-        raw["quantization_config"] = quant
-    with pytest.raises(ConfigError, match=f"{format_name} weights are not yet supported for MoE experts"):
+    raw["quantization_config"] = quant
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.is_moe and cfg.quantization.method == quant["quant_method"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({**GPTQ_128, "bits": 8}, "GPTQ 8-bit weights are not supported for MoE experts"),
+    ({**GPTQ_128, "desc_act": True}, r"act-order \(desc_act true\) is not supported for MoE experts"),
+    ({**AWQ_128, "group_size": 96}, r"group_size \(96\) to divide it"),
+])
+def test_unsupported_4_bit_expert_variants_are_refused_by_name(edit, message):
+    raw = _raw("Qwen3-30B-A3B")
+    raw["quantization_config"] = edit
+    with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict(raw)
 
 

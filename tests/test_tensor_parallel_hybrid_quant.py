@@ -8,9 +8,8 @@ value heads): each rank's part of each must fall on whole FP8 block rows / packe
 - the slices each rank reads of the published Qwen3.6-27B-FP8 at 2, 4 and 8 ranks, and the ConfigErrors for parts
   that would cut a block or a packed word (AWQ's in_proj_b of 48 value heads on 4 ranks: 12 rows, not whole words).
 
-Quantized Qwen3.5-MoE checkpoints are refused before tensor parallelism is reached (moe_config.check_moe_weights: the
-experts' kernels run 16-bit weights only so far), and so are GPTQ Qwen3.5 ones (gptq_config); their slices are
-checked here on the published shapes only.
+AWQ / GPTQ-Int4 MoE experts under tensor parallelism: tests/test_moe_w4.py. GPTQ Qwen3.5 slices are checked here on
+the published shapes only.
 """
 
 from __future__ import annotations

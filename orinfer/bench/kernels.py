@@ -1,7 +1,7 @@
 """Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes (and the
 Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`; the MoE router and experts of
-Qwen3-30B-A3B, `_moe_rows`, and its FP8 experts against the 16-bit ones, `_moe_fp8_rows`: their "torch" row is the
-16-bit `fused_moe`).
+Qwen3-30B-A3B, `_moe_rows`, and its FP8 experts against the 16-bit ones, `_moe_fp8_rows`, and its 4-bit ones,
+bench/moe_w4_rows.py: their "torch" row is the 16-bit `fused_moe`).
 
 Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
@@ -283,6 +283,8 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
             flops=2 * t * top_k * 3 * hidden * inter,
             config=f"{cfg.path} bm={cfg.block_m} up={tuple(cfg.up)} down={tuple(cfg.down)} split={cfg.split}")
     _moe_fp8_rows(add, randn, w13, w2, top_k, esize)
+    from orinfer.bench.moe_w4_rows import moe_w4_rows
+    moe_w4_rows(add, randn, w13, w2, top_k, esize)
     del w13, w2
     torch.cuda.empty_cache()
 

@@ -38,7 +38,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
                         "runs at, e.g. 32768 for long-context decode; results go to a file named with -ctxN")
     p.add_argument("--quant", choices=sorted(SYNTHETIC_QUANT), default=None,
                    help="random quantized weights of the preset's shapes instead of 16-bit ones: awq (INT4, group "
-                        "128), fp8 (block-wise, 128x128), gptq4 / gptq8 (symmetric, group 128)")
+                        "128), fp8 (block-wise, 128x128), gptq4 / gptq8 (symmetric, group 128); MoE presets' "
+                        "experts too (fp8, awq, gptq4)")
     p.add_argument("--compare-hf", action="store_true", help="run the same workload through HF transformers")
     p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                    help="size the KV cache to exactly N tokens (rounded up to whole 16-token blocks) instead of the "

@@ -14,6 +14,8 @@ Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit w
 
 `fused_moe_fp8` runs the same two paths over FP8 block-wise experts (`kernels/moe_fp8.py`: e4m3 weights, fp32 block
 scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference.
+`fused_moe_w4` runs them over 4-bit experts (`kernels/moe_w4.py`: AWQ / GPTQ-Int4 repacked into W4; the kernels of
+`kernels/moe_w4_gemm.py` unpack the words in registers), with the default configs (the tables are for 16-bit weights).
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ import torch
 
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.moe import fused_moe_ref
-from orinfer.kernels.moe_config import MoeConfig, pick_config, valid
+from orinfer.kernels.moe_config import MoeConfig, default_config, pick_config, valid
 from orinfer.kernels.moe_decode import fused_moe_decode
 from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_gemm import fused_moe_grouped
 from orinfer.kernels.moe_route import moe_route
+from orinfer.kernels.moe_w4 import W4Experts, check_w4_experts, fused_moe_w4_ref, w4_config
+from orinfer.kernels.moe_w4_gemm import fused_moe_w4_decode, fused_moe_w4_grouped
 
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ["fused_moe", "fused_moe_fp8", "moe_route"]
+__all__ = ["fused_moe", "fused_moe_fp8", "fused_moe_w4", "moe_route"]
 
 
 def _supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -47,16 +51,21 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
     experts, two_inter, _ = w13.shape
     if w13.shape[2] != hidden or two_inter % 2 or tuple(w2.shape) != (experts, hidden, two_inter // 2):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not match x {tuple(x.shape)}")
+    _check_routing(x, topk_weights, topk_ids)
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights must have unit stride along their last dim")
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"w13 and w2 must have one dtype, got {w13.dtype} and {w2.dtype}")
+
+
+def _check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    tokens = x.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be "
                          f"[T, k] with T = {tokens}")
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_ids must be int32/int64 and topk_weights a float tensor, got {topk_ids.dtype}, "
                          f"{topk_weights.dtype}")
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("expert weights must have unit stride along their last dim")
-    if w13.dtype != w2.dtype:
-        raise ValueError(f"w13 and w2 must have one dtype, got {w13.dtype} and {w2.dtype}")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -83,6 +92,31 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
         _refuse_capture(x, f"FP8 weights in blocks of {block_size[1]} inputs")
         return fused_moe_fp8_ref(x, w13, s13, w2, s2, block_size, topk_weights, topk_ids)
     return _run(x, w13, w2, topk_weights, topk_ids, config, (s13, s2), tuple(block_size))
+
+
+def fused_moe_w4(x: torch.Tensor, w13: W4Experts, w2: W4Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 config: MoeConfig | None = None) -> torch.Tensor:
+    """`fused_moe_w4_ref`'s contract: w13 W4 experts of [E, 2I, H], w2 of [E, H, I]; the rest as `fused_moe`.
+    `config` is a 16-bit config (tests); its K tiles become the W4 chunk (`moe_w4.w4_config`)."""
+    check_device(x)
+    check_w4_experts(x, w13, w2)
+    _check_routing(x, topk_weights, topk_ids)
+    if x.dtype not in _FLOAT_TYPES:
+        _refuse_capture(x, "4-bit weights")
+        return fused_moe_w4_ref(x, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    if tokens == 0:
+        return torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    topk_weights, topk_ids = topk_weights.float().contiguous(), topk_ids.contiguous()
+    cfg = config or default_config(tokens, w13.num_experts, top_k, x.dtype == torch.float32)
+    if not valid(cfg, tokens):
+        raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    cfg = w4_config(cfg, w13.group_size, w2.group_size)
+    if cfg.path == "decode":
+        return fused_moe_w4_decode(x, w13, w2, topk_weights, topk_ids, cfg)
+    return fused_moe_w4_grouped(x, w13, w2, topk_weights, topk_ids, cfg)
 
 
 def _refuse_capture(x: torch.Tensor, what: str) -> None:

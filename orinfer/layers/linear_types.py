@@ -3,7 +3,8 @@ linears, so that model files build `make_linear(...)` and never name a format.
 
 Today: dense 16/32-bit (`Linear`, `PackedLinear`), AWQ INT4 (`AWQLinear`, `AWQPackedLinear`), FP8 block-wise
 (`FP8Linear`) and GPTQ 4/8-bit (`GPTQLinear`); each format's class lives in its own layer module. The routed experts
-of an MoE layer likewise (`make_experts`): 16/32-bit `ExpertWeights`, FP8 `FP8ExpertWeights`.
+of an MoE layer likewise (`make_experts`): 16/32-bit `ExpertWeights`, FP8 `FP8ExpertWeights`, AWQ and GPTQ-Int4
+`W4ExpertWeights`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from orinfer.layers.fp8_linear import FP8Linear
 from orinfer.layers.gptq_linear import GPTQLinear
 from orinfer.layers.linear import LinearBase, Linear, PackedLinear
 from orinfer.layers.moe import ExpertWeights
+from orinfer.layers.w4_experts import W4ExpertWeights
 from orinfer.layers.ops import Ops
 from orinfer.quant_config import AnyQuantConfig
 
@@ -51,13 +53,18 @@ def make_linear(quant: AnyQuantConfig | None, in_features: int, out: int | dict[
 
 def make_experts(quant: AnyQuantConfig | None, num_experts: int, hidden: int, intermediate: int, ops: Ops,
                  dtype: torch.dtype) -> ExpertWeights:
-    """The routed experts of one MoE layer in the checkpoint's weight format (FP8 or 16/32-bit; config parsing
-    refuses the others for MoE models: moe_config.check_moe_weights)."""
+    """The routed experts of one MoE layer in the checkpoint's weight format: 16/32-bit, FP8, or 4-bit AWQ / GPTQ
+    (config parsing refuses the variants experts do not run: moe_config.check_moe_weights)."""
     if quant is None:
         return ExpertWeights(num_experts, hidden, intermediate, ops, dtype)
     if isinstance(quant, FP8Config):
         return FP8ExpertWeights(num_experts, hidden, intermediate, ops, quant.block_size, online=quant.online)
-    raise ConfigError(f"{quant.method.upper()} weights are not supported for MoE experts")
+    if isinstance(quant, GPTQConfig) and (quant.bits != 4 or quant.desc_act):
+        raise ConfigError(f"GPTQ {quant.bits}-bit{' act-order' if quant.desc_act else ''} weights are not supported "
+                          "for MoE experts (4-bit with desc_act false)")
+    fmt = "gptq" if isinstance(quant, GPTQConfig) else "awq"
+    return W4ExpertWeights(num_experts, hidden, intermediate, ops, fmt, quant.group_for(hidden),
+                           quant.group_for(intermediate))
 
 
 def misplaced_tensor(hf_name: str, our_name: str, params: dict[str, nn.Parameter],

@@ -15,7 +15,8 @@ expert and never holds a second copy of them.
 
 The experts' weight format is their module's (`ExpertWeights`: 16/32-bit; layers/fp8_experts.py: FP8 block-wise, whose
 per-expert `weight_scale_inv` tensors, and HF's fused `gate_up_proj_scale_inv` / `down_proj_scale_inv`, load the
-same way); the model builds it with `linear_types.make_experts` and the module runs its own op.
+same way; layers/w4_experts.py: AWQ / GPTQ-Int4, per expert `qweight`, `qzeros`, `scales`, `g_idx`); the model builds
+it with `linear_types.make_experts` and the module runs its own op.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from orinfer.layers.ops import Ops
 
 # A per-expert checkpoint tensor: (experts module, expert index, projection, tensor kind).
 _EXPERT_TENSOR = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                            r"\.(?P<kind>weight|weight_scale_inv)$")
+                            r"\.(?P<kind>weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$")
 # The packed parameter holding each projection; a tensor kind's suffix on it (FP8 scales: "w13_scale_inv").
 _PACKED_IN = {"gate_proj": "w13", "up_proj": "w13", "down_proj": "w2"}
-_SUFFIX = {"weight": "", "weight_scale_inv": "_scale_inv"}
+# (AWQ / GPTQ: "w13_qweight", ...; layers/w4_experts.py)
+_SUFFIX = {"weight": "", "weight_scale_inv": "_scale_inv", **{k: f"_{k}" for k in ("qweight", "qzeros", "scales",
+                                                                                  "g_idx")}}
 
 
 class ExpertWeights(nn.Module):
@@ -48,6 +51,10 @@ class ExpertWeights(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
         self.ops, self.num_experts, self.intermediate = ops, num_experts, intermediate
+        self._make_weights(num_experts, hidden, intermediate, dtype)
+
+    def _make_weights(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        """The parameters the checkpoint's expert matrices load into (a weight format's module makes its own)."""
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
         for param in (self.w13, self.w2):

@@ -21,6 +21,7 @@ from orinfer.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref,
 from orinfer.kernels.gptq import gptq_linear_ref
 from orinfer.kernels.moe import fused_moe_ref, moe_route_ref
 from orinfer.kernels.moe_fp8 import fused_moe_fp8_ref
+from orinfer.kernels.moe_w4 import fused_moe_w4_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
 from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
@@ -125,6 +126,8 @@ class Ops:
     # fused_moe_fp8(x, w13, s13, w2, s2, block_size, weights, ids): the same over FP8 block-wise experts
     # (kernels/moe_fp8.py).
     fused_moe_fp8: Callable = fused_moe_fp8_ref
+    # fused_moe_w4(x, w13, w2, weights, ids): over 4-bit AWQ / GPTQ experts in the W4 layout (kernels/moe_w4.py).
+    fused_moe_w4: Callable = fused_moe_w4_ref
 
 
 TORCH_OPS = Ops(

@@ -23,7 +23,7 @@ from orinfer.kernels.gated_delta_fla import gated_delta_rule
 from orinfer.kernels.gated_norm import gated_rms_norm
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.l2_prefetch import prefetch_scope, prefetch_weights
-from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, moe_route
+from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, fused_moe_w4, moe_route
 from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
@@ -123,5 +123,5 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,
         graph_hooks=GRAPH_HOOKS, materializes_attention=False, causal_conv1d=causal_conv1d,
         gated_delta_rule=gated_delta_rule, gated_rms_norm=gated_rms_norm, moe_route=moe_route, fused_moe=fused_moe,
-        fused_moe_fp8=fused_moe_fp8,
+        fused_moe_fp8=fused_moe_fp8, fused_moe_w4=fused_moe_w4,
     )

@@ -85,6 +85,8 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
         for module in model.modules():
             if isinstance(module, GPTQLinear):
                 _symmetric_gptq(module, std, gen)
+            elif hasattr(module, "randomize"):  # a layer whose random bits need a format's rules (W4 experts)
+                module.randomize(std, gen)
     finish_loading(model)
     return model
 

@@ -86,6 +86,7 @@ def test_rms_norm_mixed_mode():
 
 # --- QK-norm + RoPE -----------------------------------------------------------------------------------------------
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("tokens,hq,hk,head_dim", [(1, 4, 4, 16), (3, 4, 2, 24), (17, 8, 2, 32)])
@@ -307,10 +308,15 @@ DECODE_CASES = [  # (context lengths, kv heads, group, head_dim, block_size, num
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"ctx{c[0]}-hk{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}"
-                                                    for c in DECODE_CASES])
-def test_paged_decode_attention(dtype, case):
+# Each case runs one dtype in the default tier (a different one case by case), every other dtype in the slow tier.
+DECODE_PARAMS = [pytest.param(case, dtype, id=f"ctx{case[0]}-hk{case[1]}-g{case[2]}-d{case[3]}-bs{case[4]}-s{case[5]}"
+                              f"-{str(dtype).removeprefix('torch.')}",
+                              marks=() if i % len(DTYPES) == j else pytest.mark.slow)
+                 for i, case in enumerate(DECODE_CASES) for j, dtype in enumerate(DTYPES)]
+
+
+@pytest.mark.parametrize("case, dtype", DECODE_PARAMS)
+def test_paged_decode_attention(case, dtype):
     ctx_lens, kv_heads, group, head_dim, block_size, splits = case
     k_cache, v_cache, tables, lens = make_paged(ctx_lens, kv_heads, head_dim, block_size, dtype)
     q = randn(len(ctx_lens), kv_heads * group, head_dim, dtype=dtype)

@@ -68,7 +68,7 @@ SYNTHETIC_QUANT = {"awq": QuantConfig(group_size=128), "fp8": FP8Config(), "gptq
                    "gptq8": GPTQConfig(bits=8)}
 
 BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant",
-                         "enable_prefix_caching", "tensor_parallel_size")
+                         "enable_prefix_caching", "tensor_parallel_size", "kv_cache_dtype")
 
 
 def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -> dict:

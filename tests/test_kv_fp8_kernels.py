@@ -52,8 +52,9 @@ def test_quantize_rounds_to_nearest_even_and_saturates():
     back = dequantize_kv_ref(q, scale)
     assert back[0, 0, 2] == FP8_MAX * 0.5 and back[0, 0, 3] == -FP8_MAX * 0.5   # saturated, not NaN
     # In range: x / s rounded to e4m3 (torch's cast is round-to-nearest-even), times s exactly.
-    want = (x[0, 1] / 4.0).to(KV_FP8_DTYPE).float() * 4.0
-    assert torch.equal(back[0, 1], want)
+    in_range = (x[0, 1] / 4.0).abs() <= FP8_MAX  # (torch's cast of larger values is NaN in some versions)
+    want = (x[0, 1][in_range] / 4.0).to(KV_FP8_DTYPE).float() * 4.0
+    assert torch.equal(back[0, 1][in_range], want)
     # e4m3 keeps 3 mantissa bits: the relative error is at most 2^-4 for normal values.
     normal = x.abs() / scale[:, None] >= 2.0 ** -6
     rel = ((back - x).abs() / x.abs().clamp_min(1e-30))[normal & (x.abs() / scale[:, None] <= FP8_MAX)]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import LOG2E, exact_fp32_dots
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots, fp16_dot_operand
 from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.kv_fp8 import check_kv_scales
@@ -60,6 +60,8 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr,
     if FP8:  # an fp8 cache: K's per-head scale joins the softmax scale, V's scales the output (kernels/kv_fp8.py)
         scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
         v_scale = tl.load(vs_ptr + kvh)
+        if not DOT_F32:
+            q = fp16_dot_operand(q)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -175,8 +177,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_g = max(16, triton.next_power_of_2(group))
     dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
     # Tiles chosen from ptxas reports for sm_90 (registers <= 128, no spills); exact fp32 dots are FMA loops.
+    stages = 2
     if block_d <= 128:
         block_n = 64
+        if fp8 and not dot_f32:
+            # 128-token fp8 tiles (the bytes of a 64-token bf16 tile), 3 stages: 31.7 us per layer at a 32k context,
+            # batch 1, Qwen3-8B's heads, against 51.9 with the bf16 tiles and 42.8 for the bf16 cache (H200).
+            block_n, stages = 128, 3
     else:
         block_n = 16 if dot_f32 else 32
     max_tiles = max(1, triton.cdiv(block_tables.shape[1] * block_size, block_n))
@@ -201,7 +208,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         D=head_dim, BS=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
-        DOT_F32=dot_f32, FP8=fp8, num_warps=4, num_stages=2, PDL=use_pdl(q), launch_pdl=use_pdl(q))
+        DOT_F32=dot_f32, FP8=fp8, num_warps=4, num_stages=stages, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     if split:
         _combine_splits_kernel[(batch, heads)](
             part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,

@@ -301,8 +301,8 @@ def test_fp8_kv_cache_doubles_the_tokens_of_the_bench_budget_and_halves_its_kv_b
     assert (decode_bytes_per_step(cfg, 10**10, 32768, 2) - decode_bytes_per_step(cfg, 10**10, 32768, 2, cache_elem=1)
             == kv_bf16 // 2)
     o = {"weights_GiB": 15.3, "kv_cache_GiB": 4.0, "kv_cache_tokens": 65536, "kv_cache_dtype": "float8_e4m3fn",
-         "peak_GiB": 20.1}
-    assert memory_cell(o) == "15.3 / 4.0 (65536 tokens, float8_e4m3fn) / 20.1 GiB"
+         "kv_budget_tokens": 131072, "peak_GiB": 20.1}
+    assert memory_cell(o) == "15.3 / 4.0 (65536 tokens, float8_e4m3fn; the budget holds 131072) / 20.1 GiB"
 
 
 def test_a_synthetic_engine_with_an_fp8_kv_cache_runs_the_bench_workload():
@@ -315,5 +315,6 @@ def test_a_synthetic_engine_with_an_fp8_kv_cache_runs_the_bench_workload():
     runner = llm.engine.runner
     assert runner.cache_dtype == torch.float8_e4m3fn
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert runner.kv_budget_blocks == plan["engine_config"].kv_cache_bytes // runner.bytes_per_block()
     timings = bench_engine(llm, cfg, plan["prompt_lens"], plan["batch_sizes"], 4, repeats=1)
     assert sorted(timings["decode"]) == [1, 2]

@@ -207,6 +207,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         "kv_cache_GiB": llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block() / 2**30,
         "kv_cache_tokens": llm.engine.runner.num_blocks * llm.engine.runner.block_size,
         "kv_cache_dtype": str(llm.engine.runner.cache_dtype).removeprefix("torch."),
+        # The tokens the KV byte budget holds at this cache dtype, before the pool is capped at what the workload can
+        # use (kv_cache_tokens): the capacity figure of --kv-cache-dtype fp8 against 16 bits.
+        "kv_budget_tokens": llm.engine.runner.kv_budget_blocks * llm.engine.runner.block_size,
         "pre_dequant_GiB": pre_dequant_bytes(model) / 2**30, "notes": plan["notes"],
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
@@ -305,7 +308,9 @@ def memory_cell(o: dict) -> str:
     kv = f"{o['kv_cache_GiB']:.2f}" if o['kv_cache_GiB'] < 1 else f"{o['kv_cache_GiB']:.1f}"
     if o.get("kv_cache_tokens"):
         kv += f" ({o['kv_cache_tokens']} tokens"
-        kv += f", {o['kv_cache_dtype']})" if o.get("kv_cache_dtype") else ")"
+        if o.get("kv_cache_dtype"):
+            kv += f", {o['kv_cache_dtype']}; the budget holds {o['kv_budget_tokens']}"
+        kv += ")"
     return f"{weights} / {kv} / {o['peak_GiB']:.1f} GiB"
 
 

@@ -148,6 +148,7 @@ class ModelRunner:
         """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could ever use."""
         useful = self.config.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
         if self.config.num_kv_blocks is not None:
+            self.kv_budget_blocks = self.config.num_kv_blocks
             return self.config.num_kv_blocks
         if self.config.kv_cache_bytes is not None:
             budget = self.config.kv_cache_bytes
@@ -159,7 +160,10 @@ class ModelRunner:
         if self.state.num_work_slots:  # and so do the state rollback's kept rows
             budget -= StateRollback.buffer_bytes(self.model_config, self.state.num_work_slots,
                                                  self.num_speculative_drafts, self.kv_dtype)
-        blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
+        # What the budget holds before the cap (the bench reports it: an fp8 cache's capacity shows there even when the
+        # workload caps the pool).
+        self.kv_budget_blocks = max(0, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
+        blocks = min(useful, self.kv_budget_blocks)
         blocks = min_over_ranks(blocks, self.device)  # tensor parallelism: every rank indexes the same blocks
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "

@@ -210,3 +210,37 @@ def test_every_engine_command_takes_kv_cache_dtype(command):
     args = build_parser().parse_args(command + ["--kv-cache-dtype", "fp8"])
     assert args.kv_cache_dtype == "fp8"
     assert build_parser().parse_args(command).kv_cache_dtype == "auto"
+
+
+@pytest.mark.slow  # two gloo processes
+def test_tensor_parallel_ranks_calibrate_their_own_heads(model):
+    """2 ranks (one KV head each for the GQA-2 Qwen2): every rank calibrates the scales of its own heads in the same
+    start-up forward, and the greedy tokens are the single-process fp8 engine's."""
+    _, path, llm, scales, want = model
+    if llm.engine.parts.model_config.num_key_value_heads % 2:
+        pytest.skip("one KV head: replicated over the ranks, covered by the GQA-2 model")
+    with engine(path, tensor_parallel_size=2, num_kv_blocks=64) as tp:
+        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == want
+        rank0 = engine_scales(tp)
+        assert all(torch.equal(rank0[i][j], scales[i][j][:1]) for i in scales for j in (0, 1))
+
+
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter; the GPU tests run it compiled
+def test_triton_ops_give_the_fake_quantized_hf_tokens(model):
+    """The triton op table (the interpreter without a GPU): the quantizing store fused into QK-norm + RoPE, whole
+    prompts and chunks through the extend kernel and decode rows through the decode kernel, all over fp8 blocks."""
+    from orinfer.args import EngineArgs
+    from orinfer.config import ModelConfig
+    from orinfer.engine.llm_engine import EngineParts
+    from orinfer.layers.triton_ops import triton_ops
+    from orinfer.loader import load_hf_model
+
+    _, path, _, scales, want = model
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig.from_hf(path)
+    ops = triton_ops()
+    net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
+    llm = LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
+                         EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, kv_cache_dtype="fp8"))
+    assert all(torch.equal(a.cpu(), b) for i in scales for a, b in zip(engine_scales(llm)[i], scales[i]))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want

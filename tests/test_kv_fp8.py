@@ -195,6 +195,21 @@ def test_hybrid_full_attention_layers_read_fp8(hybrid):
     assert [o.token_ids for o in chunked] == [hf_greedy_fp8(hf, p, STEPS, scales) for p in PROMPTS]
 
 
+def test_mtp_head_keeps_a_16_bit_pool_beside_the_fp8_target(hybrid, tmp_path):
+    """MTP speculation over an fp8 target: the head's own KV pool stays fp32 here (no scales: it is not calibrated),
+    and greedy output is the fp8 engine's without speculation."""
+    from test_qwen3_5 import _with_mtp
+
+    _, path, llm = hybrid
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    mtp = engine(_with_mtp(path, tmp_path), speculative_config=spec)
+    head = [a for a in mtp.engine.runner.kv_caches if a[0].dtype != torch.float8_e4m3fn]
+    assert len(head) == 1 and head[0][0].dtype == torch.float32
+    out = mtp.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert sum(o.metrics.num_draft_tokens for o in out) > 0
+
+
 # --- settings ----------------------------------------------------------------------------------------------------------
 
 def test_unknown_kv_cache_dtype_is_a_config_error():

@@ -154,6 +154,19 @@ def test_speculative_verify_reads_the_fp8_cache(model):
     assert sum(o.metrics.num_draft_tokens for o in out) > 0
 
 
+def test_a_draft_model_calibrates_its_own_fp8_cache(model):
+    """The draft model's runner (here the target's own checkpoint) follows kv_cache_dtype: its pool is fp8 with its
+    own scales, on the target's block ids; greedy output unchanged."""
+    _, path, _, _, want = model
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
+    llm = engine(path, speculative_config=spec)
+    draft = llm.engine.draft.runner
+    assert draft.cache_dtype == torch.float8_e4m3fn and draft.num_blocks == llm.engine.runner.num_blocks
+    assert all(a.k_scale is not None for a in draft.model.attention_layers())
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in out] == want and sum(o.metrics.num_draft_tokens for o in out) > 0
+
+
 def test_the_same_budget_holds_twice_the_tokens(model):
     """Blocks from kv_cache_bytes use the cache's element size: fp8 holds 4x an fp32 cache's tokens, 2x bf16's."""
     _, path, _, _, _ = model

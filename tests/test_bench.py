@@ -346,3 +346,37 @@ def test_synthetic_w4_moe_has_w4_experts(name, quant):
         _args("--quant", quant, "--backend", "torch", "--kv-tokens", "512"), tiny, torch.float32)["engine_config"])
     out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_fp8_kv_cache_doubles_the_tokens_of_the_bench_budget_and_halves_its_kv_bytes():
+    """--kv-cache-dtype fp8: the same byte budget as bf16 (so the report's KV tokens show the 2x capacity), the
+    roofline's KV term at one byte an element, and the report names the cache dtype."""
+    from orinfer.bench.roofline import decode_bytes_per_step
+
+    cfg = preset("qwen3-8b")
+    bf16 = bench_plan(_args("--decode-prompt-len", "32768"), cfg, torch.bfloat16)["engine_config"]
+    fp8 = bench_plan(_args("--decode-prompt-len", "32768", "--kv-cache-dtype", "fp8"), cfg,
+                     torch.bfloat16)["engine_config"]
+    assert fp8.kv_cache_dtype == "fp8" and bf16.kv_cache_dtype == "auto"
+    assert fp8.kv_cache_bytes == bf16.kv_cache_bytes
+    kv_bf16 = 2 * cfg.num_kv_layers * 32768 * cfg.kv_size * 2
+    assert (decode_bytes_per_step(cfg, 10**10, 32768, 2) - decode_bytes_per_step(cfg, 10**10, 32768, 2, cache_elem=1)
+            == kv_bf16 // 2)
+    o = {"weights_GiB": 15.3, "kv_cache_GiB": 4.0, "kv_cache_tokens": 65536, "kv_cache_dtype": "float8_e4m3fn",
+         "kv_budget_tokens": 131072, "peak_GiB": 20.1}
+    assert memory_cell(o) == "15.3 / 4.0 (65536 tokens, float8_e4m3fn; the budget holds 131072) / 20.1 GiB"
+
+
+def test_a_synthetic_engine_with_an_fp8_kv_cache_runs_the_bench_workload():
+    args = _args("--backend", "torch", "--no-cuda-graph", "--prompt-lens", "40", "--batch-sizes", "1,2",
+                 "--decode-tokens", "4", "--kv-cache-dtype", "fp8")
+    cfg = _tiny_awq_config()
+    cfg.quantization = None
+    plan = bench_plan(args, cfg, torch.float32)
+    llm = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
+    runner = llm.engine.runner
+    assert runner.cache_dtype == torch.float8_e4m3fn
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert runner.kv_budget_blocks == plan["engine_config"].kv_cache_bytes // runner.bytes_per_block()
+    timings = bench_engine(llm, cfg, plan["prompt_lens"], plan["batch_sizes"], 4, repeats=1)
+    assert sorted(timings["decode"]) == [1, 2]

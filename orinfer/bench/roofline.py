@@ -25,7 +25,7 @@ def routed_expert_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_bytes_per_step(cfg: ModelConfig, weight_bytes: int, context: int, kv_elem: int, batch: int = 1,
-                          expert_bytes: int | None = None, world_size: int = 1) -> int:
+                          expert_bytes: int | None = None, world_size: int = 1, cache_elem: int | None = None) -> int:
     """Bytes one decode step of `batch` sequences, each `context` tokens long, must move: every weight but the
     embedding table (one row per sequence is read) and the routed experts no token of the step uses, plus the lm_head
     (the same matrix when tied), plus each sequence's KV cache in the full-attention layers and (hybrid models) its
@@ -35,7 +35,8 @@ def decode_bytes_per_step(cfg: ModelConfig, weight_bytes: int, context: int, kv_
     expert, router and attention are dense weights, read once). `expert_bytes` is what all routed experts take
     (part of `weight_bytes`: `routed_expert_bytes(model)`); by default cfg's shapes at 2 bytes a weight.
     Tensor parallelism: `cfg` and `weight_bytes` are one rank's shard, whose embedding holds ceil(V / world_size)
-    rows."""
+    rows. `kv_elem`: the activation element size (a hybrid model's conv state); `cache_elem`: the KV cache's (1 for
+    an fp8 cache; default kv_elem)."""
     embed = -(-cfg.vocab_size // world_size) * cfg.hidden_size * 2
     weights = weight_bytes - (0 if cfg.tie_word_embeddings else embed)
     if cfg.is_moe:
@@ -43,7 +44,7 @@ def decode_bytes_per_step(cfg: ModelConfig, weight_bytes: int, context: int, kv_
             else expert_bytes
         hit = expected_experts_hit(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts
         weights -= routed * (1.0 - hit)
-    kv = 2 * cfg.num_kv_layers * context * cfg.kv_size * kv_elem
+    kv = 2 * cfg.num_kv_layers * context * cfg.kv_size * (kv_elem if cache_elem is None else cache_elem)
     state = 2 * cfg.state_bytes_per_sequence(kv_elem) if cfg.is_hybrid else 0
     return round(weights + batch * (kv + state))
 

@@ -74,7 +74,7 @@ SYNTHETIC_QUANT = {"awq": QuantConfig(group_size=128), "fp8": FP8Config(), "gptq
                    "gptq8": GPTQConfig(bits=8)}
 
 BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant",
-                         "enable_prefix_caching", "tensor_parallel_size")
+                         "enable_prefix_caching", "tensor_parallel_size", "kv_cache_dtype")
 
 
 def bench_plan(args: argparse.Namespace, cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -175,6 +175,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         name = f"{name}-kv{plan['kv_tokens']}"
     if args.decode_prompt_len != DECODE_PROMPT_LEN:
         name = f"{name}-ctx{args.decode_prompt_len}"
+    if engine_config.kv_cache_dtype != "auto":
+        name = f"{name}-kv{engine_config.kv_cache_dtype}"
     for note in plan["notes"]:
         log.warning("bench: %s", note)
     result: dict = {"model": name, "dtype": str(dtype).removeprefix("torch."), "command": "orinfer " + " ".join(
@@ -212,13 +214,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     context, experts = args.decode_prompt_len + args.decode_tokens // 2, routed_expert_bytes(model)
     # Tensor parallelism: bytes and ceilings are one GPU's (rank 0's shard and its KV heads); FLOPs are shared by all.
     world, rank_cfg = engine_config.tensor_parallel_size, llm.engine.runner.model_config
-    per_token = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, 1, experts, world)
+    cache_elem = llm.engine.runner.cache_dtype.itemsize  # 1 with --kv-cache-dtype fp8
+    per_token = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, 1, experts, world, cache_elem)
     read = result["ceilings"]["read_GBps"] * 1e9
     result["orinfer"] = {
         **timings, "weights_GiB": wbytes / 2**30, "bytes_per_decode_token": per_token,
         "roofline_tok_s": read / per_token,
         "kv_cache_GiB": llm.engine.runner.num_blocks * llm.engine.runner.bytes_per_block() / 2**30,
         "kv_cache_tokens": llm.engine.runner.num_blocks * llm.engine.runner.block_size,
+        "kv_cache_dtype": str(llm.engine.runner.cache_dtype).removeprefix("torch."),
+        # The tokens the KV byte budget holds at this cache dtype, before the pool is capped at what the workload can
+        # use (kv_cache_tokens): the capacity figure of --kv-cache-dtype fp8 against 16 bits.
+        "kv_budget_tokens": llm.engine.runner.kv_budget_blocks * llm.engine.runner.block_size,
         "pre_dequant_GiB": pre_dequant_bytes(model) / 2**30, "notes": plan["notes"],
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "backend": llm.engine.parts.ops.name, "cuda_graph": llm.engine.runner.graphs is not None,
@@ -243,7 +250,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         name = result["model"] = f"{name}-structured"
     for batch, row in timings["decode"].items():
         # A step of `batch` rows reads the dense weights once, the routed experts its tokens hit, each row's KV.
-        step_bytes = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, batch, experts, world)
+        step_bytes = decode_bytes_per_step(rank_cfg, wbytes, context, dtype.itemsize, batch, experts, world,
+                                           cache_elem)
         row["GBps"] = step_bytes / row["step_ms"] * 1e3 / 1e9
         row["pct_roofline"] = 100 * row["GBps"] * 1e9 / read
     for length, row in timings["prefill"].items():
@@ -325,7 +333,10 @@ def memory_cell(o: dict) -> str:
         weights += f" + {o['pre_dequant_GiB']:.1f} pre-dequant"
     kv = f"{o['kv_cache_GiB']:.2f}" if o['kv_cache_GiB'] < 1 else f"{o['kv_cache_GiB']:.1f}"
     if o.get("kv_cache_tokens"):
-        kv += f" ({o['kv_cache_tokens']} tokens)"
+        kv += f" ({o['kv_cache_tokens']} tokens"
+        if o.get("kv_cache_dtype"):
+            kv += f", {o['kv_cache_dtype']}; the budget holds {o['kv_budget_tokens']}"
+        kv += ")"
     return f"{weights} / {kv} / {o['peak_GiB']:.1f} GiB"
 
 

@@ -38,7 +38,7 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.in_flight import HostSample, InFlightStep
-from orinfer.engine.model_runner import ModelRunner, kv_bytes_per_block
+from orinfer.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from orinfer.engine.multimodal import prepare_images
 from orinfer.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from orinfer.engine.scheduler import Scheduler, StepPlan, attention_keys_per_token
@@ -99,8 +99,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.think_tokens = ThinkTokens.of(self.tokenizer)  # None: the model does not think (no budget applies)
         hooks = parts.ops.graph_hooks if parts.ops is not None else None
+        # A draft model's runner follows kv_cache_dtype (it calibrates its own fp8 scales); an MTP head's KV pool
+        # stays in the activation dtype (ModelRunner.allocate_extra_kv).
         draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
-                                                                       parts.act_dtype)
+                                                                       kv_cache_dtype(config, parts.act_dtype))
         spec = SpeculativeConfig.parse(config.speculative_config)
         # A tensor-parallel rank's runner sizes its KV cache by its shard's heads.
         runner_cfg = mcfg if parts.executor is None else parts.executor.shard.config

@@ -20,6 +20,7 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig
 from orinfer.distributed.group import min_over_ranks
 from orinfer.engine.cuda_graph import DecodeGraphs
+from orinfer.engine.kv_calibration import calibrate_kv_scales
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs
 from orinfer.engine.sequence import Sequence
@@ -28,6 +29,7 @@ from orinfer.engine.state_rollback import StateRollback
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
 from orinfer.errors import ConfigError
+from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
@@ -55,9 +57,15 @@ class DeferredSample:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of one KV-cache block of `cfg`'s full-attention layers (K and V)."""
+    """Bytes of one KV-cache block of `cfg`'s full-attention layers (K and V) in the cache dtype `kv_dtype` (an fp8
+    cache's per-head scales are a few bytes per layer, not per block)."""
     elem = torch.empty((), dtype=kv_dtype).element_size()
     return 2 * cfg.num_kv_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def kv_cache_dtype(config: EngineArgs, act_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV cache: `config.kv_cache_dtype` ("auto": the activation dtype)."""
+    return KV_FP8_DTYPE if config.kv_cache_dtype == "fp8" else act_dtype
 
 
 class ModelRunner:
@@ -79,6 +87,8 @@ class ModelRunner:
         self.num_speculative_tokens = 0
         self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
+        # What the KV pool stores: kv_dtype (the activation dtype) or fp8 (EngineArgs.kv_cache_dtype).
+        self.cache_dtype = kv_cache_dtype(engine_config, kv_dtype)
         self.block_size = engine_config.block_size
         # Hybrid models: one slot of linear-attention state per sequence that may run.
         # Speculative decoding of a hybrid model: work slots and kept rows to roll the state back past rejected drafts
@@ -92,6 +102,9 @@ class ModelRunner:
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
         self.state.allocate()
+        if self.cache_dtype == KV_FP8_DTYPE:
+            calibrate_kv_scales(model, list(model.attention_layers()), self.state, model_config.vocab_size,
+                                max_model_len, device)
         # Called with (plan, hidden states [T, H]) after each step whose forward returns them (method mtp keeps them).
         self.hidden_sink: Callable[[StepPlan, torch.Tensor], None] | None = None
         self.rollback: StateRollback | None = None
@@ -137,13 +150,13 @@ class ModelRunner:
     # --- KV cache ---------------------------------------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
-
+        return kv_bytes_per_block(self.model_config, self.block_size, self.cache_dtype)
 
     def _plan_num_blocks(self) -> int:
         """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could ever use."""
         useful = self.config.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
         if self.config.num_kv_blocks is not None:
+            self.kv_budget_blocks = self.config.num_kv_blocks
             return self.config.num_kv_blocks
         if self.config.kv_cache_bytes is not None:
             budget = self.config.kv_cache_bytes
@@ -155,7 +168,10 @@ class ModelRunner:
         if self.state.num_work_slots:  # and so do the state rollback's kept rows
             budget -= StateRollback.buffer_bytes(self.model_config, self.state.num_work_slots,
                                                  self.num_speculative_drafts, self.kv_dtype)
-        blocks = min(useful, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
+        # What the budget holds before the cap (the bench reports it: an fp8 cache's capacity shows there even when the
+        # workload caps the pool).
+        self.kv_budget_blocks = max(0, budget // (self.bytes_per_block() + self.extra_bytes_per_block))
+        blocks = min(useful, self.kv_budget_blocks)
         blocks = min_over_ranks(blocks, self.device)  # tensor parallelism: every rank indexes the same blocks
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB); lower max_model_len "
@@ -218,11 +234,13 @@ class ModelRunner:
 
     def allocate_extra_kv(self, layers: list[nn.Module]) -> None:
         """Binds KV pools on this runner's block ids to more attention layers (an MTP head's: their bytes were planned
-        as `extra_bytes_per_block`)."""
-        self._allocate_kv_cache(layers)
+        as `extra_bytes_per_block`, in the activation dtype: such heads get no fp8 scales, which need a calibration
+        forward of their own)."""
+        self._allocate_kv_cache(layers, self.kv_dtype)
 
-    def _allocate_kv_cache(self, layers: list[nn.Module] | None = None) -> None:
+    def _allocate_kv_cache(self, layers: list[nn.Module] | None = None, dtype: torch.dtype | None = None) -> None:
         cfg = self.model_config
+        dtype = dtype or self.cache_dtype
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         if layers is None:
             self.kv_caches = []
@@ -234,10 +252,10 @@ class ModelRunner:
                                   "KV cache); load the weights again for a second engine")
             # Zeros, although a slot is always written before attention reads it: CUDA-graph padding rows read one
             # slot they never wrote, and it must hold finite values.
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+        log.info("KV cache: %d blocks x %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size, dtype,
                  self.num_blocks * self.bytes_per_block() / 2**20)
 
     # --- batches ----------------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]. Token t of a sequence
 lives in block block_table[t // block_size] at offset t % block_size; its flat slot is block*block_size + offset.
+An fp8 cache (float8_e4m3fn) comes with k_scale, v_scale [kv_heads] fp32: stored = x / scale, saturated
+(`kernels/kv_fp8.py`); every store and attention op takes them as keywords (None for 16/32-bit caches).
 
 One reference covers prefill, decode and recompute after preemption: sequence i contributes the query rows
 query_start_loc[i]:query_start_loc[i+1] (its newest tokens) and attends over its first context_lens[i] cached
@@ -19,19 +21,26 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.gemv import check_device, interpreting
+from orinfer.kernels.kv_fp8 import check_kv_scales, dequantize_kv_ref, quantize_kv_ref, quantize_to_cache
 from orinfer.kernels.pdl import small_kernel_prologue, use_pdl
 
 LOG2E = 1.4426950408889634
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Writes k, v [T, kv_heads, D] into the caches at the flat slots [T] (int64). Slots < 0 are skipped."""
+                 slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """Writes k, v [T, kv_heads, D] into the caches at the flat slots [T] (int64). Slots < 0 are skipped. An fp8
+    cache stores `quantize_kv_ref(x, scale)`."""
+    fp8 = check_kv_scales("store_kv", k_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+    k, v = k[keep], v[keep]
+    if fp8:
+        k, v = quantize_kv_ref(k, k_scale), quantize_kv_ref(v, v_scale)
+    k_cache.view(-1, kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
 
 
 def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -55,10 +64,12 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                        max_query_len: int | None = None, fixed_launch: bool = False) -> torch.Tensor:
+                        max_query_len: int | None = None, fixed_launch: bool = False,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (all sequences' new tokens, concatenated); returns [T, Hq, D]. max_query_len and fixed_launch:
     for signature parity with the kernels (launch details), not needed here; rows past query_start_loc[-1] (padding)
-    are left unwritten."""
+    are left unwritten. An fp8 cache is dequantized (`dequantize_kv_ref`) to q's dtype before the math."""
+    fp8 = check_kv_scales("paged_attention", k_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     starts = query_start_loc.tolist()
@@ -69,6 +80,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = block_tables[i, : (length + block_size - 1) // block_size].long()
         k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
         v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
+        if fp8:
+            k, v = dequantize_kv_ref(k, k_scale), dequantize_kv_ref(v, v_scale)  # fp32, as the math below
         out[begin:end] = causal_attention_ref(q[begin:end], k, v, scale)
     return out
 
@@ -89,8 +102,9 @@ def varlen_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # --- Triton: KV store -------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, stride_kt, stride_kh, stride_vt, stride_vh,
-                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, HK, stride_kt, stride_kh, stride_vt,
+                     stride_vh, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                     PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         small_kernel_prologue()
     t = tl.program_id(0).to(tl.int64)
@@ -102,8 +116,14 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HK, stride_kt, stri
     # both loads before the first store: the compiler cannot tell them apart, and would wait for the first store
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # per-head scales (kernels/kv_fp8.py)
+        k_s = tl.load(ks_ptr + h, mask=h < HK, other=1.0)[:, None]
+        v_s = tl.load(vs_ptr + h, mask=h < HK, other=1.0)[:, None]
+        tl.store(kc_ptr + dst, quantize_to_cache(k, k_s), mask=mask)
+        tl.store(vc_ptr + dst, quantize_to_cache(v, v_s), mask=mask)
+    else:
+        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def check_kv_target(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, tokens: int,
@@ -120,13 +140,16 @@ def check_kv_target(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Triton `store_kv_ref`: k, v [T, kv_heads, D] (unit last stride; token/head strides free, e.g. views of the
     packed qkv output) into the contiguous caches at flat slots [T] (int32/int64); slots < 0 are skipped.
 
     Kernel: grid (T, cdiv(Hk, BLOCK_H)); a program copies BLOCK_H heads of one token's K and V (converted to the
-    cache dtype). Traffic: 2*T*Hk*D read + written.
+    cache dtype; an fp8 cache: divided by the head's scale, saturated to +-448, rounded to nearest even).
+    Traffic: 2*T*Hk*D read + written (written: 1 byte each for fp8).
     """
+    fp8 = check_kv_scales("store_kv", k_cache, k_scale, v_scale)
     check_device(k)
     tokens, kv_heads, head_dim = k.shape
     if v.shape != k.shape:
@@ -139,13 +162,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(1, min(triton.next_power_of_2(kv_heads), 4096 // block_d))
     _store_kv_kernel[(tokens, triton.cdiv(kv_heads, block_h))](
-        k, v, k_cache, v_cache, slot_mapping, kv_heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        D=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, PDL=use_pdl(k), launch_pdl=use_pdl(k))
+        k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else v, kv_heads, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), D=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4,
+        PDL=use_pdl(k), launch_pdl=use_pdl(k))
 
 
 def exact_fp32_dots(a: torch.dtype, b: torch.dtype) -> bool:
     """Whether the attention dots run as exact fp32 dots (fp32 or mixed inputs, or the interpreter, whose bf16
-    dot is wrong) rather than 16-bit tensor-core dots with fp32 accumulation."""
+    dot is wrong) rather than 16-bit tensor-core dots with fp32 accumulation. An fp8 cache counts as q's dtype:
+    its tiles are widened to it in registers before the dots."""
+    if b == torch.float8_e4m3fn:
+        b = a
     return a != b or a == torch.float32 or interpreting()
 
 
@@ -159,6 +186,15 @@ def tile_scores(q, k, scale_log2, DOT_F32: tl.constexpr):
     else:
         s = tl.dot(q, tl.trans(k))
     return s * scale_log2
+
+
+@triton.jit
+def fp16_dot_operand(q):
+    """q for tensor-core dots against fp8 K/V tiles: fp16, clamped to its range. e4m3 widens to fp16 in one
+    instruction (to bf16 in several: the fp8 decode kernel measured 52 us against 44 per layer at a 32k context on
+    the H200), and fp16 holds bf16 values of that range exactly (below 2^-14 with less precision: negligible in a
+    dot) and the probabilities p, which then follow q's dtype, more precisely."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit

@@ -21,13 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import LOG2E, exact_fp32_dots, online_softmax, tile_scores, tile_values
+from orinfer.kernels.attention import (LOG2E, exact_fp32_dots, fp16_dot_operand, online_softmax, tile_scores,
+                                       tile_values)
 from orinfer.kernels.gemv import check_device, interpreting
+from orinfer.kernels.kv_fp8 import check_kv_scales
 
 
 @triton.jit
 def _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, pos, context, kvh, block_size, d,
-                 HK: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, scale_log2):
+                 HK: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+                 scale_log2):
     """One tile of cached keys [BLOCK_N] (positions `keys`) for the query rows at positions `pos` [BLOCK_M]."""
     in_context = keys < context
     block = tl.load(bt_row + keys // block_size, mask=in_context, other=0).to(tl.int64)
@@ -35,19 +38,23 @@ def _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, pos, context, k
     offs = slot[:, None] * (HK * D) + kvh * D + d[None, :]
     kv_mask = in_context[:, None] & (d < D)[None, :]
     k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
+    if FP8:  # dequantized in registers: e4m3 values are exact in q's dtype, the scales apply outside the dots
+        k = k.to(q.dtype)
     s = tile_scores(q, k, scale_log2, DOT_F32)
     if MASKED:
         s = tl.where((keys[None, :] <= pos[:, None]) & in_context[None, :], s, float("-inf"))
     m_new, alpha, p, l_i = online_softmax(s, m_i, l_i)  # finite: every row's first tile holds key 0 <= its position
     v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+    if FP8:
+        v = v.to(q.dtype)
     return m_new, l_i, acc * alpha[:, None] + tile_values(p, v, DOT_F32)
 
 
 @triton.jit
-def _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h, GROUP, block_size,
-                 scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+def _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h, GROUP,
+                 block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
                  HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+                 BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr):
     """Query rows m_block*BLOCK_M.. of sequence `seq` (those it has), head h: attention over its paged context."""
     start = tl.load(qsl_ptr + seq)
     n_new = tl.load(qsl_ptr + seq + 1) - start
@@ -64,6 +71,10 @@ def _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, 
                     mask=m_mask[:, None] & (d < D)[None, :], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
+        if FP8:  # an fp8 cache: K's per-head scale joins the softmax scale, V's scales the output (kernels/kv_fp8.py)
+            scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
+            if not DOT_F32:
+                q = fp16_dot_operand(q)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -75,11 +86,13 @@ def _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, 
         open_end = first // BLOCK_N * BLOCK_N
         for n0 in range(0, open_end, BLOCK_N):
             m_i, l_i, acc = _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0 + offs_n, pos, context, kvh,
-                                         block_size, d, HK, D, False, DOT_F32, scale_log2)
+                                         block_size, d, HK, D, False, DOT_F32, FP8, scale_log2)
         for n0 in range(open_end, tl.minimum(context, first + BLOCK_M), BLOCK_N):
             m_i, l_i, acc = _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0 + offs_n, pos, context, kvh,
-                                         block_size, d, HK, D, True, DOT_F32, scale_log2)
+                                         block_size, d, HK, D, True, DOT_F32, FP8, scale_log2)
         o = acc / l_i[:, None]
+        if FP8:
+            o = o * tl.load(vs_ptr + kvh)
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & (d < D)[None, :])
 
@@ -87,10 +100,11 @@ def _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, 
 # num_seqs is not specialised on (Triton compiles a kernel per class of integer argument: 1, multiple of 16, other): a
 # batch of a new size must not compile a variant mid-serving.
 @triton.jit(do_not_specialize=["num_seqs"])
-def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, GROUP, block_size, scale_log2,
-                   stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+def _extend_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, GROUP,
+                   block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
                    HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FIXED: tl.constexpr, BLOCK_S: tl.constexpr):
+                   BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, FIXED: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
     if FIXED:
         # Grid (tile bound, Hq): the batch's query blocks numbered in sequence order; this program finds its own
         # sequence from the per-sequence block counts (a cumsum over at most BLOCK_S sequences), so the launch
@@ -106,20 +120,21 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, num
         seq = tl.sum((ends <= tile).to(tl.int32), 0)
         if seq < num_seqs:
             m_block = tile - tl.sum(tl.where(s == seq, ends - blocks, 0), 0)
-            _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h, GROUP,
-                         block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
-                         HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32)
+            _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h,
+                         GROUP, block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                         HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
     else:
         # Grid (cdiv(max_query_len, BLOCK_M), B, Hq); the query blocks with most keys are scheduled first.
         m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-        _extend_rows(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, tl.program_id(1), m_block,
-                     tl.program_id(2), GROUP, block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot,
-                     stride_oh, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32)
+        _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, tl.program_id(1),
+                     m_block, tl.program_id(2), GROUP, block_size, scale_log2, stride_qt, stride_qh, stride_bt,
+                     stride_ot, stride_oh, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                     max_query_len: int | None = None, fixed_launch: bool = False) -> torch.Tensor:
+                     max_query_len: int | None = None, fixed_launch: bool = False, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s contract in one launch: q [T, Hq, D] (unit last stride), caches [blocks, block_size,
     Hk, D] (contiguous), block_tables [B, W] int32, context_lens [B] and query_start_loc [B+1] int32 -> [T, Hq, D].
 
@@ -131,8 +146,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     + B), Hq), enough for any split of T rows over B sequences, and each program finds its query block from
     query_start_loc on the device. Rows past query_start_loc[B] (padding) are left unwritten, and sequences may be
     empty (padding).
+
+    An fp8 cache (k_scale, v_scale [Hk] fp32, `kernels/kv_fp8.py`): tiles are read as fp8 and widened to q's dtype
+    in registers; the K scale multiplies the scores, the V scale the output.
     """
     check_device(q)
+    fp8 = check_kv_scales("extend_attention", k_cache, k_scale, v_scale)
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
@@ -165,9 +184,10 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync
         grid = (triton.cdiv(max_query_len, block_m), num_seqs, heads)
     _extend_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, num_seqs, heads // kv_heads,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, context_lens,
+        query_start_loc, out, num_seqs, heads // kv_heads,
         k_cache.shape[1], scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), HK=kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
-        FIXED=fixed_launch, BLOCK_S=triton.next_power_of_2(num_seqs) if fixed_launch else 1,
+        FP8=fp8, FIXED=fixed_launch, BLOCK_S=triton.next_power_of_2(num_seqs) if fixed_launch else 1,
         num_warps=warps, num_stages=stages)
     return out

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from orinfer.kernels.attention import check_kv_target, store_kv_ref
 from orinfer.kernels.gemv import check_device
+from orinfer.kernels.kv_fp8 import check_kv_scales, quantize_to_cache
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.pdl import small_kernel_prologue, use_pdl
 
@@ -32,11 +33,14 @@ def rope_cos_sin_cache(head_dim: int, max_position: int, base: float, device: to
 
 class KVStore(NamedTuple):
     """Where `qk_norm_rope` also writes this step's K (after the norm and RoPE) and V: the paged caches
-    [blocks, block_size, Hk, D] at flat slots [T] (slots < 0 skipped), as `store_kv` does."""
+    [blocks, block_size, Hk, D] at flat slots [T] (slots < 0 skipped), as `store_kv` does; an fp8 cache with its
+    per-head scales [Hk] fp32 (`kernels/kv_fp8.py`)."""
     v: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -49,7 +53,8 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     if kv_store is not None:
         tokens, kv_heads = k_out.shape[0], k_out.shape[-1] // head_dim
         store_kv_ref(k_out.view(tokens, kv_heads, head_dim), kv_store.v.reshape(tokens, kv_heads, head_dim),
-                     kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping)
+                     kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping, k_scale=kv_store.k_scale,
+                     v_scale=kv_store.v_scale)
     return q_out, k_out
 
 
@@ -82,9 +87,9 @@ def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
-                         v_ptr, kc_ptr, vc_ptr, slot_ptr, HQ, HK, stride_q, stride_k, stride_v, stride_cs, eps,
-                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+                         v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, HQ, HK, stride_q, stride_k, stride_v,
+                         stride_cs, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
+                         FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         small_kernel_prologue()
     t = tl.program_id(0).to(tl.int64)
@@ -136,17 +141,26 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_pt
     if STORE:   # the KV cache too (saves the separate store_kv launch per layer in decode)
         c_mask = k_mask & (slot >= 0)
         c_off = slot * HK * head_dim + kh[:, None] * head_dim + d[None, :]
-        tl.store(kc_ptr + c_off, o1.to(kc_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(kc_ptr + c_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=c_mask)
+        if FP8:  # per-head scales (kernels/kv_fp8.py); o1/o2 are the k_out values, in the activation dtype
+            k_s = tl.load(ks_ptr + kh, mask=is_k, other=1.0)[:, None]
+            v_s = tl.load(vs_ptr + kh, mask=is_k, other=1.0)[:, None]
+            tl.store(kc_ptr + c_off, quantize_to_cache(o1, k_s), mask=c_mask)
+            tl.store(kc_ptr + c_off + HALF, quantize_to_cache(o2, k_s), mask=c_mask)
+            tl.store(vc_ptr + c_off, quantize_to_cache(v1, v_s), mask=c_mask)
+            tl.store(vc_ptr + c_off + HALF, quantize_to_cache(v2, v_s), mask=c_mask)
+        else:
+            tl.store(kc_ptr + c_off, o1.to(kc_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(kc_ptr + c_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(vc_ptr + c_off, v1.to(vc_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(vc_ptr + c_off + HALF, v2.to(vc_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
 def _qk_norm_partial_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
-                                 v_ptr, kc_ptr, vc_ptr, slot_ptr, HQ, HK, stride_q, stride_k, stride_v, stride_cs, eps,
-                                 D: tl.constexpr, ROT_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                                 STORE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                                 v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, HQ, HK, stride_q, stride_k, stride_v,
+                                 stride_cs, eps, D: tl.constexpr, ROT_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                                 STORE: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
     """Partial rotary (Qwen3.5): dims d < 2*ROT_HALF of each head turn in pairs (d, d + ROT_HALF), the rest pass
     through (normed). Each program loads its heads' rows twice, at d and at d's partner, rather than splitting them
     in halves as the full-rotary kernel does."""
@@ -195,8 +209,14 @@ def _qk_norm_partial_rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, 
     if STORE:
         c_mask = k_mask & (slot >= 0)
         c_off = slot * HK * D + kh[:, None] * D + d[None, :]
-        tl.store(kc_ptr + c_off, o.to(kc_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(vc_ptr + c_off, v.to(vc_ptr.dtype.element_ty), mask=c_mask)
+        if FP8:  # per-head scales (kernels/kv_fp8.py)
+            k_s = tl.load(ks_ptr + kh, mask=is_k, other=1.0)[:, None]
+            v_s = tl.load(vs_ptr + kh, mask=is_k, other=1.0)[:, None]
+            tl.store(kc_ptr + c_off, quantize_to_cache(o, k_s), mask=c_mask)
+            tl.store(vc_ptr + c_off, quantize_to_cache(v, v_s), mask=c_mask)
+        else:
+            tl.store(kc_ptr + c_off, o.to(kc_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(vc_ptr + c_off, v.to(vc_ptr.dtype.element_ty), mask=c_mask)
 
 
 # Heads per program. Decode's one token is a few short dependent steps (loads, the head's norm, the rotation,
@@ -252,17 +272,19 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         check_kv_target("qk_norm_rope kv_store", kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping, tokens,
                         hk, head_dim)
         v = v if v.stride(-1) == 1 else v.contiguous()
+    fp8 = store and check_kv_scales("qk_norm_rope kv_store", kv_store.k_cache, kv_store.k_scale, kv_store.v_scale)
     caches = (kv_store.k_cache, kv_store.v_cache, kv_store.slot_mapping) if store else (q_out, q_out, positions)
+    caches += (kv_store.k_scale, kv_store.v_scale) if fp8 else (q_out, q_out)
     if rotary_dim < head_dim:
         block_d = triton.next_power_of_2(head_dim)
         block_h = max(1, min(triton.next_power_of_2(hq + hk), 2048 // block_d, MAX_HEADS_PER_PROGRAM))
         _qk_norm_partial_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
             q, k, positions, cos_sin, qw, kw, q_out, k_out, v, *caches, hq, hk, q.stride(0), k.stride(0), v.stride(0),
-            cos_sin.stride(0), eps, D=head_dim, ROT_HALF=rotary_dim // 2, HAS_NORM=has_norm, STORE=store,
+            cos_sin.stride(0), eps, D=head_dim, ROT_HALF=rotary_dim // 2, HAS_NORM=has_norm, STORE=store, FP8=fp8,
             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
         return q_out, k_out
     _qk_norm_rope_kernel[(tokens, triton.cdiv(hq + hk, block_h))](
         q, k, positions, cos_sin, qw, kw, q_out, k_out, v, *caches, hq, hk, q.stride(0), k.stride(0), v.stride(0),
-        cos_sin.stride(0), eps, HALF=half, HAS_NORM=has_norm, STORE=store, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        cos_sin.stride(0), eps, HALF=half, HAS_NORM=has_norm, STORE=store, FP8=fp8, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=4, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return q_out, k_out

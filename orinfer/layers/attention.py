@@ -55,7 +55,13 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V in the layer's cache, then attends each query over its sequence's cached keys."""
+    """Stores this step's K/V in the layer's cache, then attends each query over its sequence's cached keys.
+
+    An fp8 cache (`kernels/kv_fp8.py`) comes with per-KV-head scales; every attention then reads K/V from the cache,
+    the step's own tokens included, so a token's keys are the same quantized values whether they were computed in
+    this step, an earlier prompt chunk, or came from the prefix cache: outputs do not depend on how a prompt was
+    chunked or what was cached.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops) -> None:
         super().__init__()
@@ -65,13 +71,19 @@ class Attention(nn.Module):
         # Bound by the model runner once the pool is allocated; [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # An fp8 cache's per-KV-head scales [Hk] fp32 (bound with it; None for a 16/32-bit cache).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        # While the engine calibrates those scales (engine/kv_calibration.py): the largest |K| and |V| seen per KV
+        # head, [2, Hk] fp32, updated by every forward.
+        self.kv_amax: torch.Tensor | None = None
 
     def kv_store(self, v: torch.Tensor, meta: AttentionMetadata) -> KVStore | None:
         """Where this step's K/V go (for the RoPE kernel to write them: one launch less per layer), or None when
         the forward runs without a cache."""
         if self.k_cache is None or meta.slot_mapping is None:
             return None
-        return KVStore(v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return KVStore(v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
@@ -80,14 +92,24 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.kv_amax is not None:
+            self._record_amax(k, v)
         target = None if kv_stored else self.kv_store(v, meta)
         if target is not None:
-            self.ops.store_kv(k, v, target.k_cache, target.v_cache, target.slot_mapping)
-        if meta.from_start:
+            self.ops.store_kv(k, v, target.k_cache, target.v_cache, target.slot_mapping, k_scale=self.k_scale,
+                              v_scale=self.v_scale)
+        reads_cache = self.k_scale is not None and meta.slot_mapping is not None  # fp8: always from the cache
+        if meta.from_start and not reads_cache:
             # The fresh k/v are the whole context: a varlen flash kernel, no reads from the cache.
             out = self.ops.varlen_attention(q, k, v, meta.query_start_loc, self.scale, max_seqlen=meta.max_query_len)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                            meta.query_start_loc, self.scale, max_query_len=meta.max_query_len,
-                                           fixed_launch=meta.fixed_launch)
+                                           fixed_launch=meta.fixed_launch, k_scale=self.k_scale,
+                                           v_scale=self.v_scale)
         return out.reshape(tokens, self.num_heads * self.head_dim)
+
+    def _record_amax(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Folds this step's largest |K| and |V| per KV head ([T, Hk, D] each) into `kv_amax`."""
+        step = torch.stack([k.detach().abs().amax(dim=(0, 2)), v.detach().abs().amax(dim=(0, 2))]).float()
+        torch.maximum(self.kv_amax, step, out=self.kv_amax)

@@ -101,7 +101,7 @@ def test_w4_gemv_words_applies_the_norm(dtype, cfg, gated):
 @needs_kernels
 @kernel_test
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("k", [512, 3072])
+@pytest.mark.parametrize("k", [512, pytest.param(3072, marks=pytest.mark.slow)])   # 3072: ~8 s a case interpreted
 def test_plain_words_give_w4_gemv_int_exactly(gated, k):
     """Words of x itself (no norm) are what `w4_gemv_int` makes inside each program: the same sums in the same order,
     so the same bits. K = 3072: three steps of 512 int32 with the default long-row tile."""

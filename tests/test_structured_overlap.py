@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from lookahead_helpers import PROMPTS
+from lookahead_helpers import lookahead_llm as _llm
+from lookahead_helpers import seen as _seen
 from orinfer import LLM, SamplingParams
 
 SCHEMA = {
@@ -16,11 +19,6 @@ SCHEMA = {
     "required": ["name", "age", "ok"],
     "additionalProperties": False,
 }
-PROMPTS = ["Alice was beginning", "Down, down, down.", "The rabbit-hole went", "She took down a jar"]
-
-
-def _llm(tiny_dir, lookahead: bool, **kwargs) -> LLM:
-    return LLM(tiny_dir, dtype="float32", device="cpu", progress=False, async_scheduling=lookahead, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +29,6 @@ def on(tiny_dir):
 @pytest.fixture(scope="module")
 def off(tiny_dir):
     return _llm(tiny_dir, False)
-
-
-def _seen(outs) -> list[tuple]:
-    return [(o.token_ids, o.text, o.finish_reason, [(lp.token_id, lp.top) for lp in o.logprobs]) for o in outs]
 
 
 def _run(llm: LLM, prompts, params) -> tuple[list, int]:

@@ -29,6 +29,7 @@ position instead would write k states and hold k slots per sequence.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -118,7 +119,7 @@ class StateRollback:
         self._pending = None
         if self.graphs is None:
             device = self.rows.device
-            offsets = _upload([sum(counts[:j]) for j in range(len(slots))], device)
+            offsets = _upload(_starts(counts), device)
             self._advance(offsets, _upload(slots, device), num_accepted.index_select(0, _upload(picked, device)),
                           max(counts))
             return
@@ -173,7 +174,7 @@ class RollbackGraphs:
 
     def run(self, slots: list[int], counts: list[int], picked: list[int], num_accepted: torch.Tensor) -> None:
         n = len(slots)
-        host = torch.tensor([[sum(counts[:j]) for j in range(n)], slots, picked], dtype=torch.int64).pin_memory()
+        host = torch.tensor([_starts(counts), slots, picked], dtype=torch.int64).pin_memory()
         staged = host.to(self.slots.device, non_blocking=True)
         self.offsets[:n].copy_(staged[0])
         self.slots[:n].copy_(staged[1])
@@ -199,6 +200,11 @@ class RollbackGraphs:
 
     def release(self) -> None:
         self.graphs.clear()
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Where each speculating sequence's kept rows start among the packed rows: the running sums before it."""
+    return [0, *itertools.accumulate(counts)][:len(counts)]
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:

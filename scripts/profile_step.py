@@ -1,48 +1,58 @@
-"""Per-kernel CUDA time of one prefill and of a prefill plus 16 batch-1 decode steps, on random Qwen3-8B weights,
-under torch.profiler (eager: no CUDA graphs, so every kernel shows by name): where a step's time goes, as in the
-kernel tables of docs/performance.md.
+"""Per-kernel CUDA time of one prefill and of a prefill plus 16 decode steps, on random weights of a preset's shapes,
+under torch.profiler: where a step's time goes, as in the kernel tables of docs/performance.md.
+
+Eager by default (no CUDA graphs, so every kernel shows by name and launches are not hidden); `--cuda-graph` profiles
+the replayed graphs instead, whose wall time against the kernels' sum shows the host gaps between steps.
 
 Usage (on a machine with a CUDA GPU, from the repo root):
 
-    python3 scripts/profile_step.py [--quant awq] [--prompt-len 512] [--rows 24]
+    python3 scripts/profile_step.py [--preset qwen3-30b-a3b] [--quant awq] [--batch 8] [--prompt-len 512] [--rows 24]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from orinfer.args import EngineArgs
 from orinfer.bench.engine_bench import build_synthetic_llm
-from orinfer.config import QuantConfig, preset
+from orinfer.bench.run import SYNTHETIC_QUANT
+from orinfer.config import preset
 from orinfer.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quant", choices=["awq"], default=None, help="random packed AWQ weights (group size 128)")
+    p.add_argument("--preset", default="qwen3-8b", help="the shapes (orinfer bench --synthetic names)")
+    p.add_argument("--quant", choices=sorted(SYNTHETIC_QUANT), default=None, help="random weights of this format")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--cuda-graph", action="store_true", help="profile CUDA-graph replays instead of eager steps")
     p.add_argument("--rows", type=int, default=24, help="kernels listed per table (default 24)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = preset("qwen3-8b")
-    if args.quant == "awq":
-        cfg.quantization = QuantConfig(group_size=128)
-    engine_args = EngineArgs(max_num_seqs=1, max_model_len=args.prompt_len + 1024, kv_cache_bytes=1 << 30,
-                             cuda_graph=False, backend="triton", max_num_batched_tokens=max(2048, args.prompt_len))
+    cfg = preset(args.preset)
+    if args.quant:
+        cfg.quantization = SYNTHETIC_QUANT[args.quant]
+    engine_args = EngineArgs(max_num_seqs=max(8, args.batch), max_model_len=args.prompt_len + 1024,
+                             kv_cache_bytes=(1 << 30) * max(1, args.batch // 4), cuda_graph=args.cuda_graph,
+                             backend="triton", max_num_batched_tokens=max(2048, args.prompt_len * args.batch))
     llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), engine_args)
-    ids = torch.randint(100, cfg.vocab_size - 100, (args.prompt_len,)).tolist()
-    llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up, tuning
+    prompts = [torch.randint(100, cfg.vocab_size - 100, (args.prompt_len,)).tolist() for _ in range(args.batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up, tuning
     for label, max_tokens in ((f"prefill {args.prompt_len}", 1), (f"prefill {args.prompt_len} + 16 decode steps", 17)):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             torch.cuda.synchronize()
-        print(f"\n### {label}\n")
+            wall = time.perf_counter() - start
+        print(f"\n### {label} (batch {args.batch}, wall {wall * 1e3:.1f} ms under the profiler)\n")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
 
 

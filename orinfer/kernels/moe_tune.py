@@ -5,12 +5,15 @@
         [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16] [--out DIR] [--quick]
 
 For each token count T: random routing (`moe_route` of normal logits: every expert about equally loaded), then every
-candidate of each stage is timed alone and the fastest sum wins:
+candidate of each stage is timed alone, giving one config per path and row block:
   decode (T <= 16): the up kernel per tile (block_m 1, the FMA loop, only at T = 1; block_m 16, tensor cores), the
                     down kernel per (tile, split), the split's sum included;
-  grouped:          per block_m, the alignment, the up GEMM per tile, the down GEMM per tile, and the sum.
-Timing: `triton.testing.do_bench` (median; the L2 is flushed before each call, so the weights come from HBM as they do
-in a decode step). A candidate that does not compile or fit (shared memory, registers) is skipped. The table goes
+  grouped:          per block_m, the up GEMM per tile and the down GEMM per tile.
+Those configs and the default are then timed as whole `fused_moe` calls, and the fastest call wins: a sum of stages
+timed apart (each with its own cold L2 and launch) misranked them (run 306: tables slower than the default at 32-128
+tokens), and the whole call is what a step runs.
+Timing: CUDA-graph replays of the call over BANKS copies of the weights in turn (`_time`: no launch overhead, and the
+weights come from HBM as they do in a decode step). A candidate that does not compile or fit (shared memory, registers) is skipped. The table goes
 to orinfer/kernels/moe_configs/ (or --out), named and laid out as `kernels/moe_config.py` documents; each entry
 keeps its measured microseconds ("us") and the defaults' ("default_us") for comparison. A table that exists already
 keeps its entries for the token counts not tuned again, so a preset can be tuned in parts (--tokens 1,2,4,8,16, then
@@ -47,14 +50,37 @@ GROUPED = [Tile(64, 64, 4, 3), Tile(64, 64, 4, 4), Tile(128, 64, 4, 3), Tile(128
            Tile(128, 128, 8, 3), Tile(256, 64, 8, 3), Tile(32, 64, 4, 4)]
 
 
-def _time(fn: Callable[[], object]) -> float:
-    """Median microseconds of fn() with a cold L2; inf when it does not compile or run."""
-    import triton.testing
+BANKS = 3    # weight copies a timing graph cycles through: each call reads its experts from HBM, not from L2
+REPEAT = 4   # rounds over the banks per replay
 
+
+def _time(fn: Callable[[torch.Tensor, torch.Tensor], object], banks: list[tuple[torch.Tensor, torch.Tensor]]
+          ) -> float:
+    """Median microseconds of one fn(w13, w2) call; inf when it does not compile or run. The calls are replayed from
+    a CUDA graph, one per weight bank in turn, as a decode step's layers run: no launch overhead is timed (eager
+    timing of a one-token call measured the host: its ranks were noise), and no call finds its weights in L2."""
     try:
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1000.0
+        for w13, w2 in banks:
+            fn(w13, w2)                                          # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(REPEAT):
+                for w13, w2 in banks:
+                    fn(w13, w2)
     except Exception:  # out of shared memory / registers, or an invalid tile
         return float("inf")
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] * 1000.0 / (REPEAT * len(banks))
 
 
 def _best(timings: dict) -> tuple[object, float]:
@@ -62,46 +88,48 @@ def _best(timings: dict) -> tuple[object, float]:
     return key, timings[key]
 
 
-def tune_tokens(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int, quick: bool = False
+def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top_k: int, quick: bool = False
                 ) -> tuple[MoeConfig, float, float]:
-    """(the fastest config, its us, the default config's us) for one token count."""
+    """(the fastest config, its us, the default config's us) for one token count; banks: copies of (w13, w2)."""
     from orinfer.kernels import moe_decode, moe_gemm
     from orinfer.kernels.moe_align import moe_align
     from orinfer.kernels.moe_ops import fused_moe, moe_route
 
+    w13, w2 = banks[0]
     experts, _, hidden = w13.shape
     dev, dtype = w13.device, w13.dtype
     x = torch.randn(tokens, hidden, device=dev).to(dtype)
     weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
     few = (lambda c: c[:2]) if quick else (lambda c: c)
-    results: dict[MoeConfig, float] = {}
+    candidates: list[MoeConfig] = []
     if tokens <= DECODE_MAX_TOKENS:
         for block_m in ((1, 16) if tokens == 1 else (16,)):
             ups, downs = (FMA_UP, FMA_DOWN) if block_m == 1 else (DOT_DECODE, DOT_DECODE)
             splits = SPLITS_FMA if block_m == 1 else SPLITS_DOT
-            up, up_us = _best({t: _time(lambda t=t: moe_decode.decode_up(x, w13, ids, block_m, t)) for t in few(ups)})
+            up, _ = _best({t: _time(lambda a, b, t=t: moe_decode.decode_up(x, a, ids, block_m, t), banks)
+                            for t in few(ups)})
             h = moe_decode.decode_up(x, w13, ids, block_m, up)
-            down_t = {(t, s): _time(lambda t=t, s=s: moe_decode.decode_down(h, w2, weights, ids, block_m, t, s))
+            down_t = {(t, s): _time(lambda a, b, t=t, s=s: moe_decode.decode_down(h, b, weights, ids, block_m, t, s),
+                                     banks)
                       for t in few(downs) for s in few(splits) if s <= tokens * top_k}
-            (down, split), down_us = _best(down_t)
-            results[MoeConfig("decode", block_m, up, down, split)] = up_us + down_us
+            (down, split), _ = _best(down_t)
+            candidates.append(MoeConfig("decode", block_m, up, down, split))
     rows = tokens * top_k / experts
     for block_m in GROUPED_BLOCK_M:
         if (block_m > 16 and rows < block_m / 4) or (quick and block_m > 32):
             continue
         align = moe_align(ids, experts, block_m)
-        align_us = _time(lambda: moe_align(ids, experts, block_m))
-        up, up_us = _best({t: _time(lambda t=t: moe_gemm.grouped_up(x, w13, align, top_k, t)) for t in few(GROUPED)})
+        up, _ = _best({t: _time(lambda a, b, t=t: moe_gemm.grouped_up(x, a, align, top_k, t), banks)
+                        for t in few(GROUPED)})
         h = moe_gemm.grouped_up(x, w13, align, top_k, up)
-        down, down_us = _best({t: _time(lambda t=t: moe_gemm.grouped_down(h, w2, align, tokens * top_k, t))
-                               for t in few(GROUPED)})
-        y = moe_gemm.grouped_down(h, w2, align, tokens * top_k, down)
-        sum_us = _time(lambda: moe_gemm.moe_sum(y, weights, tokens, top_k, top_k, 1, dtype))
-        results[MoeConfig("grouped", block_m, up, down)] = align_us + up_us + down_us + sum_us
-    best, best_us = _best(results)
+        down, _ = _best({t: _time(lambda a, b, t=t: moe_gemm.grouped_down(h, b, align, tokens * top_k, t), banks)
+                         for t in few(GROUPED)})
+        candidates.append(MoeConfig("grouped", block_m, up, down))
     default = default_config(tokens, experts, top_k, wide=False)
-    default_us = _time(lambda: fused_moe(x, w13, w2, weights, ids, config=default))
-    return best, best_us, default_us
+    whole = {cfg: _time(lambda a, b, cfg=cfg: fused_moe(x, a, b, weights, ids, config=cfg), banks)
+             for cfg in dict.fromkeys([*candidates, default])}
+    best, best_us = _best(whole)
+    return best, best_us, whole[default]
 
 
 def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, ...] = TOKENS,
@@ -112,10 +140,11 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
     torch.manual_seed(0)
     w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, device=dev) * inter ** -0.5).to(dtype)
+    banks = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(BANKS - 1)]
     name = torch.cuda.get_device_name(dev)
     configs = {}
     for t in tokens:
-        cfg, us, default_us = tune_tokens(t, w13, w2, top_k, quick)
+        cfg, us, default_us = tune_tokens(t, banks, top_k, quick)
         configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
         log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from test_moe_kernels import (DECODE_DOT, DECODE_DOT_SPLIT, DECODE_FMA, DECODE_F
                               GROUPED_64, QWEN3_30B, QWEN3_5_35B, poison, routing)  # noqa: F401 (poison: autouse)
 from orinfer.kernels.fp8_block import fp8_block_dequantize_ref, fp8_block_quantize
 from orinfer.kernels.moe import fused_moe_ref
+from orinfer.kernels.moe_config import MoeConfig
 from orinfer.kernels.moe_fp8 import dequantize_experts, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_ops import fused_moe_fp8, moe_route
 
@@ -177,3 +178,46 @@ def test_gpu_fused_moe_fp8_cuda_graph(tokens):
         logits.copy_(randn(tokens, n_experts))
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_every_fp8_tuning_candidate_is_correct():
+    """Whatever FP8 tile the tuner can write into a table (its 128-wide FMA tiles, the tensor-core tiles fitted to the
+    scale columns) computes the reference at Qwen3.5-35B-A3B's expert shape; splits cycle over the tiles."""
+    from orinfer.kernels import moe_tune as t
+    from triton.runtime.errors import OutOfResources
+
+    n_experts, hidden, inter, top_k = QWEN3_5_35B
+    cases = [(1, MoeConfig("decode", 1, tile, tile, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
+             for i, tile in enumerate(t.FMA_FP8)]
+    cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
+              for i, tile in enumerate(t._fp8_tiles(t.DOT_DECODE))]
+    cases += [(256, MoeConfig("grouped", 16 << (i % 3), tile, tile)) for i, tile in enumerate(t._fp8_tiles(t.GROUPED))]
+    (w13, s13, w2, s2), (d13, d2) = fp8_experts(n_experts, hidden, inter, (128, 128))
+    for tokens, cfg in cases:
+        assert fp8_config(cfg, 128) == cfg  # the table's tiles run as written
+        x = randn(tokens, hidden, dtype=torch.bfloat16)
+        weights, ids = routing(tokens, n_experts, top_k)
+        try:
+            got = fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), weights, ids, config=cfg)
+        except OutOfResources:  # a tile that does not fit this GPU (the tuner skips it too)
+            continue
+        want = fused_moe_ref(x.double(), d13, d2, weights, ids)
+        torch.testing.assert_close(got.double(), want, **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp8_tune_writes_a_table_that_fused_moe_fp8_loads(tmp_path, monkeypatch):
+    from orinfer.kernels import moe_config, moe_tune
+
+    path = moe_tune.tune(8, 256, 128, 2, tokens=(1, 64), dtype=torch.float8_e4m3fn, out_dir=tmp_path, quick=True,
+                         log=lambda s: None)
+    table = moe_config.load_table(str(path))
+    assert "float8_e4m3fn" in path.name and sorted(table) == [1, 64]
+    monkeypatch.setattr(moe_config, "TABLE_DIR", tmp_path)
+    (w13, s13, w2, s2), _ = fp8_experts(8, 256, 128, (128, 128))
+    x = randn(1, 256, dtype=torch.bfloat16)
+    assert moe_config.pick_config(x, w13, 2) == table[1]
+    check_fp8(1, 8, 2, 256, 128, (128, 128), torch.bfloat16, None)

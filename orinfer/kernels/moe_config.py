@@ -11,7 +11,8 @@ A `MoeConfig` says which path runs a call of `fused_moe` and how its two GEMMs a
     split    decode only: the pairs of a step are shared over this many programs per down tile (then a sum kernel)
 
 Table files (`moe_configs/<GPU>_E<E>_H<H>_I<I>_k<k>_<dtype>.json`, GPU = torch.cuda.get_device_name with every run of
-characters other than letters, digits, '-', '.' made '_'; dtype = the weights', bfloat16 or float16):
+characters other than letters, digits, '-', '.' made '_'; dtype = the weights', bfloat16, float16 or float8_e4m3fn
+(FP8 block-wise experts, tuned with 128x128 blocks: their tiles already step inside one scale column)):
 
     {"device": "NVIDIA H200", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "dtype": "bfloat16",
      "configs": {"1": {"path": "decode", "block_m": 1, "up": [4, 512, 4, 1], "down": [2, 1024, 4, 1], "split": 1,

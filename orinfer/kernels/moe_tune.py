@@ -2,7 +2,8 @@
 
     python -m orinfer.kernels.moe_tune --preset qwen3-30b-a3b
     python -m orinfer.kernels.moe_tune --experts 128 --hidden 2048 --inter 768 --top-k 8 \\
-        [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16] [--out DIR] [--quick]
+        [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16|float16|float8_e4m3fn] \\
+        [--out DIR] [--quick]
 
 For each token count T: random routing (`moe_route` of normal logits: every expert about equally loaded), then every
 candidate of each stage is timed alone, giving one config per path and row block:
@@ -29,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from orinfer.kernels.fp8_block import FP8_DTYPE
+from orinfer.kernels.moe_fp8 import expert_scale_shapes
 from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GROUPED_BLOCK_M, TABLE_DIR, MoeConfig, Tile,
                                         config_to_json, default_config, load_table, table_name)
 
@@ -44,6 +47,11 @@ FMA_DOWN = [Tile(2, 256, 2, 1), Tile(4, 256, 4, 1), Tile(2, 512, 4, 1), Tile(4, 
 # Decode on tensor cores: 64 or 128 weight rows per tile map onto Hopper's wgmma (the tokens are its N = 16).
 DOT_DECODE = [Tile(64, 128, 4, 3), Tile(64, 64, 4, 4), Tile(64, 256, 4, 2), Tile(128, 64, 4, 3),
               Tile(128, 128, 8, 3), Tile(32, 128, 4, 3)]
+# FP8 experts (block-wise scales, bk = 128): a K step stays inside one scale column, so the FMA tiles are 128 wide and
+# take more rows instead (`moe_fp8.fp8_config` leaves these unchanged).
+FMA_FP8 = [Tile(4, 128, 2, 1), Tile(8, 128, 2, 1), Tile(8, 128, 4, 1), Tile(16, 128, 4, 1), Tile(32, 128, 4, 1),
+           Tile(32, 128, 8, 1), Tile(64, 128, 8, 1)]
+FP8_BLOCK = (128, 128)
 SPLITS_FMA = (1, 2, 4, 8)
 SPLITS_DOT = (1, 2, 4, 8, 16)
 GROUPED = [Tile(64, 64, 4, 3), Tile(64, 64, 4, 4), Tile(128, 64, 4, 3), Tile(128, 64, 8, 3), Tile(64, 128, 4, 3),
@@ -88,16 +96,21 @@ def _best(timings: dict) -> tuple[object, float]:
     return key, timings[key]
 
 
-def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top_k: int, quick: bool = False
-                ) -> tuple[MoeConfig, float, float]:
-    """(the fastest config, its us, the default config's us) for one token count; banks: copies of (w13, w2)."""
+def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top_k: int, quick: bool = False,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[MoeConfig, float, float]:
+    """(the fastest config, its us, the default config's us) for one token count; banks: copies of (w13, w2);
+    scales: (s13, s2) when the weights are FP8 (in FP8_BLOCK blocks; one set serves every bank)."""
     from orinfer.kernels import moe_decode, moe_gemm
     from orinfer.kernels.moe_align import moe_align
-    from orinfer.kernels.moe_ops import fused_moe, moe_route
+    from orinfer.kernels.moe_fp8 import fp8_config
+    from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, moe_route
 
     w13, w2 = banks[0]
     experts, _, hidden = w13.shape
-    dev, dtype = w13.device, w13.dtype
+    dev = w13.device
+    dtype = torch.bfloat16 if scales is not None else w13.dtype
+    s13, s2 = scales if scales is not None else (None, None)
+    block = FP8_BLOCK if scales is not None else None
     x = torch.randn(tokens, hidden, device=dev).to(dtype)
     weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
     few = (lambda c: c[:2]) if quick else (lambda c: c)
@@ -105,31 +118,45 @@ def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top
     if tokens <= DECODE_MAX_TOKENS:
         for block_m in ((1, 16) if tokens == 1 else (16,)):
             ups, downs = (FMA_UP, FMA_DOWN) if block_m == 1 else (DOT_DECODE, DOT_DECODE)
+            if scales is not None:
+                ups = downs = FMA_FP8 if block_m == 1 else _fp8_tiles(DOT_DECODE)
             splits = SPLITS_FMA if block_m == 1 else SPLITS_DOT
-            up, _ = _best({t: _time(lambda a, b, t=t: moe_decode.decode_up(x, a, ids, block_m, t), banks)
-                            for t in few(ups)})
-            h = moe_decode.decode_up(x, w13, ids, block_m, up)
-            down_t = {(t, s): _time(lambda a, b, t=t, s=s: moe_decode.decode_down(h, b, weights, ids, block_m, t, s),
-                                     banks)
+            up, _ = _best({t: _time(lambda a, b, t=t: moe_decode.decode_up(x, a, ids, block_m, t, s13, block), banks)
+                           for t in few(ups)})
+            h = moe_decode.decode_up(x, w13, ids, block_m, up, s13, block)
+            down_t = {(t, s): _time(lambda a, b, t=t, s=s: moe_decode.decode_down(h, b, weights, ids, block_m, t, s,
+                                                                                 s2, block), banks)
                       for t in few(downs) for s in few(splits) if s <= tokens * top_k}
             (down, split), _ = _best(down_t)
             candidates.append(MoeConfig("decode", block_m, up, down, split))
     rows = tokens * top_k / experts
+    grouped = GROUPED if scales is None else _fp8_tiles(GROUPED)
     for block_m in GROUPED_BLOCK_M:
         if (block_m > 16 and rows < block_m / 4) or (quick and block_m > 32):
             continue
         align = moe_align(ids, experts, block_m)
-        up, _ = _best({t: _time(lambda a, b, t=t: moe_gemm.grouped_up(x, a, align, top_k, t), banks)
-                        for t in few(GROUPED)})
-        h = moe_gemm.grouped_up(x, w13, align, top_k, up)
-        down, _ = _best({t: _time(lambda a, b, t=t: moe_gemm.grouped_down(h, b, align, tokens * top_k, t), banks)
-                         for t in few(GROUPED)})
+        up, _ = _best({t: _time(lambda a, b, t=t: moe_gemm.grouped_up(x, a, align, top_k, t, s13, block), banks)
+                       for t in few(grouped)})
+        h = moe_gemm.grouped_up(x, w13, align, top_k, up, s13, block)
+        down, _ = _best({t: _time(lambda a, b, t=t: moe_gemm.grouped_down(h, b, align, tokens * top_k, t, s2, block),
+                                  banks) for t in few(grouped)})
         candidates.append(MoeConfig("grouped", block_m, up, down))
     default = default_config(tokens, experts, top_k, wide=False)
-    whole = {cfg: _time(lambda a, b, cfg=cfg: fused_moe(x, a, b, weights, ids, config=cfg), banks)
-             for cfg in dict.fromkeys([*candidates, default])}
+    if scales is None:
+        def call(a: torch.Tensor, b: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
+            return fused_moe(x, a, b, weights, ids, config=cfg)
+    else:
+        default = fp8_config(default, FP8_BLOCK[1])
+        def call(a: torch.Tensor, b: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
+            return fused_moe_fp8(x, a, s13, b, s2, FP8_BLOCK, weights, ids, config=cfg)
+    whole = {cfg: _time(lambda a, b, cfg=cfg: call(a, b, cfg), banks) for cfg in dict.fromkeys([*candidates, default])}
     best, best_us = _best(whole)
     return best, best_us, whole[default]
+
+
+def _fp8_tiles(tiles: list[Tile]) -> list[Tile]:
+    """The tensor-core tiles with K steps inside one FP8 scale column (block_k <= 128), without repeats."""
+    return list(dict.fromkeys(t._replace(block_k=min(t.block_k, FP8_BLOCK[1])) for t in tiles))
 
 
 def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, ...] = TOKENS,
@@ -138,13 +165,19 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
     """Tunes every token count and writes the table; returns its path."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, device=dev) * inter ** -0.5).to(dtype)
+    fp8 = dtype == FP8_DTYPE
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, device=dev) * inter ** -0.5
+    scales = None
+    if fp8:  # random codes with unit block scales: the kernels' speed does not depend on the values
+        shapes = expert_scale_shapes(experts, hidden, inter, FP8_BLOCK)
+        scales = (torch.ones(shapes[0], device=dev), torch.ones(shapes[1], device=dev))
+    w13, w2 = w13.to(dtype), w2.to(dtype)
     banks = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(BANKS - 1)]
     name = torch.cuda.get_device_name(dev)
     configs = {}
     for t in tokens:
-        cfg, us, default_us = tune_tokens(t, banks, top_k, quick)
+        cfg, us, default_us = tune_tokens(t, banks, top_k, quick, scales)
         configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
         log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter", type=int, help="the expert FFN's intermediate size I (w2 is [E, H, I])")
     p.add_argument("--top-k", type=int)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
+                   help="the experts' weights (float8_e4m3fn: FP8 block-wise experts, bf16 activations)")
     p.add_argument("--out", type=Path, default=TABLE_DIR, help="folder of the table (default: the package's)")
     p.add_argument("--quick", action="store_true", help="two candidates per stage (a smoke run)")
     args = p.parse_args(argv)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_hf_qwen3_5, build_hf_qwen3_5_moe, hf_greedy, save_hf_model
+from hf_models import hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
-from orinfer.spec_decode.mtp import mtp_head
+from orinfer.spec_decode.mtp import MTPProposer, mtp_head
 from orinfer.spec_decode.mtp_graphs import InputLayout, MTPGraphs, fill_inputs, pick_bucket
 from test_qwen3_5 import _with_mtp
+from test_spec_decode_hybrid import MODELS
 
 PROMPTS = [[5, 17, 42, 99, 5, 17, 42, 99, 5, 17], [11, 200, 14], [7] * 9 + [1, 2, 3, 7, 7, 1, 2]]
 STEPS = 20
@@ -84,16 +85,17 @@ def test_bucket_for_sends_overwide_tables_to_the_eager_path():
 
 # --- the padded proposal on the CPU -----------------------------------------------------------------------------------
 
-MODELS = {"dense": lambda: build_hf_qwen3_5("qwen3.5-interval4-untied"),
-          "moe": lambda: build_hf_qwen3_5_moe("qwen3.5moe-e6-top2")}
+def mtp_target(name: str, tmp_path_factory, prompts: list[list[int]], steps: int):
+    """(a tiny Qwen3.5 checkpoint `name` of test_spec_decode_hybrid.MODELS with a random MTP head, HF's greedy
+    tokens after each prompt)."""
+    hf = MODELS[name]()
+    path = _with_mtp(save_hf_model(hf, tmp_path_factory.mktemp(name)), tmp_path_factory.mktemp(name + "_mtp"))
+    return path, [hf_greedy(hf, prompt, steps) for prompt in prompts]
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def target(request, tmp_path_factory):
-    hf = MODELS[request.param]()
-    path = _with_mtp(save_hf_model(hf, tmp_path_factory.mktemp(request.param)),
-                     tmp_path_factory.mktemp(request.param + "_mtp"))
-    return path, [hf_greedy(hf, prompt, STEPS) for prompt in PROMPTS]
+    return mtp_target(request.param, tmp_path_factory, PROMPTS, STEPS)
 
 
 def engine(path, spec, **settings) -> LLM:
@@ -101,36 +103,28 @@ def engine(path, spec, **settings) -> LLM:
                **settings)
 
 
-def padded(llm: LLM, max_batch: int = 16) -> dict[str, int]:
-    """Gives `llm`'s MTP proposer uncaptured MTP graphs (their padded work run eagerly); returns counters of the
-    proposals that went through them ("padded") and eagerly ("eager")."""
-    runner, mtp = llm.engine.runner, llm.engine.mtp
-    assert mtp.graphs is None  # the CPU never captures
-    graphs = MTPGraphs(runner.model, mtp.k, max_batch, -(-runner.max_model_len // runner.block_size),
-                       runner.block_size, runner.model_config.hidden_size, runner.kv_dtype, runner.device)
-    counts = {"padded": 0, "eager": 0}
-    run, eager = graphs.run, mtp._draft_eager
+def count_proposals(mtp: MTPProposer) -> dict[str, int]:
+    """Counts `mtp`'s proposals that go through its MTP graphs ("graph") and that run eagerly ("eager")."""
+    counts = {"graph": 0, "eager": 0}
+    run, eager = mtp.graphs.run, mtp._draft_eager
 
     def counted_run(*args):
-        counts["padded"] += 1
+        counts["graph"] += 1
         return run(*args)
 
     def counted_eager(*args):
         counts["eager"] += 1
         return eager(*args)
 
-    graphs.run, mtp._draft_eager, mtp.graphs = counted_run, counted_eager, graphs
+    mtp.graphs.run, mtp._draft_eager = counted_run, counted_eager
     return counts
 
 
-def test_padded_proposals_give_the_eager_drafts_and_head_cache(target):
-    """Each proposal is drafted both ways, the padded work first, then the eager one, which must find nothing to
-    change in the head's KV cache (the same entries at the same positions, none elsewhere: padding stores nothing)
-    and draft the same tokens; the output is HF's. (The cache is the sharp check: a tiny random head's argmax barely
-    depends on its attention.)"""
-    path, want = target
-    llm = engine(path, MTP)
-    counts = padded(llm)
+def draft_both_ways(llm: LLM, tolerance: float) -> list[tuple[list, list]]:
+    """Has every proposal of `llm` drafted by the graphs first, then eagerly: the eager proposer must find nothing
+    to change in the head's KV cache (the same entries at the same positions, within `tolerance`, and none elsewhere:
+    padding rows store nothing). Returns the (graph, eager) drafts of each proposal, filled as `llm` runs. (The cache
+    is the sharp check: a tiny random head's argmax barely depends on its attention.)"""
     mtp = llm.engine.mtp
     caches = [cache for attn in mtp_head(llm.engine.runner.model).attention_layers()
               for cache in (attn.k_cache, attn.v_cache)]
@@ -139,17 +133,35 @@ def test_padded_proposals_give_the_eager_drafts_and_head_cache(target):
 
     def both(seqs, feeds, firsts, hiddens):
         got = draft(seqs, feeds, firsts, hiddens).clone()
-        after_padded = [cache.clone() for cache in caches]
+        after_graph = [cache.clone() for cache in caches]
         expected = mtp._draft_eager(seqs, feeds, firsts, torch.cat(hiddens))
-        for cache, padded_cache in zip(caches, after_padded):
-            torch.testing.assert_close(padded_cache, cache, rtol=1e-5, atol=1e-5)
+        for cache, graph_cache in zip(caches, after_graph):
+            torch.testing.assert_close(graph_cache, cache, rtol=tolerance, atol=tolerance)
         compared.append((got.tolist(), expected.tolist()))
         return got
 
     mtp._draft = both
+    return compared
+
+
+def padded(llm: LLM, max_batch: int = 16) -> dict[str, int]:
+    """Gives `llm`'s MTP proposer uncaptured MTP graphs (their padded work run eagerly, on the CPU); returns
+    `count_proposals`' counters."""
+    runner, mtp = llm.engine.runner, llm.engine.mtp
+    assert mtp.graphs is None  # the CPU never captures
+    mtp.graphs = MTPGraphs(runner.model, mtp.k, max_batch, -(-runner.max_model_len // runner.block_size),
+                           runner.block_size, runner.model_config.hidden_size, runner.kv_dtype, runner.device)
+    return count_proposals(mtp)
+
+
+def test_padded_proposals_give_the_eager_drafts_and_head_cache(target):
+    path, want = target
+    llm = engine(path, MTP)
+    counts = padded(llm)
+    compared = draft_both_ways(llm, 1e-5)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == want
-    assert counts["padded"] >= 3  # (random weights: few drafts are accepted, so speculation pauses often)
+    assert counts["graph"] >= 3  # (random weights: few drafts are accepted, so speculation pauses often)
     assert len(compared) >= 3 and all(got == expected for got, expected in compared)
 
 
@@ -158,7 +170,7 @@ def test_padded_proposals_in_batches_of_one_and_three_and_past_the_largest_bucke
     single = engine(path, MTP)
     counts = padded(single)
     assert single.generate(PROMPTS[:1], GREEDY)[0].token_ids == want[0]
-    assert counts["padded"] > 0
+    assert counts["graph"] > 0
     # Largest bucket 2: while three sequences decode they draft eagerly, then the graphs' work takes over.
     lengths = [STEPS, 6, 11]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
@@ -166,7 +178,7 @@ def test_padded_proposals_in_batches_of_one_and_three_and_past_the_largest_bucke
     counts = padded(llm, max_batch=2)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(want, lengths)]
-    assert counts["padded"] > 0 and counts["eager"] > 0
+    assert counts["graph"] > 0 and counts["eager"] > 0
 
 
 def test_forced_acceptance_gives_the_eager_paths_tokens(target):
@@ -179,5 +191,5 @@ def test_forced_acceptance_gives_the_eager_paths_tokens(target):
     counts = padded(llm)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == eager
-    assert counts["padded"] > 0
+    assert counts["graph"] > 0
     assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)

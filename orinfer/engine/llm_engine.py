@@ -50,6 +50,7 @@ from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import DraftModelProposer
 from orinfer.spec_decode.mtp import MTPProposer, attach_mtp_kv, mtp_kv_bytes_per_block
+from orinfer.spec_decode.mtp_graphs import capture_mtp_graphs
 from orinfer.spec_decode.proposer import make_proposer
 from orinfer.structured.constraint import SequenceConstraint
 from orinfer.structured.grammar import GrammarCompiler
@@ -126,6 +127,8 @@ class LLMEngine:
         if spec is not None and spec.method == "mtp":
             attach_mtp_kv(self.runner, parts.model)
             self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens, spec.max_batch)
+            if parts.executor is None:  # (tensor parallelism: proposals stay eager, spec_decode/mtp_graphs.py)
+                self.mtp.graphs = capture_mtp_graphs(self.runner, spec.num_speculative_tokens, spec.max_batch)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling

@@ -14,6 +14,9 @@ its input columns) on rank 0's kept hidden rows, sent with each step's call; pos
 Every step path hands its hidden states over (eager and mixed-graph forwards; the decode graphs keep theirs as an
 extra output). Positions whose rows were dropped (past MAX_KEPT_ROWS) stay stale in the head's cache: that lowers
 acceptance, never exactness.
+With CUDA graphs on one GPU, a proposal whose batch and catch-up rows fit a bucket replays steps 1 and 2 together
+from one graph (spec_decode/mtp_graphs.py); otherwise (the CPU, graphs off, tensor parallelism, a long catch-up such
+as a whole prompt, more sequences than the largest bucket) it runs them eagerly, one forward each.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from orinfer.engine.sequence import Sequence
 from orinfer.errors import ConfigError
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import flat_inputs
+from orinfer.spec_decode.mtp_graphs import MTPGraphs
 
 # Hidden-state rows kept per sequence at most (H * act bytes each: 10 KiB at Qwen3.5-27B), and chunks before they are
 # merged into one copy (each chunk is a view that holds its whole step's copy alive): older rows are dropped and the
@@ -71,6 +75,9 @@ class MTPProposer:
         mtp_head(runner.model)  # (ConfigError without one)
         self.kept: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq_id -> (first position, hidden rows) chunks
         self.done: dict[int, int] = {}                              # seq_id -> positions the head has seen
+        # Proposals replayed from CUDA graphs (spec_decode/mtp_graphs.py), set by the engine when the runner replays
+        # graphs (single GPU); None: every proposal runs eagerly.
+        self.graphs: MTPGraphs | None = None
         runner.hidden_sink = self.keep_hidden
 
     def keep_hidden(self, plan: StepPlan, hidden: torch.Tensor) -> None:
@@ -139,7 +146,7 @@ class MTPProposer:
             hiddens.append(rows)
         if not picked:
             return [[] for _ in seqs]
-        drafts = self._draft(picked, feeds, firsts, torch.cat(hiddens)).tolist()  # the one host sync
+        drafts = self._draft(picked, feeds, firsts, hiddens).tolist()  # the one host sync
         for seq in picked:
             done = self.done[seq.seq_id] = len(seq.token_ids) - 1
             self.kept[seq.seq_id] = [(p, h[max(0, done - p):]) for p, h in self.kept[seq.seq_id]
@@ -147,9 +154,22 @@ class MTPProposer:
         by_seq = {id(seq): row for seq, row in zip(picked, drafts)}
         return [by_seq.get(id(seq), []) for seq in seqs]
 
-    def _draft(self, seqs: list[Sequence], feeds: list[list[int]], firsts: list[int], hidden: torch.Tensor
+    def _draft(self, seqs: list[Sequence], feeds: list[list[int]], firsts: list[int], hiddens: list[torch.Tensor]
                ) -> torch.Tensor:
-        """The catch-up rows, then k - 1 single-row steps: drafts [B, k] on the device."""
+        """The catch-up rows, then k - 1 single-row steps: drafts [B, k] on the device. `hiddens`: each sequence's
+        kept hidden rows for its catch-up. Replayed from the MTP graphs when a bucket holds the batch (same k, few
+        enough sequences and rows); else eager."""
+        graphs = self.graphs
+        if graphs is not None and graphs.k == self.k:
+            tables = [seq.block_table for seq in seqs]
+            bucket = graphs.bucket_for(len(seqs), sum(len(feed) for feed in feeds), max(map(len, tables)))
+            if bucket is not None:
+                return graphs.run(bucket, tables, feeds, firsts, hiddens)
+        return self._draft_eager(seqs, feeds, firsts, torch.cat(hiddens))
+
+    def _draft_eager(self, seqs: list[Sequence], feeds: list[list[int]], firsts: list[int], hidden: torch.Tensor
+                     ) -> torch.Tensor:
+        """`_draft` run eagerly: the catch-up forward, then k - 1 single-row forwards, each with its own uploads."""
         runner, block_size = self.runner, self.runner.block_size
         drafts = torch.empty(len(seqs), self.k, dtype=torch.int64, device=runner.device)
         ids = None

@@ -1,8 +1,14 @@
 """The host side of the mixed-step graphs: their token buckets and the flat batch they are fed (the replay itself is
-checked on the GPU in test_gpu_engine.py)."""
+checked on the GPU in test_gpu_engine.py), and the capture rule every graph follows (engine/graph_capture.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
+import pytest
+
+from orinfer.engine import graph_capture
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
 from orinfer.engine.step_graphs import token_buckets
@@ -38,3 +44,30 @@ def test_step_inputs_lay_out_decode_rows_then_chunks():
     assert inputs.starts == [0, 1, 4] and inputs.context_lens == [5, 7] and inputs.max_query_len == 3
     assert inputs.block_tables == [[7, 2], [3, 9, 5]] and not inputs.from_start
     assert inputs.sample_rows == [0]
+
+
+def test_capture_graph_pauses_garbage_collection_for_the_capture(monkeypatch):
+    """No collection may free an old graph mid-capture (orinfer/engine/graph_capture.py): the collector is off inside
+    the capture and back on afterwards, also when the capture raises; a collector the caller had off stays off."""
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None):  # torch.cuda.graph needs a GPU
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(graph_capture.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with graph_capture.capture_graph(None):
+        seen.append(gc.isenabled())
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(RuntimeError), graph_capture.capture_graph(None):
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with graph_capture.capture_graph(None):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

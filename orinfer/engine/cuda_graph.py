@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from orinfer.engine.graph_capture import capture_graph
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 
@@ -129,7 +130,7 @@ class DecodeGraphs:
             self._forward(batch, blocks)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), hooks.capture_scope(self.device, launch=True):
+        with capture_graph(graph, pool=self.pool), hooks.capture_scope(self.device, launch=True):
             logits = self._forward(batch, blocks)
             # The greedy samples go where the next step reads its input ids (`greedy_ids`): a greedy lookahead step
             # then needs neither sampler launches nor a copy of the ids before its replay. Other batches ignore them

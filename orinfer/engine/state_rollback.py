@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from orinfer.config import ModelConfig
+from orinfer.engine.graph_capture import capture_graph
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.state_pools import StatePools
 from orinfer.layers.attention import AttentionMetadata
@@ -189,7 +190,7 @@ class RollbackGraphs:
             self._body(n)
             return
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with capture_graph(graph, pool=self.pool):
             self._body(n)
         self.graphs[n] = graph
         graph.replay()  # capturing recorded the work without doing it

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from orinfer.engine.graph_capture import capture_graph
 from orinfer.engine.step_inputs import StepInputs
 from orinfer.layers.attention import AttentionMetadata
 
@@ -100,7 +101,7 @@ class MixedStepGraphs:
             self._forward(tokens)  # warm-up outside the capture: compiles kernels, loads cuBLAS's
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capture_graph(graph, pool=self.pool):
                 self.hidden[tokens] = self._forward(tokens)
             self.graphs[tokens] = graph
             if self.pool is None:

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from orinfer.engine.graph_capture import capture_graph
 from orinfer.models.qwen3_vl_vision import Qwen3VLVisionTower
 
 TowerOutput = tuple[torch.Tensor, list[torch.Tensor]]
@@ -82,7 +83,7 @@ class VisionGraphCache:
             tower(pixels, grids)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capture_graph(graph, pool=self._pool):
             embeds, features = tower(pixels, grids)
         captured = _Captured(graph, pixels, embeds, features)
         self._graphs[tuple(grids)] = captured

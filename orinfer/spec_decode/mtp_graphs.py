@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from orinfer.engine.cuda_graph import batch_buckets
+from orinfer.engine.graph_capture import capture_graph
 from orinfer.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class MTPGraphs:
             self._body(bucket)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capture_graph(graph, pool=self.pool):
                 self._body(bucket)
             self.graphs[bucket] = graph
             if self.pool is None:

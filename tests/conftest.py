@@ -97,14 +97,15 @@ def _value_key(value: object) -> tuple[str, str]:
     return type(value).__qualname__, repr(value)
 
 
-def pairwise_cover(cases: list[dict[str, object]]) -> list[int]:
+def pairwise_cover(cases: list[dict[str, object]], each_value: bool = False) -> list[int]:
     """Indices of a subset of `cases` (each a test's parameter values by name) in which every pair of values of two
-    parameters that occurs in `cases` occurs at least once (with one parameter: every value). Greedy (the case that
-    covers the most missing pairs, the first of equals), so the same cases give the same subset."""
+    parameters that occurs in `cases` occurs at least once (with one parameter, or `each_value`: every value of each
+    parameter). Greedy (the case that covers the most missing pairs, the first of equals), so the same cases give the
+    same subset."""
     def pairs(params: dict[str, object]) -> set[tuple]:
         names = sorted(params)
-        if len(names) == 1:
-            return {(names[0], _value_key(params[names[0]]))}
+        if len(names) == 1 or each_value:
+            return {(name, _value_key(params[name])) for name in names}
         return {(a, _value_key(params[a]), b, _value_key(params[b])) for a, b in itertools.combinations(names, 2)}
 
     covers = [pairs(case) for case in cases]
@@ -121,13 +122,15 @@ def pairwise_cover(cases: list[dict[str, object]]) -> list[int]:
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.pairwise` on a parametrized test: the default tier keeps the cases `pairwise_cover` picks from
     the collected ones (every pair of parameter values still meets in some case), the others get `slow`, so the slow
-    tier runs the rest of the matrix."""
+    tier runs the rest of the matrix. `@pytest.mark.pairwise(each_value=True)`, for the costliest interpreter
+    matrices: the default tier keeps only enough cases for every value of each parameter to run once."""
     matrices = defaultdict(list)
     for item in items:
         if item.get_closest_marker("pairwise") is not None and hasattr(item, "callspec"):
             matrices[(item.parent.nodeid, item.originalname)].append(item)
     for cases in matrices.values():
-        keep = set(pairwise_cover([item.callspec.params for item in cases]))
+        each_value = cases[0].get_closest_marker("pairwise").kwargs.get("each_value", False)
+        keep = set(pairwise_cover([item.callspec.params for item in cases], each_value))
         for i, item in enumerate(cases):
             if i not in keep:
                 item.add_marker(pytest.mark.slow)

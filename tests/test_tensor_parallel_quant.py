@@ -210,8 +210,8 @@ def test_online_fp8_parts_off_the_blocks_get_their_own_blocks(quantized, monkeyp
 # --- the engine on 2 and 4 processes -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_id,world", [
-    ("gptq4-g16-actorder", 2), ("fp8-online", 2), ("fp8-moe", 2),
-    *(pytest.param(m, 2, marks=SLOW) for m in ("awq-g32", "gptq8-g32", "fp8")),
+    ("gptq4-g16-actorder", 2), ("fp8-moe", 2),     # the default tier; FP8 dense: test_tensor_parallel_hybrid_quant
+    *(pytest.param(m, 2, marks=SLOW) for m in ("awq-g32", "gptq8-g32", "fp8", "fp8-online")),
     *(pytest.param(m, 4, marks=SLOW) for m in ("awq-g32", "gptq4-g16-actorder", "gptq8-g32", "fp8", "fp8-online"))])
 def test_greedy_matches_the_single_process_engine(quantized, model_id, world):
     path, online = quantized(model_id)

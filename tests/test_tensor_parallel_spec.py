@@ -114,7 +114,7 @@ def test_mtp_head_split_over_the_ranks(targets, kind, world):
     assert drafts == drafts_alone and any(any(d) for d in drafts)
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=SLOW)])
+@pytest.mark.parametrize("kind", [pytest.param("dense", marks=SLOW), pytest.param("moe", marks=SLOW)])
 def test_draft_model_whole_on_rank_0_for_a_split_hybrid_target(targets, kind, tmp_path):
     """A plain Qwen3 draft (its vocabulary the target's) kept whole on rank 0, without collectives, beside a split
     hybrid target whose verify steps roll back on every rank."""

@@ -62,8 +62,8 @@ def requests() -> list:
     return [{"prompt_token_ids": PROMPT, "multi_modal_data": {"image": pictures}}, TEXT]
 
 
-@pytest.mark.parametrize("kind,world", [("vl-dense", 2), ("vl-moe", 2), pytest.param("vl-moe", 4, marks=SLOW),
-                                        pytest.param("vl-dense", 4, marks=SLOW)])
+@pytest.mark.parametrize("kind,world", [pytest.param("vl-dense", 2, marks=SLOW), ("vl-moe", 2),
+                                        pytest.param("vl-moe", 4, marks=SLOW), pytest.param("vl-dense", 4, marks=SLOW)])
 def test_images_match_single_process_and_hf(checkpoints, kind, world):
     """Two images of a prompt arriving over prompt chunks of 9 rows (DeepStack features added to each chunk's visual
     rows on every rank), beside a text prompt; then decode steps."""

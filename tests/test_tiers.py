@@ -1,4 +1,5 @@
-"""The default tier's subset of a `@pytest.mark.pairwise` matrix (conftest.py) leaves no pair of parameter values out."""
+"""The default tier's subset of a `@pytest.mark.pairwise` matrix (conftest.py) leaves no pair of parameter values out
+(with each_value=True: no value of any parameter)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,12 @@ def test_joint_values_and_a_single_parameter():
     chosen = [cases[i] for i in pairwise_cover(cases)]
     assert _pairs(chosen) == _pairs(cases)
     assert pairwise_cover([{"x": 1}, {"x": 2}, {"x": 1}]) == [0, 1]
+
+
+def test_each_value_keeps_every_value_of_each_parameter_once_at_least():
+    axes = {"dtype": ["f32", "f16", "bf16"], "rows": [2, 7, 16, 17, 40], "cfg": [0, 1, 2, 3, 4], "gated": [False, True]}
+    cases = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    chosen = [cases[i] for i in pairwise_cover(cases, each_value=True)]
+    assert len(chosen) == 5                                    # the largest parameter's values, no more
+    for name, values in axes.items():
+        assert {case[name] for case in chosen} == set(values)

@@ -73,7 +73,7 @@ def _ref(x, awq, g, bias=None, gated=False):
 
 @needs_kernels
 @kernel_test
-@pytest.mark.pairwise
+@pytest.mark.pairwise(each_value=True)  # ~5-15 s a case interpreted: the pairs run in the slow tier
 @pytest.mark.parametrize("kernel,dtype", [(w4_gemv, dt) for dt in DTYPES]
                          + [(w4_gemv_int, dt) for dt in (torch.float16, torch.bfloat16)])   # int: 16-bit x only
 @pytest.mark.parametrize("cfg", [W4GemvConfig(2, 64, 2), W4GemvConfig(4, 16, 1), W4GemvConfig(1, 512, 4),
@@ -195,7 +195,7 @@ def test_w4_gemv_int_takes_16_bit_gated_and_long_rows():
 
 @needs_kernels
 @kernel_test
-@pytest.mark.pairwise
+@pytest.mark.pairwise(each_value=True)  # the pairs run in the slow tier
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [2, 7, 16, 17, 40])
 @pytest.mark.parametrize("cfg", [W4MmaConfig(16, 32, 4, 2, 1), W4MmaConfig(16, 16, 1, 1, 1, prefetch=False), None,

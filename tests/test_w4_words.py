@@ -73,7 +73,7 @@ def _words_product_ref(h: torch.Tensor, w: torch.Tensor, awq: tuple, bias: torch
 
 @needs_kernels
 @kernel_test
-@pytest.mark.pairwise
+@pytest.mark.pairwise(each_value=True)  # ~5-20 s a case interpreted: the pairs run in the slow tier
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cfg", CFGS)
 @pytest.mark.parametrize("gated", [False, True])

@@ -238,17 +238,20 @@ def test_concurrent_sequences_get_copies_of_different_templates(compiler):
         release()
     fourth[1]()
     assert pool.live == [0, 0, 0]
-    constraint = SequenceConstraint(*small.lease(spec)[:1], release=small.lease(spec)[1])
-    assert sum(pool.live) == 2
+    matcher, release = small.lease(spec)
+    constraint = SequenceConstraint(matcher, release=release)
+    assert sum(pool.live) == 1
     del constraint  # the engine drops a finished sequence's constraint: its template is free again
     gc.collect()
-    assert sum(pool.live) == 1
-    # Every copy, whichever template it came from, constrains the same way.
-    digit = small.tokenizer.tokenize_str("7")[0]
-    masks = []
+    assert sum(pool.live) == 0
+    # Copies of the three templates, all live at once, constrain alike.
+    constraints = []
     for _ in range(3):
         matcher, release = small.lease(spec)
-        masks.append(allowed_ids(SequenceConstraint(matcher, release=release), small.vocab_size))
+        constraints.append(SequenceConstraint(matcher, release=release))
+    assert pool.live == [1, 1, 1]
+    digit = small.tokenizer.tokenize_str("7")[0]
+    masks = [allowed_ids(c, small.vocab_size) for c in constraints]
     assert digit in masks[0] and masks[0] == masks[1] == masks[2]
 
 

@@ -3,16 +3,19 @@ the per-sequence constraint (masks, thinking)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import random
 from pathlib import Path
 
+import llguidance
 import pytest
 import torch
 
 from orinfer.errors import RequestError
 from orinfer.sampling_params import SamplingParams
 from orinfer.structured.constraint import SequenceConstraint, bitmask_words, fill_masks
-from orinfer.structured.grammar import GrammarCompiler
+from orinfer.structured.grammar import MASK_SLICES, STRING_CHAR, GrammarCompiler
 from orinfer.structured.params import StructuredOutputsParams
 from orinfer.thinking import ThinkState
 from orinfer.tokenizer import Tokenizer
@@ -187,3 +190,83 @@ def test_masks_filled_together_equal_masks_filled_one_by_one(compiler, qwen3):
         c.fill_mask(alone)
         assert torch.equal(row, alone)
     assert not torch.equal(together[0], together[1]) and bool((together[4] == -1).all())
+
+
+def test_mask_slices_extend_the_library_defaults():
+    """The engine's slices are llguidance's own plus shorter string bodies (1-8 characters): only an optimisation
+    of the mask computation, on the same JSON string character class as the library's."""
+    library = llguidance.LLTokenizer.general_slices()
+    assert MASK_SLICES[:len(library)] == library and STRING_CHAR + "{1,10}" in library
+    assert MASK_SLICES[len(library):] == [STRING_CHAR + "{1,%d}" % n for n in range(1, 9)]
+
+
+@pytest.mark.slow  # ~5 s: a second tokenizer set up over the real vocabulary
+def test_length_capped_string_masks_equal_the_library_default_slices(compiler, qwen3):
+    """The finer slices give the same masks as llguidance's default ones, step by step through strings capped at
+    8 characters (where they apply) and the rest of a JSON value: a random walk over the allowed tokens."""
+    plain = GrammarCompiler(qwen3.to_json(), compiler.vocab_size, compiler.eos_ids)
+    plain._tokenizer = llguidance.LLTokenizer(qwen3.to_json(), n_vocab=compiler.vocab_size, eos_token=compiler.eos_ids)
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b", "c"],
+              "properties": {"a": {"type": "string", "maxLength": 8}, "b": {"type": "string", "maxLength": 3},
+                             "c": {"type": "array", "items": {"type": "string", "maxLength": 5}}}}
+    spec = StructuredOutputsParams(json=schema)
+    fine, default = SequenceConstraint(compiler.matcher(spec)), SequenceConstraint(plain.matcher(spec))
+    rng = random.Random(0)
+    for _ in range(40):
+        allowed = allowed_ids(fine, compiler.vocab_size)
+        assert allowed == allowed_ids(default, compiler.vocab_size)
+        allowed -= set(compiler.eos_ids)
+        if not allowed:
+            break
+        token = rng.choice(sorted(allowed))
+        assert fine.advance(token) and default.advance(token)
+
+
+def test_concurrent_sequences_get_copies_of_different_templates(compiler):
+    """Copies of one llguidance template share its lexer lock, so `lease` gives each live sequence its own template
+    while it may compile one more; a released template is handed out again before a new one is compiled."""
+    small = GrammarCompiler(compiler._tokenizer_json, compiler.vocab_size, compiler.eos_ids, max_templates=3)
+    small._tokenizer = compiler.tokenizer  # the slow part, shared
+    spec = StructuredOutputsParams(regex="[0-9]{3}")
+    leases = [small.lease(spec) for _ in range(3)]
+    pool = small._cache[spec.cache_key()]
+    assert len(pool.matchers) == 3 and pool.live == [1, 1, 1]
+    assert len({id(m) for m, _ in leases}) == 3
+    fourth = small.lease(spec)  # at the cap: the least used template, shared
+    assert len(pool.matchers) == 3 and sorted(pool.live) == [1, 1, 2]
+    for _, release in leases:
+        release()
+    fourth[1]()
+    assert pool.live == [0, 0, 0]
+    matcher, release = small.lease(spec)
+    constraint = SequenceConstraint(matcher, release=release)
+    assert sum(pool.live) == 1
+    del constraint  # the engine drops a finished sequence's constraint: its template is free again
+    gc.collect()
+    assert sum(pool.live) == 0
+    # Copies of the three templates, all live at once, constrain alike.
+    constraints = []
+    for _ in range(3):
+        matcher, release = small.lease(spec)
+        constraints.append(SequenceConstraint(matcher, release=release))
+    assert pool.live == [1, 1, 1]
+    digit = small.tokenizer.tokenize_str("7")[0]
+    masks = [allowed_ids(c, small.vocab_size) for c in constraints]
+    assert digit in masks[0] and masks[0] == masks[1] == masks[2]
+
+
+def test_template_budget_drops_least_recently_used_constraints(compiler):
+    small = GrammarCompiler(compiler._tokenizer_json, compiler.vocab_size, compiler.eos_ids, max_templates=4,
+                            template_budget=5)
+    small._tokenizer = compiler.tokenizer
+    first, second = StructuredOutputsParams(regex="[0-9]{3}"), StructuredOutputsParams(regex="[a-z]{2}")
+    held = [small.lease(first) for _ in range(4)]
+    small.matcher(second)
+    assert set(small._cache) == {first.cache_key(), second.cache_key()}  # 5 templates: within the budget
+    held.append(small.lease(second))
+    held.append(small.lease(second))  # 6 templates: `first` (least recently used) is dropped
+    assert set(small._cache) == {second.cache_key()}
+    matcher = held[0][0]
+    assert matcher.consume_token(small.tokenizer.tokenize_str("1")[0])  # a dropped template's copies still work
+    for _, release in held:
+        release()  # harmless for a dropped constraint

@@ -12,6 +12,7 @@ import pytest
 from orinfer import LLM, SamplingParams
 from orinfer.engine import llm_engine
 from orinfer.errors import RequestError
+from orinfer.structured.params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -37,6 +38,8 @@ def _clean(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished() and engine.in_flight is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if engine._grammars is not None:  # every finished or aborted sequence gave its matcher's template back
+        assert all(n == 0 for pool in engine._grammars._cache.values() for n in pool.live)
 
 
 def test_json_schema_outputs_always_parse_and_validate(llm):
@@ -49,6 +52,8 @@ def test_json_schema_outputs_always_parse_and_validate(llm):
         value = json.loads(out.text)
         assert validator.is_valid(value), out.text
     assert len({o.text for o in outs}) > 1  # really sampled
+    # The 8 rows ran together, each on a copy of its own template (no two waiting on one lexer lock).
+    assert len(llm.engine.grammars._cache[StructuredOutputsParams(json=SCHEMA).cache_key()].matchers) == 8
     _clean(llm)
 
 

@@ -268,10 +268,10 @@ class LLMEngine:
         return self._grammars
 
     def _constraint(self, params: SamplingParams) -> SequenceConstraint:
-        matcher = self.grammars.matcher(params.structured_outputs)
+        matcher, release = self.grammars.lease(params.structured_outputs)
         state = ThinkState(params.think_state) if params.think_state is not None else ThinkState.CONTENT
         return SequenceConstraint(matcher, state, self.tokenizer.token_to_id(THINK_START),
-                                  self.tokenizer.token_to_id(THINK_END))
+                                  self.tokenizer.token_to_id(THINK_END), release=release)
 
     def _encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -14,6 +14,8 @@ already, so its next mask is the right one.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable
 
 import llguidance
 import torch
@@ -29,8 +31,12 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class SequenceConstraint:
+    """`release`: called once this object is gone (the engine drops a sequence's constraint when it finishes or is
+    aborted): the compiler's `lease` gives it, to hand the matcher's template to a later sequence."""
+
     def __init__(self, matcher: llguidance.LLMatcher, think_state: ThinkState = ThinkState.CONTENT,
-                 think_start_id: int | None = None, think_end_id: int | None = None) -> None:
+                 think_start_id: int | None = None, think_end_id: int | None = None,
+                 release: Callable[[], None] | None = None) -> None:
         if think_state is not ThinkState.CONTENT and (think_start_id is None or think_end_id is None):
             think_state = ThinkState.CONTENT  # a vocabulary without <think> tokens never thinks
         self.matcher = matcher
@@ -38,6 +44,8 @@ class SequenceConstraint:
         self.think_start_id, self.think_end_id = think_start_id, think_end_id
         self.num_consumed = 0  # tokens the matcher accepted (the answer's tokens so far)
         self._ahead: tuple[int, bool] | None = None  # (token, advance's result): taken early, not yet accepted
+        if release is not None:
+            weakref.finalize(self, release)
 
     @property
     def is_complete(self) -> bool:
@@ -105,7 +113,8 @@ _executor: llguidance.LLExecutor | None = None
 def fill_masks(constraints: list[SequenceConstraint], mask: torch.Tensor) -> None:
     """Row i of `mask` ([len(constraints), bitmask_words] contiguous int32, CPU) gets constraints[i]'s allowed
     tokens. The grammar masks are computed together on llguidance's thread pool, outside the interpreter lock: one
-    at a time, a batch of 64 JSON rows kept the host ~4 ms per step while the device waited (NOTES run 277)."""
+    at a time, a batch of 64 JSON rows kept the host ~4 ms per step while the device waited (NOTES run 277). Rows
+    whose matchers were copied from one template wait for each other there (grammar.py's `lease` spreads them)."""
     global _executor
     rows = [(c.matcher, i) for i, c in enumerate(constraints) if c.uses_grammar_mask]
     parallel = len(rows) > 1

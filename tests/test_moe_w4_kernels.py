@@ -169,3 +169,76 @@ def test_gpu_fused_moe_w4_cuda_graph(tokens):
         logits.copy_(randn(tokens, n_experts))
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_every_w4_tuning_candidate_is_correct():
+    """Whatever 4-bit tile the tuner can write into a table computes the reference at Qwen3-30B-A3B's expert shape
+    (group 128) and runs as written (`w4_config` leaves it unchanged); splits cycle over the tiles."""
+    from triton.runtime.errors import OutOfResources
+
+    from orinfer.kernels import moe_tune as t
+    from orinfer.kernels.moe_config import MoeConfig
+
+    n_experts, hidden, inter, top_k = QWEN3_30B
+    cases = [(1, MoeConfig("decode", 1, tile, tile, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
+             for i, tile in enumerate(t.FMA_W4)]
+    cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
+              for i, tile in enumerate(t.DOT_W4)]
+    cases += [(256, MoeConfig("grouped", 16 << (i % 3), tile, tile)) for i, tile in enumerate(t.GROUPED_W4)]
+    (w13, w2), (d13, d2) = w4_experts(n_experts, hidden, inter, t.W4_GROUP)
+    for tokens, cfg in cases:
+        assert w4_config(cfg, t.W4_GROUP, t.W4_GROUP) == cfg
+        x = randn(tokens, hidden, dtype=torch.bfloat16)
+        weights, ids = routing(tokens, n_experts, top_k)
+        try:
+            got = fused_moe_w4(x, w13, w2, weights, ids, config=cfg)
+        except OutOfResources:  # a tile that does not fit this GPU (the tuner skips it too)
+            continue
+        want = fused_moe_ref(x.double(), d13, d2, weights, ids)
+        torch.testing.assert_close(got.double(), want, **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_w4_tune_writes_a_table_that_fused_moe_w4_loads(tmp_path, monkeypatch):
+    from orinfer.kernels import moe_config, moe_tune, moe_ops
+
+    path = moe_tune.tune(8, 256, 128, 2, tokens=(1, 64), dtype="w4", out_dir=tmp_path, quick=True,
+                         log=lambda s: None)
+    table = moe_config.load_table(str(path))
+    assert path.name.endswith("_w4g128.json") and sorted(table) == [1, 64]
+    monkeypatch.setattr(moe_config, "TABLE_DIR", tmp_path)
+    (w13, w2), _ = w4_experts(8, 256, 128, 128)
+    x = randn(1, 256, dtype=torch.bfloat16)
+    assert moe_ops._w4_table_config(x, w13, w2, 2) == table[1]
+    check_w4(1, 8, 2, 256, 128, 128, torch.bfloat16, None)
+
+
+@slow  # ~30 interpreted whole calls (~50 s)
+def test_w4_tuner_candidates_run_and_the_fastest_whole_call_wins(monkeypatch):
+    """`tune_tokens_w4`'s plumbing on the interpreter (its CUDA-graph timing replaced by a made-up time per config):
+    every candidate runs as a config `fused_moe_w4` accepts, the default is among them, and the pick is the config of
+    least time."""
+    import zlib
+
+    from orinfer.kernels import moe_tune
+
+    made_up: dict = {}
+
+    def fake_time(fn, banks):
+        fn(*banks[0])                                   # the candidate must run
+        cfg = fn.__defaults__[0]                        # (the tuner's `lambda a, b, c=c: ...`)
+        made_up[cfg] = float(zlib.crc32(repr(cfg).encode()) % 1000)
+        return made_up[cfg]
+
+    monkeypatch.setattr(moe_tune, "_time", fake_time)
+    (w13, w2), _ = w4_experts(4, 128, 128, 128)
+    for tokens in (1, 12):                              # the FMA, tensor-core decode and grouped paths
+        made_up.clear()
+        best, best_us, default_us = moe_tune.tune_tokens_w4(tokens, [(w13, w2)], 2, quick=True)
+        assert len(made_up) > 2 and best_us == min(made_up.values()) == made_up[best]
+        default = w4_config(moe_tune.default_config(tokens, 4, 2, wide=False), 128, 128)
+        assert default_us == made_up[default]
+        assert w4_config(best, 128, 128) == best

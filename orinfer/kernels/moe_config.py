@@ -12,7 +12,8 @@ A `MoeConfig` says which path runs a call of `fused_moe` and how its two GEMMs a
 
 Table files (`moe_configs/<GPU>_E<E>_H<H>_I<I>_k<k>_<dtype>.json`, GPU = torch.cuda.get_device_name with every run of
 characters other than letters, digits, '-', '.' made '_'; dtype = the weights', bfloat16, float16 or float8_e4m3fn
-(FP8 block-wise experts, tuned with 128x128 blocks: their tiles already step inside one scale column)):
+(FP8 block-wise experts, tuned with 128x128 blocks: their tiles already step inside one scale column), or w4g<G> for
+4-bit experts in groups of G (AWQ, GPTQ-Int4: tiles already in W4 chunks, `moe_w4.w4_config` leaves them as they are)):
 
     {"device": "NVIDIA H200", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "dtype": "bfloat16",
      "configs": {"1": {"path": "decode", "block_m": 1, "up": [4, 512, 4, 1], "down": [2, 1024, 4, 1], "split": 1,
@@ -82,9 +83,17 @@ def default_config(tokens: int, experts: int, top_k: int, wide: bool) -> MoeConf
     return MoeConfig("grouped", block_m, Tile(block_n, 64, 4, 3), Tile(block_n, 64, 4, 3))
 
 
-def table_name(device_name: str, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
+def table_name(device_name: str, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype | str) -> str:
+    """The table file's name; `dtype`: the weights' torch dtype, or a label (4-bit experts: `w4_label`)."""
     gpu = re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
-    return f"{gpu}_E{experts}_H{hidden}_I{inter}_k{top_k}_{str(dtype).removeprefix('torch.')}.json"
+    weights = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return f"{gpu}_E{experts}_H{hidden}_I{inter}_k{top_k}_{weights}.json"
+
+
+def w4_label(group_size: int) -> str:
+    """The weights' part of a 4-bit expert table's name: AWQ and GPTQ-Int4 experts share the W4 layout, so a table
+    serves both at one group size."""
+    return f"w4g{group_size}"
 
 
 def config_to_json(cfg: MoeConfig) -> dict:
@@ -122,6 +131,15 @@ def table_config(tokens: int, table: dict[int, MoeConfig]) -> MoeConfig | None:
     return cfg if valid(cfg, tokens) else None
 
 
+def table_lookup(x: torch.Tensor, experts: int, hidden: int, inter: int, top_k: int, weights: torch.dtype | str
+                 ) -> MoeConfig | None:
+    """The current GPU's table entry for x's T tokens and this expert shape and weights (None without one). Host-only
+    (a cached file read): safe inside CUDA-graph capture."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    name = table_name(_device_name(index), experts, hidden, inter, top_k, weights)
+    return table_config(x.shape[0], load_table(str(TABLE_DIR / name)))
+
+
 def pick_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:
     """The config for fused_moe(x, w13, ...): the current GPU's table for this shape when there is one and x has the
     weights' 16-bit dtype, else `default_config`. Host-only (a cached file read): safe inside CUDA-graph capture."""
@@ -129,9 +147,7 @@ def pick_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:
     experts, two_inter, hidden = w13.shape
     wide = x.dtype == torch.float32 or w13.dtype == torch.float32
     if x.is_cuda and not wide:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        name = table_name(_device_name(index), experts, hidden, two_inter // 2, top_k, w13.dtype)
-        cfg = table_config(tokens, load_table(str(TABLE_DIR / name)))
+        cfg = table_lookup(x, experts, hidden, two_inter // 2, top_k, w13.dtype)
         if cfg is not None:
             return cfg
     return default_config(tokens, experts, top_k, wide)

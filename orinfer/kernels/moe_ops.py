@@ -24,7 +24,7 @@ import torch
 
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.moe import fused_moe_ref
-from orinfer.kernels.moe_config import MoeConfig, default_config, pick_config, valid
+from orinfer.kernels.moe_config import MoeConfig, default_config, pick_config, table_lookup, valid, w4_label
 from orinfer.kernels.moe_decode import fused_moe_decode
 from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_gemm import fused_moe_grouped
@@ -110,13 +110,21 @@ def fused_moe_w4(x: torch.Tensor, w13: W4Experts, w2: W4Experts, topk_weights: t
     if x.stride(1) != 1:
         x = x.contiguous()
     topk_weights, topk_ids = topk_weights.float().contiguous(), topk_ids.contiguous()
-    cfg = config or default_config(tokens, w13.num_experts, top_k, x.dtype == torch.float32)
+    cfg = config or _w4_table_config(x, w13, w2, top_k) or default_config(tokens, w13.num_experts, top_k,
+                                                                          x.dtype == torch.float32)
     if not valid(cfg, tokens):
         raise ValueError(f"config {cfg} cannot run {tokens} tokens")
     cfg = w4_config(cfg, w13.group_size, w2.group_size)
     if cfg.path == "decode":
         return fused_moe_w4_decode(x, w13, w2, topk_weights, topk_ids, cfg)
     return fused_moe_w4_grouped(x, w13, w2, topk_weights, topk_ids, cfg)
+
+
+def _w4_table_config(x: torch.Tensor, w13: W4Experts, w2: W4Experts, top_k: int) -> MoeConfig | None:
+    """The tuned table's entry for 16-bit x on this GPU (one group size for both matrices), else None."""
+    if not x.is_cuda or x.dtype == torch.float32 or w13.group_size != w2.group_size:
+        return None
+    return table_lookup(x, w13.num_experts, w13.in_features, w2.in_features, top_k, w4_label(w13.group_size))
 
 
 def _refuse_capture(x: torch.Tensor, what: str) -> None:

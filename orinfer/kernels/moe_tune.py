@@ -2,7 +2,7 @@
 
     python -m orinfer.kernels.moe_tune --preset qwen3-30b-a3b
     python -m orinfer.kernels.moe_tune --experts 128 --hidden 2048 --inter 768 --top-k 8 \\
-        [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16|float16|float8_e4m3fn] \\
+        [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16|float16|float8_e4m3fn|w4] \\
         [--out DIR] [--quick]
 
 For each token count T: random routing (`moe_route` of normal logits: every expert about equally loaded), then every
@@ -12,9 +12,11 @@ candidate of each stage is timed alone, giving one config per path and row block
   grouped:          per block_m, the up GEMM per tile and the down GEMM per tile.
 Those configs and the default are then timed as whole `fused_moe` calls, and the fastest call wins: a sum of stages
 timed apart (each with its own cold L2 and launch) misranked them (run 306: tables slower than the default at 32-128
-tokens), and the whole call is what a step runs.
+tokens), and the whole call is what a step runs. 4-bit experts (--dtype w4: AWQ / GPTQ-Int4 in groups of 128) have
+no per-stage entry points, so all their candidates are whole calls (`tune_tokens_w4`).
 Timing: CUDA-graph replays of the call over BANKS copies of the weights in turn (`_time`: no launch overhead, and the
-weights come from HBM as they do in a decode step). A candidate that does not compile or fit (shared memory, registers) is skipped. The table goes
+weights come from HBM as they do in a decode step). A candidate that does not compile or fit (shared memory,
+registers) is skipped. The table goes
 to orinfer/kernels/moe_configs/ (or --out), named and laid out as `kernels/moe_config.py` documents; each entry
 keeps its measured microseconds ("us") and the defaults' ("default_us") for comparison. A table that exists already
 keeps its entries for the token counts not tuned again, so a preset can be tuned in parts (--tokens 1,2,4,8,16, then
@@ -33,7 +35,7 @@ import torch
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.moe_fp8 import expert_scale_shapes
 from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GROUPED_BLOCK_M, TABLE_DIR, MoeConfig, Tile,
-                                        config_to_json, default_config, load_table, table_name)
+                                        config_to_json, default_config, load_table, table_name, w4_label)
 
 PRESETS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -52,6 +54,13 @@ DOT_DECODE = [Tile(64, 128, 4, 3), Tile(64, 64, 4, 4), Tile(64, 256, 4, 2), Tile
 FMA_FP8 = [Tile(4, 128, 2, 1), Tile(8, 128, 2, 1), Tile(8, 128, 4, 1), Tile(16, 128, 4, 1), Tile(32, 128, 4, 1),
            Tile(32, 128, 8, 1), Tile(64, 128, 8, 1)]
 FP8_BLOCK = (128, 128)
+# 4-bit experts (AWQ, GPTQ-Int4) in groups of W4_GROUP: a K step is one W4 chunk of 128 inputs, and a program's
+# unpacked tile stays within `moe_w4.UNPACKED_LIMIT` (32 rows on the decode path, 64 grouped).
+W4_GROUP = 128
+FMA_W4 = [Tile(4, 128, 2, 1), Tile(8, 128, 2, 1), Tile(8, 128, 4, 1), Tile(16, 128, 4, 1), Tile(16, 128, 8, 1),
+          Tile(32, 128, 4, 1), Tile(32, 128, 8, 1)]
+DOT_W4 = [Tile(16, 128, 4, 3), Tile(32, 128, 4, 3), Tile(32, 128, 8, 3), Tile(32, 128, 4, 2)]
+GROUPED_W4 = [Tile(32, 128, 4, 3), Tile(64, 128, 4, 3), Tile(64, 128, 8, 3), Tile(64, 128, 4, 2), Tile(16, 128, 4, 3)]
 SPLITS_FMA = (1, 2, 4, 8)
 SPLITS_DOT = (1, 2, 4, 8, 16)
 GROUPED = [Tile(64, 64, 4, 3), Tile(64, 64, 4, 4), Tile(128, 64, 4, 3), Tile(128, 64, 8, 3), Tile(64, 128, 4, 3),
@@ -154,42 +163,92 @@ def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top
     return best, best_us, whole[default]
 
 
+def tune_tokens_w4(tokens: int, banks: list, top_k: int, quick: bool = False) -> tuple[MoeConfig, float, float]:
+    """`tune_tokens` for 4-bit experts (banks of W4Experts pairs). Their kernels have no stage entry points, so
+    every candidate is a whole `fused_moe_w4` call: first the up tiles beside the default down tile, then the down
+    tiles and splits beside the best up tile."""
+    from orinfer.kernels.moe_ops import fused_moe_w4, moe_route
+    from orinfer.kernels.moe_w4 import w4_config
+
+    w13, _ = banks[0]
+    dev, experts, hidden = w13.packed.device, w13.num_experts, w13.in_features
+    x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
+    few = (lambda c: c[:2]) if quick else (lambda c: c)
+
+    def timed(cfgs: list[MoeConfig]) -> dict[MoeConfig, float]:
+        return {c: _time(lambda a, b, c=c: fused_moe_w4(x, a, b, weights, ids, config=c), banks)
+                for c in dict.fromkeys(cfgs)}
+
+    default = w4_config(default_config(tokens, experts, top_k, wide=False), W4_GROUP, W4_GROUP)
+    results = timed([default])
+    paths = []
+    if tokens <= DECODE_MAX_TOKENS:
+        paths += [("decode", 1, FMA_W4, SPLITS_FMA)] if tokens == 1 else []
+        paths.append(("decode", 16, DOT_W4, SPLITS_DOT))
+    rows = tokens * top_k / experts
+    paths += [("grouped", m, GROUPED_W4, (1,)) for m in GROUPED_BLOCK_M
+              if not ((m > 16 and rows < m / 4) or (quick and m > 32))]
+    for path, block_m, tiles, splits in paths:
+        base = MoeConfig(path, block_m, tiles[0], tiles[0], 1)
+        ups = timed([base._replace(up=t) for t in few(tiles)])
+        results.update(ups)
+        with_best_up, _ = _best(ups)
+        results.update(timed([with_best_up._replace(down=t, split=sp) for t in few(tiles) for sp in few(splits)
+                              if sp <= tokens * top_k]))
+    best, best_us = _best(results)
+    return best, best_us, results[default]
+
+
 def _fp8_tiles(tiles: list[Tile]) -> list[Tile]:
     """The tensor-core tiles with K steps inside one FP8 scale column (block_k <= 128), without repeats."""
     return list(dict.fromkeys(t._replace(block_k=min(t.block_k, FP8_BLOCK[1])) for t in tiles))
 
 
 def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, ...] = TOKENS,
-         dtype: torch.dtype = torch.bfloat16, out_dir: Path = TABLE_DIR, quick: bool = False,
+         dtype: torch.dtype | str = torch.bfloat16, out_dir: Path = TABLE_DIR, quick: bool = False,
          log: Callable[[str], None] = print) -> Path:
-    """Tunes every token count and writes the table; returns its path."""
+    """Tunes every token count and writes the table; returns its path. `dtype`: the experts' weights, a torch dtype
+    (16-bit, or float8_e4m3fn: FP8 block-wise) or "w4" (4-bit experts in groups of W4_GROUP)."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    fp8 = dtype == FP8_DTYPE
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5
     w2 = torch.randn(experts, hidden, inter, device=dev) * inter ** -0.5
-    scales = None
-    if fp8:  # random codes with unit block scales: the kernels' speed does not depend on the values
-        shapes = expert_scale_shapes(experts, hidden, inter, FP8_BLOCK)
-        scales = (torch.ones(shapes[0], device=dev), torch.ones(shapes[1], device=dev))
-    w13, w2 = w13.to(dtype), w2.to(dtype)
-    banks = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(BANKS - 1)]
+    scales, weights = None, dtype
+    if dtype == "w4":  # random codes: the kernels' speed does not depend on the values
+        from orinfer.bench.moe_w4_rows import random_w4_experts
+
+        w13, w2, weights = random_w4_experts(w13, W4_GROUP), random_w4_experts(w2, W4_GROUP), w4_label(W4_GROUP)
+        banks = [(w13, w2)] + [(_copy_w4(w13), _copy_w4(w2)) for _ in range(BANKS - 1)]
+    else:
+        if dtype == FP8_DTYPE:  # random codes with unit block scales, likewise
+            shapes = expert_scale_shapes(experts, hidden, inter, FP8_BLOCK)
+            scales = (torch.ones(shapes[0], device=dev), torch.ones(shapes[1], device=dev))
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+        banks = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(BANKS - 1)]
     name = torch.cuda.get_device_name(dev)
     configs = {}
     for t in tokens:
-        cfg, us, default_us = tune_tokens(t, banks, top_k, quick, scales)
+        if dtype == "w4":
+            cfg, us, default_us = tune_tokens_w4(t, banks, top_k, quick)
+        else:
+            cfg, us, default_us = tune_tokens(t, banks, top_k, quick, scales)
         configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
         log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / table_name(name, experts, hidden, inter, top_k, dtype)
+    path = out_dir / table_name(name, experts, hidden, inter, top_k, weights)
     if path.is_file():                          # entries of other token counts (an earlier run) are kept
         configs = {**json.loads(path.read_text())["configs"], **configs}
     configs = dict(sorted(configs.items(), key=lambda item: int(item[0])))
     table = {"device": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
-             "dtype": str(dtype).removeprefix("torch."), "configs": configs}
+             "dtype": weights if isinstance(weights, str) else str(weights).removeprefix("torch."), "configs": configs}
     path.write_text(json.dumps(table, indent=1) + "\n")
     load_table.cache_clear()
     return path
+
+
+def _copy_w4(w):
+    return type(w)(w.packed.clone(), w.scales.clone(), w.zeros.clone(), w.group_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter", type=int, help="the expert FFN's intermediate size I (w2 is [E, H, I])")
     p.add_argument("--top-k", type=int)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
-                   help="the experts' weights (float8_e4m3fn: FP8 block-wise experts, bf16 activations)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn", "w4"],
+                   help="the experts' weights (float8_e4m3fn: FP8 block-wise experts; w4: AWQ / GPTQ-Int4 experts "
+                        f"in groups of {W4_GROUP}; both with bf16 activations)")
     p.add_argument("--out", type=Path, default=TABLE_DIR, help="folder of the table (default: the package's)")
     p.add_argument("--quick", action="store_true", help="two candidates per stage (a smoke run)")
     args = p.parse_args(argv)
@@ -212,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tuning the MoE kernels needs a CUDA device")
         return 1
     tokens = tuple(int(t) for t in args.tokens.split(","))
-    path = tune(*shape, tokens=tokens, dtype=getattr(torch, args.dtype), out_dir=args.out, quick=args.quick)
+    dtype = args.dtype if args.dtype == "w4" else getattr(torch, args.dtype)
+    path = tune(*shape, tokens=tokens, dtype=dtype, out_dir=args.out, quick=args.quick)
     print(f"wrote {path}")
     return 0
 

@@ -1,12 +1,13 @@
 # Two entry points on a fresh machine (each installs what it needs into .venv first):
 #   make demo   - build a tiny Qwen3 model locally (tokenizer + half a minute of training) and generate from it
 #   make test   - install the test dependencies (HF transformers is the reference) and run the default test tier
-# and, for CI: make test-slow (the slow tier: the rest of the kernel test matrices) or make test-all (both tiers).
+# and, for CI: make test-slow (the slow tier: the rest of the kernel test matrices); make test-matrix (the costliest
+# matrices beyond a pairwise cover, not in CI) and make test-all (everything) on demand.
 VENV ?= .venv
 BIN := $(VENV)/bin
 TINY ?= build/tiny-qwen3
 
-.PHONY: demo test test-slow test-all install install-test clean
+.PHONY: demo test test-slow test-matrix test-all install install-test clean
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -27,7 +28,11 @@ test: install-test
 	$(PYTEST) -m "not slow" || [ $$? -eq 5 ]
 
 test-slow: install-test
-	$(PYTEST) -m slow || [ $$? -eq 5 ]
+	$(PYTEST) -m "slow and not matrix" || [ $$? -eq 5 ]
+
+# The rest of the costliest interpreter matrices (`matrix`: cases beyond a pairwise cover of their parameters).
+test-matrix: install-test
+	$(PYTEST) -m matrix || [ $$? -eq 5 ]
 
 test-all: install-test
 	$(PYTEST) || [ $$? -eq 5 ]

@@ -123,17 +123,23 @@ def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.pairwise` on a parametrized test: the default tier keeps the cases `pairwise_cover` picks from
     the collected ones (every pair of parameter values still meets in some case), the others get `slow`, so the slow
     tier runs the rest of the matrix. `@pytest.mark.pairwise(each_value=True)`, for the costliest interpreter
-    matrices: the default tier keeps only enough cases for every value of each parameter to run once."""
+    matrices: the default tier keeps only enough cases for every value of each parameter to run once, the slow tier
+    the cases of a pairwise cover, and the rest of the matrix gets `matrix` too (`make test-matrix`, and the GPU
+    runs of these files, where a case takes milliseconds)."""
     matrices = defaultdict(list)
     for item in items:
         if item.get_closest_marker("pairwise") is not None and hasattr(item, "callspec"):
             matrices[(item.parent.nodeid, item.originalname)].append(item)
     for cases in matrices.values():
         each_value = cases[0].get_closest_marker("pairwise").kwargs.get("each_value", False)
-        keep = set(pairwise_cover([item.callspec.params for item in cases], each_value))
+        params = [item.callspec.params for item in cases]
+        keep = set(pairwise_cover(params, each_value))
+        pairs = set(pairwise_cover(params)) if each_value else set(range(len(cases)))
         for i, item in enumerate(cases):
             if i not in keep:
                 item.add_marker(pytest.mark.slow)
+                if i not in pairs:
+                    item.add_marker(pytest.mark.matrix)
 
 
 # --- the shared models, made in the background (tests/prebuilt.py) ---------------------------------------------------

@@ -45,3 +45,14 @@ def test_each_value_keeps_every_value_of_each_parameter_once_at_least():
     assert len(chosen) == 5                                    # the largest parameter's values, no more
     for name, values in axes.items():
         assert {case[name] for case in chosen} == set(values)
+
+
+def test_each_value_matrices_keep_a_pairwise_cover_out_of_the_matrix_marker():
+    """The slow tier (`slow and not matrix`) and the default tier together still meet every pair of values of an
+    each_value matrix; `matrix` only takes cases beyond that cover."""
+    axes = {"kernel": ["fp", "int"], "cfg": [0, 1, 2, 3, None], "gated": [False, True], "k": [384, 512]}
+    cases = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    default = set(pairwise_cover(cases, each_value=True))
+    pairs = set(pairwise_cover(cases))
+    assert _pairs([cases[i] for i in default | pairs]) == _pairs(cases)
+    assert len(default | pairs) < len(cases)

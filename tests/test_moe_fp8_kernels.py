@@ -16,7 +16,7 @@ import torch
 from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
 from quant_packers import fp8_pack
 from test_moe_kernels import (DECODE_DOT, DECODE_DOT_SPLIT, DECODE_FMA, DECODE_FMA_SPLIT, GROUPED_16, GROUPED_32,
-                              GROUPED_64, QWEN3_30B, QWEN3_5_35B, poison, routing)  # noqa: F401 (poison: autouse)
+                              GROUPED_64, QWEN3_30B, QWEN3_5_35B, check_tuning_candidates, poison, routing)  # noqa: F401 (poison: autouse)
 from orinfer.kernels.fp8_block import fp8_block_dequantize_ref, fp8_block_quantize
 from orinfer.kernels.moe import fused_moe_ref
 from orinfer.kernels.moe_config import MoeConfig
@@ -186,7 +186,6 @@ def test_gpu_every_fp8_tuning_candidate_is_correct():
     """Whatever FP8 tile the tuner can write into a table (its 128-wide FMA tiles, the tensor-core tiles fitted to the
     scale columns) computes the reference at Qwen3.5-35B-A3B's expert shape; splits cycle over the tiles."""
     from orinfer.kernels import moe_tune as t
-    from triton.runtime.errors import OutOfResources
 
     n_experts, hidden, inter, top_k = QWEN3_5_35B
     cases = [(1, MoeConfig("decode", 1, tile, tile, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
@@ -194,17 +193,11 @@ def test_gpu_every_fp8_tuning_candidate_is_correct():
     cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
               for i, tile in enumerate(t._fp8_tiles(t.DOT_DECODE))]
     cases += [(256, MoeConfig("grouped", 16 << (i % 3), tile, tile)) for i, tile in enumerate(t._fp8_tiles(t.GROUPED))]
-    (w13, s13, w2, s2), (d13, d2) = fp8_experts(n_experts, hidden, inter, (128, 128))
-    for tokens, cfg in cases:
-        assert fp8_config(cfg, 128) == cfg  # the table's tiles run as written
-        x = randn(tokens, hidden, dtype=torch.bfloat16)
-        weights, ids = routing(tokens, n_experts, top_k)
-        try:
-            got = fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), weights, ids, config=cfg)
-        except OutOfResources:  # a tile that does not fit this GPU (the tuner skips it too)
-            continue
-        want = fused_moe_ref(x.double(), d13, d2, weights, ids)
-        torch.testing.assert_close(got.double(), want, **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
+    assert all(fp8_config(cfg, 128) == cfg for _, cfg in cases)  # the table's tiles run as written
+    (w13, s13, w2, s2), dequantised = fp8_experts(n_experts, hidden, inter, (128, 128))
+    check_tuning_candidates(
+        cases, lambda x, weights, ids, cfg: fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), weights, ids, config=cfg),
+        dequantised, hidden, n_experts, top_k)
 
 
 @gpu

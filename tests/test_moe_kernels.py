@@ -57,6 +57,21 @@ def experts(n: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[torch.
                                                                                  scale=inter ** -0.5)
 
 
+def check_tuning_candidates(cases: list, run, dequantised: tuple, hidden: int, n_experts: int, top_k: int) -> None:
+    """Each (tokens, config) of `cases` through `run(x, weights, ids, cfg)` matches the fp64 reference on the
+    dequantised experts `dequantised` (w13, w2); a tile that does not fit this GPU is skipped, as the tuner skips it."""
+    d13, d2 = dequantised
+    for tokens, cfg in cases:
+        x = randn(tokens, hidden, dtype=torch.bfloat16)
+        weights, ids = routing(tokens, n_experts, top_k)
+        try:
+            got = run(x, weights, ids, cfg)
+        except OutOfResources:
+            continue
+        want = fused_moe_ref(x.double(), d13, d2, weights, ids)
+        torch.testing.assert_close(got.double(), want, **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
+
+
 def check_fused(tokens: int, n_experts: int, top_k: int, hidden: int, inter: int, dtypes: tuple, cfg: MoeConfig | None,
                 mode: str = "random") -> None:
     x_dtype, w_dtype = dtypes

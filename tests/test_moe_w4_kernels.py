@@ -18,7 +18,7 @@ import torch
 
 from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
 from test_moe_kernels import (DECODE_DOT, DECODE_DOT_SPLIT, DECODE_FMA, DECODE_FMA_SPLIT, GROUPED_16, GROUPED_32,
-                              GROUPED_64, QWEN3_30B, QWEN3_5_35B, poison, routing)  # noqa: F401 (poison: autouse)
+                              GROUPED_64, QWEN3_30B, QWEN3_5_35B, check_tuning_candidates, poison, routing)  # noqa: F401 (poison: autouse)
 from orinfer.kernels.moe import fused_moe_ref
 from orinfer.kernels.moe_ops import fused_moe_w4, moe_route
 from orinfer.kernels.moe_w4 import W4Experts, dequantize_w4_experts, fused_moe_w4_ref, w4_config
@@ -176,8 +176,6 @@ def test_gpu_fused_moe_w4_cuda_graph(tokens):
 def test_gpu_every_w4_tuning_candidate_is_correct():
     """Whatever 4-bit tile the tuner can write into a table computes the reference at Qwen3-30B-A3B's expert shape
     (group 128) and runs as written (`w4_config` leaves it unchanged); splits cycle over the tiles."""
-    from triton.runtime.errors import OutOfResources
-
     from orinfer.kernels import moe_tune as t
     from orinfer.kernels.moe_config import MoeConfig
 
@@ -187,17 +185,10 @@ def test_gpu_every_w4_tuning_candidate_is_correct():
     cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
               for i, tile in enumerate(t.DOT_W4)]
     cases += [(256, MoeConfig("grouped", 16 << (i % 3), tile, tile)) for i, tile in enumerate(t.GROUPED_W4)]
-    (w13, w2), (d13, d2) = w4_experts(n_experts, hidden, inter, t.W4_GROUP)
-    for tokens, cfg in cases:
-        assert w4_config(cfg, t.W4_GROUP, t.W4_GROUP) == cfg
-        x = randn(tokens, hidden, dtype=torch.bfloat16)
-        weights, ids = routing(tokens, n_experts, top_k)
-        try:
-            got = fused_moe_w4(x, w13, w2, weights, ids, config=cfg)
-        except OutOfResources:  # a tile that does not fit this GPU (the tuner skips it too)
-            continue
-        want = fused_moe_ref(x.double(), d13, d2, weights, ids)
-        torch.testing.assert_close(got.double(), want, **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
+    assert all(w4_config(cfg, t.W4_GROUP, t.W4_GROUP) == cfg for _, cfg in cases)
+    (w13, w2), dequantised = w4_experts(n_experts, hidden, inter, t.W4_GROUP)
+    check_tuning_candidates(cases, lambda x, weights, ids, cfg: fused_moe_w4(x, w13, w2, weights, ids, config=cfg),
+                            dequantised, hidden, n_experts, top_k)
 
 
 @gpu

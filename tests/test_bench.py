@@ -168,9 +168,13 @@ def test_speculative_runs_size_the_engine_and_report_against_plain_decoding():
     plan = bench_plan(args, cfg, torch.float32)
     assert plan["engine_config"].max_num_seqs == 3 and plan["batch_sizes"] == [1]
     llm = build_synthetic_llm(cfg, torch.float32, CPU, plan["engine_config"])
-    spec = SpeculativeConfig("ngram", 2)
+    spec = SpeculativeConfig("ngram", 2, max_batch=2)
     rows = bench_speculation(llm, cfg, spec, [1, 3], 7, 12, acceptances=(0.0, 1.0))
-    assert list(rows) == [1, 3] and list(rows[3]) == ["plain", "forced 0", "forced 1", "real"]
+    assert list(rows[1]) == ["plain", "forced 0", "forced 1", "real"]
+    assert list(rows[3]) == ["plain", "forced 0", "forced 1", "real", "default policy, forced 0.8"]
+    # Past max_batch the policy keeps every step plain: no drafts at all.
+    assert rows[3]["default policy, forced 0.8"]["acceptance_rate"] is None
+    assert rows[3]["default policy, forced 0.8"]["verify_steps"] == 0
     assert rows[3]["plain"]["speedup"] == 1.0 and rows[3]["plain"]["acceptance_rate"] is None
     # Forced 1: the prompt's token, then two steps that verify 2 drafts each and accept both (the lookup's misses
     # draft the newest token twice).

@@ -3,7 +3,9 @@
 On random weights real acceptance means nothing, so the drafts are accepted with forced probabilities (0.5 ... 1.0:
 the output is then meaningless, which is why the report labels it). Two more rows bound the cost when speculation
 does not pay: every draft rejected (forced 0), and the method's real behaviour on random weights (for n-grams on
-random prompts: lookups that rarely match), with the acceptance it measured.
+random prompts: lookups that rarely match), with the acceptance it measured. Those rows speculate at every batch size;
+a batch past the user's `max_batch` also gets a row with the default policy at forced acceptance 0.8, which shows the
+engine turning speculation off where verifying would cost more than it saves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
 
 ACCEPTANCES = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
+POLICY_ACCEPTANCE = 0.8  # the default-policy row's forced acceptance (the issue's working point)
 
 
 def _decode(llm: LLM, cfg: ModelConfig, batch: int, decode_tokens: int, prompt_len: int, seed: int) -> dict:
@@ -36,8 +39,10 @@ def _decode(llm: LLM, cfg: ModelConfig, batch: int, decode_tokens: int, prompt_l
 def bench_speculation(llm: LLM, cfg: ModelConfig, spec: SpeculativeConfig, batch_sizes: list[int],
                       decode_tokens: int, prompt_len: int, acceptances=ACCEPTANCES) -> dict:
     """{batch: {"plain": row, "forced 0.5": row, ..., "real": row}}; each row's "speedup" is its tok/s over plain's
-    in the same run. `spec.max_batch` is raised to the largest batch, so every batch speculates."""
+    in the same run. `spec.max_batch` is raised to the largest batch, so every batch speculates; a batch past the
+    given `spec.max_batch` adds "default policy, forced 0.8" (that max_batch kept)."""
     engine = llm.engine
+    policy = dataclasses.replace(spec, forced_acceptance=POLICY_ACCEPTANCE)
     spec = dataclasses.replace(spec, max_batch=max(batch_sizes), forced_acceptance=None)
     out: dict = {}
     _decode(llm, cfg, 1, 16, prompt_len, 7)  # warm-up: the verify shapes' graphs and kernels
@@ -50,6 +55,10 @@ def bench_speculation(llm: LLM, cfg: ModelConfig, spec: SpeculativeConfig, batch
             rows[f"forced {acceptance:g}"] = _decode(llm, cfg, batch, decode_tokens, prompt_len, 100 + batch)
         engine.set_speculation(spec)
         rows["real"] = _decode(llm, cfg, batch, decode_tokens, prompt_len, 100 + batch)
+        if batch > policy.max_batch:
+            engine.set_speculation(policy)
+            rows[f"default policy, forced {POLICY_ACCEPTANCE:g}"] = _decode(llm, cfg, batch, decode_tokens,
+                                                                           prompt_len, 100 + batch)
         engine.set_speculation(None)
         for row in rows.values():
             row["speedup"] = row["tok_s"] / rows["plain"]["tok_s"]

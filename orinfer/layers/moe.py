@@ -3,7 +3,8 @@
 A router (a plain [E, H] linear) scores the experts of each token; `ops.moe_route` keeps the top_k (softmax in fp32,
 optionally renormalised over the k) and `ops.fused_moe` sums those experts' SwiGLU FFNs with the weights
 (kernels/moe.py has the math and the packed layout). Qwen3.5's MoE adds a shared expert, an ordinary MLP that every
-token runs, scaled by sigmoid(shared_expert_gate(x)) with a [1, H] gate.
+token runs, scaled by sigmoid(shared_expert_gate(x)) with a [1, H] gate (computed as one more row of the router's
+GEMV).
 
 Checkpoints store the routed experts one of two ways, both read here:
 - per expert, `experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I] (the published releases,
@@ -21,20 +22,25 @@ it with `linear_types.make_experts` and the module runs its own op.
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from orinfer.errors import WeightsError
 from orinfer.kernels.fp8_block import FP8_DTYPE
-from orinfer.layers.linear import Linear, copy_checked, default_weight_loader
+from orinfer.layers.linear import Linear, PackedLinear, copy_checked, default_weight_loader
 from orinfer.layers.ops import Ops
 
 # A per-expert checkpoint tensor: (experts module, expert index, projection, tensor kind).
 _EXPERT_TENSOR = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                             r"\.(?P<kind>weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$")
+# A layer with a shared expert packs its router and the shared expert's gate into one linear, `gate` ([E + 1, H]: the
+# router's rows, then the gate's); a model with such layers adds this to its checkpoint packing table.
+ROUTER_SHARD, SHARED_GATE_SHARD = "router", "shared_gate"
+SHARED_GATE_PACKING = {"gate": ("gate", ROUTER_SHARD), "shared_expert_gate": ("gate", SHARED_GATE_SHARD)}
 # The packed parameter holding each projection; a tensor kind's suffix on it (FP8 scales: "w13_scale_inv").
 _PACKED_IN = {"gate_proj": "w13", "up_proj": "w13", "down_proj": "w2"}
 # (AWQ / GPTQ: "w13_qweight", ...; layers/w4_experts.py)
@@ -103,36 +109,43 @@ class ExpertWeights(nn.Module):
 
 class SparseMoE(nn.Module):
     """Routed experts plus an optional gated shared expert, under HF's module names (`gate`: the router, `experts`,
-    `shared_expert`, `shared_expert_gate`). The shared expert is any module mapping [T, H] to [T, H] (the model's
+    `shared_expert`; `shared_expert_gate` is a shard of `gate`, SHARED_GATE_PACKING). The shared expert is any module mapping [T, H] to [T, H] (the model's
     MLP); the router and its gate stay 16-bit dense linears whatever the model's weight format."""
 
     def __init__(self, hidden: int, top_k: int, renormalize: bool, ops: Ops, dtype: torch.dtype,
                  experts: ExpertWeights, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.ops, self.top_k, self.renormalize = ops, top_k, renormalize
-        self.gate = Linear(hidden, experts.num_experts, False, ops, dtype)
+        if shared_expert is None:
+            self.gate = Linear(hidden, experts.num_experts, False, ops, dtype)
+        else:
+            # The shared expert's [1, H] gate is one more row of the router's weight (SHARED_GATE_PACKING): one GEMV
+            # instead of two per layer, as a lone [1, H] product costs a launch (two, in cuBLAS) of its own.
+            self.gate = PackedLinear(hidden, {ROUTER_SHARD: experts.num_experts, SHARED_GATE_SHARD: 1}, False, ops,
+                                     dtype)
         self.experts = experts
         self.shared_expert = shared_expert
-        self.shared_expert_gate = Linear(hidden, 1, False, ops, dtype) if shared_expert is not None else None
-        for gate in (self.gate, self.shared_expert_gate):
-            if gate is not None:
-                gate.weight.weight_loader = _load_16_bit
+        self.gate.weight.weight_loader = functools.partial(_load_16_bit, loader=self.gate.weight.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if self.shared_expert is None:
+            weights, ids = self.ops.moe_route(logits, self.top_k, self.renormalize)
+            return self.experts(x, weights, ids)
+        num_experts = self.experts.num_experts
+        weights, ids = self.ops.moe_route(logits[:, :num_experts], self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out + torch.sigmoid(logits[:, num_experts:]) * self.shared_expert(x)
 
 
-def _load_16_bit(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
+def _load_16_bit(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "", *,
+                 loader: Callable[..., None] = default_weight_loader) -> None:
     """The router's and the shared-expert gate's loader: they run 16/32-bit whatever the model's format (Qwen's FP8
     releases list them in modules_to_not_convert), so an FP8 tensor there is an error, never a silent cast."""
     if loaded.dtype == FP8_DTYPE or not loaded.is_floating_point():
         raise WeightsError(f"{name}: the MoE router and shared-expert gate must be 16/32-bit weights (as Qwen's FP8 "
                            f"releases keep them), checkpoint has {loaded.dtype}")
-    default_weight_loader(param, loaded, shard, name)
+    loader(param, loaded, shard, name)
 
 
 def expert_param_for(name: str) -> tuple[str, str] | None:

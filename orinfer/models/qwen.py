@@ -21,8 +21,8 @@ from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import LinearBase
 from orinfer.layers.linear_types import make_experts, make_linear, misplaced_tensor
-from orinfer.layers.moe import (ExpertWeights, SparseMoE, expert_block_size, expert_checkpoint_name,
-                                expert_param_for, per_expert_tensors)
+from orinfer.layers.moe import (SHARED_GATE_PACKING, ExpertWeights, SparseMoE, expert_block_size,
+                                expert_checkpoint_name, expert_param_for, per_expert_tensors)
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
@@ -81,6 +81,14 @@ def make_mlp(cfg: ModelConfig, index: int, ops: Ops, dtype: torch.dtype) -> nn.M
                      shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
 
 
+def packing_table(table: dict[str, tuple[str, object]], cfg: ModelConfig) -> dict[str, tuple[str, object]]:
+    """A model's checkpoint packing table (checkpoint sub-name -> (our sub-name, shard id)) for this config: with
+    shared experts, their gates join the router (layers/moe.py: SHARED_GATE_PACKING)."""
+    if cfg.num_experts and cfg.shared_expert_intermediate_size:
+        return {**table, **SHARED_GATE_PACKING}
+    return table
+
+
 class QwenDecoderLayer(nn.Module):
     # Structure for the backends' decode-only fusions (layers/decode_hooks.py): which linear reads each norm's
     # output, and the projections around the attention section.
@@ -135,6 +143,7 @@ class QwenForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.act_dtype = act_dtype
+        self.packed = packing_table(self.packed, cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, ops)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)
         self.layers = nn.ModuleList(

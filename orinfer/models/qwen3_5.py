@@ -31,7 +31,7 @@ from orinfer.layers.linear_types import make_linear
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
-from orinfer.models.qwen import QwenForCausalLM, make_mlp
+from orinfer.models.qwen import QwenForCausalLM, make_mlp, packing_table
 from orinfer.models.qwen3_5_mtp import MTPHead
 
 # checkpoint sub-name -> (packed parameter's sub-name, shard id)
@@ -204,6 +204,7 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
         nn.Module.__init__(self)
         self.config = cfg
         self.act_dtype = act_dtype
+        self.packed = packing_table(self.packed, cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, ops,
                                       rotary_dim=cfg.rotary_dim)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, act_dtype, weight_dtype)

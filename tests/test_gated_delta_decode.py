@@ -97,7 +97,7 @@ def test_fused_step_batches(num_seqs, empty, pad_rows):
     check_step(num_seqs, empty=empty, pad_rows=pad_rows, seed=10 + num_seqs)
 
 
-@pytest.mark.parametrize("width", [2, 3, 5])
+@pytest.mark.parametrize("width", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow)])
 def test_fused_step_conv_widths(width):
     check_step(3, width=width, seed=20 + width)
 

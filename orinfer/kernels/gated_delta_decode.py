@@ -53,32 +53,32 @@ from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import MAX_TILES, counters
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-# The state tile [Dk, Dv] of a program lives in registers: 128 x 128 fp32 over 8 warps is 64 registers a thread.
-# Larger heads take the unfused kernels (no Qwen3.5 size has them).
+# The state tile [Dk, Dv] of a program lives in registers: 128 x 128 fp32 over 4 warps is 128 registers a thread
+# (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
+# unfused kernels (no Qwen3.5 size has them).
 MAX_STATE_TILE = 128 * 128
 
 
 @triton.jit
-def _history(conv, ch, mask, init, stride_cc, stride_ck, KW: tl.constexpr, BW: tl.constexpr):
-    """Channels `ch`'s conv history [n, BW] (columns past K-1 zero) and the same shifted by one column (what stays in
-    the new history), both in the state's dtype; zeros without an initial state."""
+def _kept_history(conv, ch, mask, init, stride_cc, stride_ck, KW: tl.constexpr, BW: tl.constexpr):
+    """The last K-2 columns of channels `ch`'s conv history, in the first K-2 of [n, BW] (what stays in the new
+    history), in the state's dtype; zeros without an initial state."""
     e = tl.arange(0, BW)
-    base = conv + ch[:, None] * stride_cc
-    hist = tl.load(base + e[None, :] * stride_ck, mask=mask[:, None] & (e < KW - 1)[None, :] & init, other=0.0)
-    kept = tl.load(base + (e + 1)[None, :] * stride_ck, mask=mask[:, None] & (e < KW - 2)[None, :] & init,
-                   other=0.0)
-    return hist, kept
+    return tl.load(conv + ch[:, None] * stride_cc + (e + 1)[None, :] * stride_ck,
+                   mask=mask[:, None] & (e < KW - 2)[None, :] & init, other=0.0)
 
 
 @triton.jit
-def _conv_silu(x, hist, w_ptr, ch, mask, KW: tl.constexpr, BW: tl.constexpr):
-    """silu of the causal conv at the new row, fp32 inside, rounded to x's dtype (as the conv kernel stores it) and
-    returned as fp32: [n]."""
-    e = tl.arange(0, BW)
-    w = tl.load(w_ptr + ch[:, None] * KW + e[None, :], mask=mask[:, None] & (e < KW - 1)[None, :],
-                other=0.0).to(tl.float32)
-    w_new = tl.load(w_ptr + ch * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
-    acc = tl.sum(hist.to(tl.float32) * w, axis=1) + x.to(tl.float32) * w_new
+def _conv_silu(x, conv, ch, mask, init, w_ptr, stride_cc, stride_ck, KW: tl.constexpr):
+    """silu of the causal conv at the new row x [n] of channels `ch`, over their history (zeros without an initial
+    state), summed in the conv kernel's order in fp32, rounded to x's dtype (as the conv kernel stores it) and
+    returned as fp32. One vector per history column: with a [n, K-1] tile here, the compiler gave q and k that
+    tile's layout and moved the whole state tile into it and back through shared memory (two 64 KiB conversions)."""
+    acc = tl.zeros_like(x.to(tl.float32))
+    for j in tl.static_range(KW - 1):
+        hist = tl.load(conv + ch * stride_cc + j * stride_ck, mask=mask & init, other=0.0).to(tl.float32)
+        acc += hist * tl.load(w_ptr + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
+    acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
     return (acc / (1.0 + tl.exp(-acc))).to(x.dtype).to(tl.float32)
 
 
@@ -127,9 +127,9 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
     if tl.load(qsl_ptr + seq + 1) > row:
         # Before the wait: the state pools (only this kernel writes them in a step) and the step's inputs.
         S = tl.load(state, mask=s_mask & init, other=0.0)
-        q_hist, q_kept = _history(conv, q_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
-        k_hist, k_kept = _history(conv, k_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
-        v_hist, v_kept = _history(conv, v_ch, v_mask, init, stride_cc, stride_ck, KW, BW)
+        q_kept = _kept_history(conv, q_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
+        k_kept = _kept_history(conv, k_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
+        v_kept = _kept_history(conv, v_ch, v_mask, init, stride_cc, stride_ck, KW, BW)
         A_log = tl.load(alog_ptr + h).to(tl.float32)
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         if PDL:  # the in_proj row is the previous kernel's output
@@ -139,9 +139,9 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
         qx = tl.load(x_row + q_ch, mask=d_mask, other=0.0)
         kx = tl.load(x_row + k_ch, mask=d_mask, other=0.0)
         vx = tl.load(x_row + v_ch, mask=v_mask, other=0.0)
-        q = _conv_silu(qx, q_hist, convw_ptr, q_ch, d_mask, KW, BW)
-        k = _conv_silu(kx, k_hist, convw_ptr, k_ch, d_mask, KW, BW)
-        v = _conv_silu(vx, v_hist, convw_ptr, v_ch, v_mask, KW, BW)
+        q = _conv_silu(qx, conv, q_ch, d_mask, init, convw_ptr, stride_cc, stride_ck, KW)
+        k = _conv_silu(kx, conv, k_ch, d_mask, init, convw_ptr, stride_cc, stride_ck, KW)
+        v = _conv_silu(vx, conv, v_ch, v_mask, init, convw_ptr, stride_cc, stride_ck, KW)
         # The delta rule, as `_recurrent_kernel` computes one token.
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
@@ -250,5 +250,5 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
         conv_states.stride(2), ssm_states.stride(0),
         HK=k_heads, HV=v_heads, DK=dk, DV=dv, BK=block_k, BV=block_v, KW=width,
         BW=triton.next_power_of_2(width - 1), PROD_TY=_TL_DTYPES[prod], PDL=pdl,
-        num_warps=max(1, min(8, block_k * block_v // 2048)), launch_pdl=pdl)
+        num_warps=max(1, min(4, block_k * block_v // 4096)), launch_pdl=pdl)
     return out

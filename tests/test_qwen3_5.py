@@ -199,15 +199,31 @@ def test_unsupported_moe_families_are_named_as_such():
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_the_triton_ops_give_hf_tokens(pair):
-    """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts, recurrent decode rows),
-    gated norm and partial-rotary QK-norm kernels inside the whole model."""
+    """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts), the fused decode step
+    (decode rows, and the one-token prompt's first step without an initial state), gated norm and partial-rotary
+    QK-norm kernels inside the whole model."""
+    import dataclasses
+
+    from orinfer.layers.triton_ops import triton_ops
+
     _, path, want = pair
-    assert [o.token_ids for o in triton_llm(path).generate(PROMPTS, GREEDY)] == want
+    ops = triton_ops()
+    fused, rows = ops.gated_delta_decode_step, []
+
+    def counted(mixed, *args):
+        rows.append(mixed.shape[0])
+        return fused(mixed, *args)
+
+    llm = triton_llm(path, dataclasses.replace(ops, gated_delta_decode_step=counted))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    layers = len(llm.engine.runner.model.state_layers())
+    assert len(rows) >= layers * (STEPS - 1)  # every decode step of every linear-attention layer took it
+    assert max(rows) == len(PROMPTS)  # with all four sequences decoding in one step
 
 
-def triton_llm(path: Path) -> LLM:
-    """An fp32 engine on the triton op table (Triton's CPU interpreter without a GPU) for the checkpoint in `path`:
-    a 64-block KV pool, prompts in chunks of 8 tokens."""
+def triton_llm(path: Path, ops=None) -> LLM:
+    """An fp32 engine on the triton op table (`ops`, or `triton_ops()`; Triton's CPU interpreter without a GPU) for
+    the checkpoint in `path`: a 64-block KV pool, prompts in chunks of 8 tokens."""
     from orinfer.args import EngineArgs
     from orinfer.engine.llm_engine import EngineParts
     from orinfer.layers.triton_ops import triton_ops
@@ -215,7 +231,7 @@ def triton_llm(path: Path) -> LLM:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ModelConfig.from_hf(path)
-    ops = triton_ops()
+    ops = ops or triton_ops()
     net = load_hf_model(path, ops, torch.float32, torch.float32, device, cfg, progress=False)
     return LLM.from_parts(EngineParts(net, cfg, None, {}, device, torch.float32, ops=ops),
                           EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8))

@@ -16,6 +16,8 @@ The references below loop over tokens in fp32; they are the contract for the Tri
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -88,3 +90,28 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * y.to(x.dtype)
     return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_delta_decode_step_ref(mixed: torch.Tensor, z: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor,
+                                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                query_start_loc: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                                state_slots: torch.Tensor, has_initial_state: torch.Tensor, *,
+                                conv: Callable = causal_conv1d_ref, rule: Callable = gated_delta_rule_ref,
+                                norm: Callable = gated_rms_norm_ref) -> torch.Tensor:
+    """A whole Gated DeltaNet step after in_proj, for sequences of at most one row each (decode): the conv over
+    mixed [T, C] (q | k | v channels) -> the delta rule -> the gated RMSNorm of the output with z [T, Hv Dv]; gates
+    [T, 2 Hv] are b | a; conv_weight [C, K], norm_weight [Dv]; both state pools updated in place. Returns [T, Hv Dv]
+    in mixed's dtype. Head sizes come from the shapes: Hv from gates, Dk and Dv from ssm_states [slots, Hv, Dk, Dv],
+    Hk from C = 2 Hk Dk + Hv Dv. `conv`, `rule` and `norm` are the three ops composed (the references by default:
+    this is the contract of kernels/gated_delta_decode.py's fused kernel; it passes its unfused kernels when it
+    cannot fuse)."""
+    tokens = mixed.shape[0]
+    heads, dk, dv = ssm_states.shape[1], ssm_states.shape[2], ssm_states.shape[3]
+    key_dim = (mixed.shape[1] - heads * dv) // 2
+    b, a = gates.split([heads, heads], dim=-1)
+    x = conv(mixed, conv_weight, query_start_loc, conv_states, state_slots, has_initial_state)
+    q, k, v = x.split([key_dim, key_dim, heads * dv], dim=-1)
+    o = rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk), v.reshape(tokens, heads, dv), a, b, A_log,
+             dt_bias, query_start_loc, ssm_states, state_slots, has_initial_state, decode=True, max_rows_per_seq=1)
+    out = norm(o.reshape(tokens * heads, dv), z.reshape(tokens * heads, dv), norm_weight, eps)
+    return out.reshape(tokens, heads * dv)

@@ -58,7 +58,7 @@ def _unit_vectors(ptr, rows, stride_t, head_off, d, valid, D: tl.constexpr):
 
 
 @triton.jit
-def _log_decay(a, dt_bias, A_log):
+def log_decay(a, dt_bias, A_log):
     """g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus as torch's: linear above 20)."""
     x = a + dt_bias
     soft = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -113,7 +113,7 @@ def _chunk_prepare_kernel(q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_ptr
         q = _unit_vectors(q_ptr, rows, stride_qt, kh * stride_qh, d, valid, DK) * scale
         a = tl.load(a_ptr + rows * stride_at + h, mask=valid, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + rows * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
-        g = tl.where(valid, _log_decay(a, tl.load(dtb_ptr + h).to(tl.float32), tl.load(alog_ptr + h).to(tl.float32)),
+        g = tl.where(valid, log_decay(a, tl.load(dtb_ptr + h).to(tl.float32), tl.load(alog_ptr + h).to(tl.float32)),
                      0.0)
         beta = tl.where(valid, 1.0 / (1.0 + tl.exp(-b)), 0.0)  # rows past the chunk: k = 0, beta = 0, g = 0
         G = tl.cumsum(g, 0)
@@ -218,7 +218,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_
         b = tl.load(b_ptr + row * stride_bt + h).to(tl.float32)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        S = S * tl.exp(_log_decay(a, dt_bias, A_log))
+        S = S * tl.exp(log_decay(a, dt_bias, A_log))
         delta = (v - tl.sum(S * k[:, None], 0)) / (1.0 + tl.exp(-b))
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], 0)

@@ -134,9 +134,17 @@ class GatedDeltaNetBlock(nn.Module):
             # Speculative verify steps: the state-changing inputs are kept, so that the state can be rebuilt after
             # the last accepted token (`advance_state`).
             meta.keep_linear_inputs(self, mixed, gates)
-        out = self._mix(mixed, gates, meta)
-        out = self.ops.gated_rms_norm(out.reshape(tokens * heads, -1), z.reshape(tokens * heads, -1),
-                                      self.norm.weight, self.norm.eps)
+        if meta.max_query_len == 1:
+            # Decode rows (at most one a sequence): conv, delta rule and gated norm as one op, which a backend may
+            # fuse so that each state is read once in one launch.
+            out = self.ops.gated_delta_decode_step(
+                mixed, z, gates, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight,
+                self.norm.eps, meta.query_start_loc, self.conv_states, self.ssm_states, meta.state_slots,
+                meta.has_initial_state)
+        else:
+            out = self._mix(mixed, gates, meta)
+            out = self.ops.gated_rms_norm(out.reshape(tokens * heads, -1), z.reshape(tokens * heads, -1),
+                                          self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(tokens, value_dim))
 
     def advance_state(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata) -> None:

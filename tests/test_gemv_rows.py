@@ -145,6 +145,50 @@ def test_multi_row_configs_keep_x_in_the_tile_layout():
     assert gemv.FEW_ROWS_FMA in gemv.ROWS_CONFIGS and gemv.FEW_ROWS_FMA_GATED in gemv.ROWS_CONFIGS_GATED
 
 
+def test_the_sweep_bench_times_every_candidate_and_the_defaults():
+    from orinfer.bench.gemv_sweep import configs, loop_name
+
+    bf16 = torch.bfloat16
+    for rows in (1, 2, 4, 8):
+        for gated in (False, True):
+            got = configs(rows, gated)
+            assert len(set(got)) == len(got)
+            assert set(gemv.tuning_plan(rows, gated, bf16, bf16)[0]) <= set(got)
+            assert gemv.fixed_config(rows, gated, bf16, bf16) in got
+            if rows > 1:
+                assert (gemv.FEW_ROWS_FMA_GATED if gated else gemv.FEW_ROWS_FMA) in got
+    assert [loop_name(c) for c in (gemv.ONE_ROW, gemv.FEW_ROWS_FMA, gemv.FEW_ROWS, gemv.CUBLAS)] == [
+        "one-row FMA", "multi-row FMA", "DOT", "cuBLAS"]
+
+
+@pytest.mark.slow
+def test_the_sweep_bench_runs_end_to_end_with_a_stand_in_timer(monkeypatch):
+    """`run_gemv_sweep` on tiny shapes, every config launched (interpreter or GPU) under a stand-in for the CUDA-graph
+    timer that returns 1, 2, 3, ... us: rows of every loop, the defaults and the fastest tagged, the summary built."""
+    from orinfer.bench import gemv_sweep
+
+    monkeypatch.setattr(gemv_sweep, "SHAPES", {"qkv": (24, 64, False), "gate_up": (12, 64, True)})
+    monkeypatch.setattr(gemv_sweep, "read_bandwidth_gbps", lambda dev: 1000.0)
+    ticks = iter(range(1, 1000))
+
+    def stand_in(make_calls, weight_bytes, iters):
+        for call in make_calls(2):
+            call()
+        return float(next(ticks))
+
+    monkeypatch.setattr(gemv_sweep, "graph_us", stand_in)
+    rows = [r for r in gemv_sweep.run_gemv_sweep(str(DEVICE), (1, 3), 1) if "rows" in r]
+    assert {r["impl"] for r in rows} == {"one-row FMA", "multi-row FMA", "DOT", "cuBLAS"}
+    for op in ("qkv", "gate_up +SwiGLU"):
+        for n_rows in (1, 3):
+            group = [r for r in rows if r["op"] == op and r["rows"] == n_rows]
+            tags = [t for r in group for t in r["tags"]]
+            assert sorted(tags) == sorted(["best", "default"] + (["fma default"] if n_rows == 3 else []))
+            assert group[0]["tags"][-1] == "best" and group[0]["us"] == min(r["us"] for r in group)
+            assert all(r["speedup"] is not None for r in group)  # 1 row ran first: every row has its ratio
+    assert len(gemv_sweep.summary(rows).splitlines()) == 2 + 4  # header, 2 shapes x 2 row counts
+
+
 # --- sm_90 codegen (no GPU needed; slow: ~1-2 s a kernel) -----------------------------------------------------------
 
 _COMPILE = r"""

@@ -234,25 +234,32 @@ QWEN3_8B = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (12
             "down": (4096, 12288, False)}
 
 
+# bf16 at every row count, mixed mode at two (each row count, config, dtype and bias is a compile: ~135 in all).
+GPU_CASES = [(rows, DTYPE_PAIRS[0]) for rows in range(2, 9)] + [(rows, DTYPE_PAIRS[3]) for rows in (3, 8)]
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 7, 8])
-@pytest.mark.parametrize("dtypes", [DTYPE_PAIRS[0], DTYPE_PAIRS[3]], ids=["bf16", "mixed"])
+@pytest.mark.parametrize("rows,dtypes", GPU_CASES, ids=[f"{r}-{'bf16' if d[0] == d[1] else 'mixed'}"
+                                                        for r, d in GPU_CASES])
 def test_gpu_multi_row_configs_qwen3_8b_shapes(rows, dtypes):
-    """Every multi-row candidate on qkv, o, down and the fused gate_up (its own list) against the fp64 reference,
-    with a bias on qkv (Qwen2-style)."""
+    """Every multi-row candidate on qkv, o, down and the fused gate_up (its own list) against the fp64 reference, and
+    the default with a bias on qkv (Qwen2-style)."""
     x_dtype, w_dtype = dtypes
     for name, (n, k, gated) in QWEN3_8B.items():
         x = randn(rows, k, dtype=x_dtype)
         w = randn(2 * n if gated else n, k, dtype=w_dtype, scale=k ** -0.5)
-        b = randn(n, dtype=w_dtype) if name == "qkv" else None
-        ref = reference(x, w, b, gated)
-        for cfg in gemv.ROWS_CONFIGS_GATED if gated else gemv.ROWS_CONFIGS:
+        ref = reference(x, w, None, gated)
+        cases = [(cfg, None, ref) for cfg in (gemv.ROWS_CONFIGS_GATED if gated else gemv.ROWS_CONFIGS)]
+        if name == "qkv":
+            b = randn(n, dtype=w_dtype)
+            cases.append((gemv.FEW_ROWS_FMA, b, reference(x, w, b, gated)))
+        for cfg, b, expected in cases:
             got = gemv.run_gemv(x, w, b, gated=gated, cfg=cfg)
             try:
-                close(got, ref, x_dtype)
+                close(got, expected, x_dtype)
             except AssertionError as e:
-                raise AssertionError(f"{name} {cfg}: {e}") from None
+                raise AssertionError(f"{name} {cfg} bias={b is not None}: {e}") from None
         del w
 
 

@@ -402,9 +402,8 @@ def test_gpu_rms_norm_and_rope_qwen3_shapes(dtype):
 def test_gpu_gemv_and_fused_ffn_qwen3_shapes(x_dtype, w_dtype, rows):
     x = randn(rows, 4096, dtype=x_dtype)
     w = randn(6144, 4096, dtype=w_dtype, scale=4096 ** -0.5)
-    # Every candidate the tuner may pick for this dtype must be correct.
-    configs = (gemv.FMA_CONFIGS if rows == 1 else []) + (
-        gemv.DOT_F32_CONFIGS if x_dtype == torch.float32 else gemv.DOT_CONFIGS)
+    # Every candidate the tuner may pick for this dtype must be correct (cuBLAS aside).
+    configs = [c for c in gemv.tuning_plan(rows, False, x_dtype, w_dtype)[0] if c != gemv.CUBLAS]
     ref = gemv.gemv_ref(x.double(), w.double())
     close(gemv.gemv(x, w), ref, x_dtype, scale=2)
     for cfg in configs:
@@ -412,7 +411,7 @@ def test_gpu_gemv_and_fused_ffn_qwen3_shapes(x_dtype, w_dtype, rows):
     gate_up = randn(2 * 3072, 4096, dtype=w_dtype, scale=4096 ** -0.5)
     ref = activation.fused_gate_up_silu_ref(x.double(), gate_up.double())
     close(activation.fused_gate_up_silu(x, gate_up), ref, x_dtype, scale=2)
-    for cfg in configs:
+    for cfg in [c for c in gemv.tuning_plan(rows, True, x_dtype, w_dtype)[0] if c != gemv.CUBLAS]:
         close(gemv.run_gemv(x, gate_up, None, gated=True, cfg=cfg), ref, x_dtype, scale=2)
 
 

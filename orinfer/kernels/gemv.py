@@ -8,8 +8,9 @@ Traffic: N*K*sizeof(W) + B*K + B*N elements -> bandwidth-bound at decode batch s
 N*K*sizeof(W) / (HBM read bandwidth). For Qwen3-8B in bf16: qkv 6144x4096 = 50 MB (12 us on an H200 at 4.1 TB/s),
 o 4096x4096 = 34 MB, down 4096x12288 = 101 MB, lm_head 151936x4096 = 1.24 GB (303 us).
 
-One kernel, two inner loops; per problem shape the fastest of a few configs of each, and of cuBLAS itself, is
-picked by timing them once (`_Tuner`; defaults where timing is impossible):
+Three inner loops, two in `_gemv_kernel` and one in `kernels.gemv_rows`; per problem shape the fastest of a few
+configs of each, and of cuBLAS itself, is picked by timing them once (`_Tuner`; defaults where timing is impossible;
+16-bit x and W take measured fixed configs, `fixed_config`):
   * FMA (B == 1): each program owns BLOCK_N output rows; per step it loads a [BLOCK_N, BLOCK_K] weight tile
     (coalesced 16-byte vectors along K), multiplies by x[k0:k0+BLOCK_K] and accumulates into a [BLOCK_N, BLOCK_K]
     fp32 register tile; one cross-lane reduction at the end. Latency is hidden by occupancy (several programs per
@@ -18,6 +19,9 @@ picked by timing them once (`_Tuner`; defaults where timing is impossible):
     [BLOCK_N, BLOCK_K] with x^T [BLOCK_K, 16] (swap-AB: the large dimension N is the MMA's M, so BLOCK_N = 64 maps
     onto Hopper's wgmma). The loads feed a dot, so Triton's software pipeliner keeps `num_stages` tiles in flight
     (cp.async into shared memory). fp32 (and mixed) inputs use an exact ("ieee") fp32 dot.
+  * multi-row FMA (2 <= B <= 8, `kernels.gemv_rows`): the FMA loop for several rows: each weight tile is loaded once
+    and multiplied by every row of x, B accumulators reduced over each 16-byte vector per step to keep registers
+    bounded. B rows of FMA work instead of DOT's 16 (speculative verify steps: 4-5 rows at batch 1).
 Grid: (cdiv(N, BLOCK_N),). No split-K: every Qwen projection has N >= 1024 rows.
 
 The same kernel serves the fused gate/up + SwiGLU of `kernels.activation.fused_gate_up_silu` (GATED=True): each
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from orinfer.kernels.gemv_rows import MAX_FMA_ROWS, gemv_epilogue, launch_gemv_rows
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 MAX_ROWS = 16  # the DOT path pads x to 16 rows; larger batches go to cuBLAS
@@ -137,14 +142,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, B, N, K, stride_xb, stride_wn, st
     act_ty = x_ptr.dtype.element_ty  # the result rounds to x's dtype, whatever dtype it is stored in (out_dtype)
     if HAS_BIAS:
         g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    if GATED:
-        # The unfused path rounds the GEMM output, then silu, then the product: do the same.
-        g = g.to(act_ty).to(tl.float32)
-        u = u.to(act_ty).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(act_ty).to(tl.float32)
-        g = s * u
     out_ptrs = out_ptr + offs_b[None, :] * stride_ob + offs_n[:, None]
-    tl.store(out_ptrs, g.to(act_ty).to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & b_mask[None, :])
+    gemv_epilogue(g, u, out_ptrs, n_mask[:, None] & b_mask[None, :], act_ty, GATED)
 
 
 class GemvConfig(NamedTuple):
@@ -153,6 +152,7 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    multi_row: bool = False  # the multi-row FMA loop (kernels/gemv_rows.py; use_dot False, num_stages 1)
 
 
 # "Use cuBLAS" (F.linear, then the silu_and_mul kernel when gated) is a candidate too, so the tuned choice is never
@@ -186,6 +186,25 @@ FEW_ROWS = GemvConfig(True, 64, 256, 4, 4)
 FEW_ROWS_GATED = GemvConfig(True, 64, 128, 4, 3)
 DEFAULT_DOT = GemvConfig(True, 64, 128, 4, 3)
 DEFAULT_DOT_F32 = GemvConfig(True, 32, 32, 4, 4)
+# Multi-row FMA (2..MAX_FMA_ROWS rows, kernels/gemv_rows.py), from sm_90 codegen (ptxas registers, loop instructions
+# per weight; not yet timed). BLOCK_K is 256 or 512 per warp, so that x's slice needs no shared-memory exchange per
+# step (16-bit x; fp32 x still takes one). Pairs such as (4, 512, 2) and (4, 1024, 4) compile to the same per-thread
+# code (4 weight rows x 8 k) and differ in programs per SM. Non-gated, 8 rows: at most 168 registers, no spills.
+ROWS_CONFIGS = [GemvConfig(False, bn, bk, w, 1, True) for bn, bk, w in
+                [(2, 512, 2), (4, 512, 2), (8, 512, 2), (4, 1024, 4), (8, 1024, 4), (2, 1024, 2), (4, 1024, 2),
+                 (2, 2048, 4), (4, 2048, 4)]]
+# Gated holds two weight tiles and two accumulator sets: tiles of more than 32 weights a thread reach 255 registers
+# at 4 rows and spill at 8, so only the narrower ones (at most 168 registers at 8 rows).
+ROWS_CONFIGS_GATED = [GemvConfig(False, bn, bk, w, 1, True) for bn, bk, w in
+                      [(2, 512, 2), (4, 512, 2), (4, 1024, 4), (2, 1024, 2), (2, 2048, 4)]]
+# The fewest instructions per weight at 4-5 rows within ~128-168 registers: 4 rows 8.0 (128 registers), 8 rows 13.7
+# (168); gated 4 x 1024: 4 rows 8.0 (109), 8 rows 13.7 (168). The one-row loop: 3.8.
+FEW_ROWS_FMA = GemvConfig(False, 8, 1024, 4, 1, True)
+FEW_ROWS_FMA_GATED = GemvConfig(False, 4, 1024, 4, 1, True)
+# Which loop 2..16 rows of 16-bit x take (read once): "dot" (the measured default above), "fma" (FEW_ROWS_FMA* for
+# 2..MAX_FMA_ROWS rows, DOT beyond), "tune" (the tuner times multi-row FMA, DOT and cuBLAS per shape and row bucket;
+# in-process timing favours small weights that stay in L2, see ONE_ROW). For end-to-end A/B runs.
+FEW_ROWS_LOOP = os.environ.get("ORINFER_GEMV_FEW_ROWS", "dot")
 
 
 class _Tuner:
@@ -242,8 +261,12 @@ def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             y = silu_and_mul(y)
         return y if out_dtype is None else y.to(out_dtype)
     rows, k = x2.shape
+    if cfg.multi_row:
+        out = torch.empty(rows, n_out, dtype=out_dtype or x2.dtype, device=x2.device)
+        launch_gemv_rows(x2, weight, bias, out, gated, cfg.block_n, cfg.block_k, cfg.num_warps, use_pdl(x2))
+        return out
     if not cfg.use_dot and rows != 1:
-        raise ValueError("the FMA loop computes one row; use a DOT config for several rows")
+        raise ValueError("the one-row FMA loop computes one row; use a DOT or multi-row config for several rows")
     out = torch.empty(rows, n_out, dtype=out_dtype or x2.dtype, device=x2.device)
     dot_f32 = x2.dtype == torch.float32 or weight.dtype == torch.float32 or interpreting()
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
@@ -279,18 +302,55 @@ def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    if cfg is None and x.dtype == weight.dtype and x.dtype != torch.float32:
-        cfg = ONE_ROW if rows == 1 else FEW_ROWS_GATED if gated else FEW_ROWS
     if cfg is None:
-        key = (n_out, k, rows, gated, bias is not None, x.dtype, weight.dtype, out_dtype, str(x.device))
-        same = x.dtype == weight.dtype  # cuBLAS in mixed mode would widen the whole weight every call
-        f32 = x.dtype == torch.float32
-        candidates = ((FMA_CONFIGS if rows == 1 else []) + (DOT_F32_CONFIGS if f32 else DOT_CONFIGS)
-                      + ([CUBLAS] if same else []))
-        default = DEFAULT_FMA if rows == 1 else (CUBLAS if same else DEFAULT_DOT_F32 if f32 else DEFAULT_DOT)
+        cfg = fixed_config(rows, gated, x.dtype, weight.dtype)
+    if cfg is None:
+        key = (n_out, k, rows_bucket(rows), gated, bias is not None, x.dtype, weight.dtype, out_dtype, str(x.device))
+        candidates, default = tuning_plan(rows, gated, x.dtype, weight.dtype)
         cfg = TUNER.pick(key, candidates, default, x.device,
                          lambda c: launch_gemv(x2, weight, bias, n_out, gated, c, out_dtype))
     return launch_gemv(x2, weight, bias, n_out, gated, cfg, out_dtype).reshape(*lead, n_out)
+
+
+def rows_bucket(rows: int) -> int:
+    """The tuner's row key: 1, 2, 4, 8 or 16 (rows rounded up to a power of two), so that a shape is timed once per
+    bucket, not once per row count (each timing compiles and runs every candidate)."""
+    return triton.next_power_of_2(rows)
+
+
+def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype) -> GemvConfig | None:
+    """The measured config for 16-bit x and W (one row; 2..16 rows per FEW_ROWS_LOOP), or None: timed by the tuner."""
+    if FEW_ROWS_LOOP not in ("dot", "fma", "tune"):
+        raise ValueError(f"ORINFER_GEMV_FEW_ROWS must be dot, fma or tune, got {FEW_ROWS_LOOP!r}")
+    if x_dtype != w_dtype or x_dtype == torch.float32:
+        return None
+    if rows == 1:
+        return ONE_ROW
+    if FEW_ROWS_LOOP == "fma" and rows <= MAX_FMA_ROWS:
+        return FEW_ROWS_FMA_GATED if gated else FEW_ROWS_FMA
+    if FEW_ROWS_LOOP == "tune":
+        return None
+    return FEW_ROWS_GATED if gated else FEW_ROWS
+
+
+def tuning_plan(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype
+                ) -> tuple[list[GemvConfig], GemvConfig]:
+    """(candidates, default) for the tuner: the one-row FMA configs at one row, the multi-row FMA configs at
+    2..MAX_FMA_ROWS, the DOT configs (fp32 ones for fp32 x) and, when x and W share a dtype, cuBLAS (in mixed mode it
+    would widen the whole weight every call). The default serves where timing is impossible (CPU, graph capture)."""
+    same = x_dtype == w_dtype
+    f32 = x_dtype == torch.float32
+    few = 2 <= rows <= MAX_FMA_ROWS
+    multi_row = (ROWS_CONFIGS_GATED if gated else ROWS_CONFIGS) if few else []
+    candidates = ((FMA_CONFIGS if rows == 1 else []) + multi_row
+                  + (DOT_F32_CONFIGS if f32 else DOT_CONFIGS) + ([CUBLAS] if same else []))
+    if rows == 1:
+        default = DEFAULT_FMA
+    elif not f32:  # 16-bit x in "tune" mode: the measured tensor-core configs
+        default = FEW_ROWS_GATED if gated else FEW_ROWS
+    else:
+        default = CUBLAS if same else DEFAULT_DOT_F32
+    return candidates, default
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

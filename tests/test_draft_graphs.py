@@ -227,5 +227,5 @@ def test_preemption_and_prefix_cache_hits_keep_greedy_output(tiny_dir, perturbed
     assert tokens(llm, params, prompts=PROMPTS[:1]) == want[:1]
     outs = llm.generate([PROMPTS[0], PROMPTS[1]], params)
     assert [o.token_ids for o in outs] == want[:2]
-    assert outs[0].metrics.num_cached_tokens > 0
+    assert outs[0].num_cached_tokens > 0
     assert counts["graph"] > 0 and all(got == expected for got, expected in compared)

@@ -120,9 +120,9 @@ def test_preemption_and_prefix_cache_hits_keep_greedy_output(tiny_dir, perturbed
     outs = tight.generate(PROMPTS, params(3))
     assert [o.token_ids for o in outs] == want
     assert sum(o.metrics.num_preemptions for o in outs) > 0 and counts["graph"] > 0
-    llm = engine(tiny_dir, perturbed_dir)
+    llm = engine(tiny_dir, perturbed_dir, block_size=4)  # (small blocks: the short prompts fill some)
     counts = count_proposals(llm.engine.draft)
     assert tokens(llm, 1) == want[:1]
     outs = llm.generate(PROMPTS[:2], params(2))  # the first prompt again: a prefix-cache hit
     assert [o.token_ids for o in outs] == want[:2]
-    assert outs[0].metrics.num_cached_tokens > 0 and counts["graph"] > 0
+    assert outs[0].num_cached_tokens > 0 and counts["graph"] > 0

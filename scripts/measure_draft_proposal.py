@@ -49,7 +49,7 @@ def tiny(cfg, layers: int):
 def main() -> None:
     torch.manual_seed(0)
     base = preset("qwen3-0.6b")
-    args = EngineArgs(model="synthetic", dtype="float32", device="cpu", backend="torch", max_model_len=512,
+    args = EngineArgs(dtype="float32", device="cpu", backend="torch", max_model_len=512,
                       max_num_seqs=4, progress=False,
                       speculative_config={"method": "draft_model", "model": "synthetic-draft",
                                           "num_speculative_tokens": K, "forced_acceptance": 0.8})

@@ -36,7 +36,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
-    engine_args = EngineArgs(model="synthetic", dtype=str(dtype).removeprefix("torch."), device=args.device,
+    engine_args = EngineArgs(dtype=str(dtype).removeprefix("torch."), device=args.device,
                              max_model_len=args.prompt_len + 64, max_num_seqs=max(8, args.batch), progress=False,
                              async_scheduling=False,  # (no lookahead: each step is done when `step` returns)
                              speculative_config=spec)

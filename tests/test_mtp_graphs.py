@@ -11,7 +11,8 @@ import torch
 from hf_models import hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
 from orinfer.spec_decode.mtp import MTPProposer, mtp_head
-from orinfer.spec_decode.mtp_graphs import InputLayout, MTPGraphs, fill_inputs, pick_bucket
+from orinfer.spec_decode.mtp_graphs import MTPGraphs
+from orinfer.spec_decode.proposal_graphs import InputLayout, fill_inputs, pick_bucket
 from test_qwen3_5 import _with_mtp
 from test_spec_decode_hybrid import MODELS
 
@@ -22,21 +23,21 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def test_pick_bucket_takes_the_smallest_that_holds_sequences_and_rows():
-    buckets = [1, 2, 4, 8, 16]
-    assert pick_bucket(buckets, 3, 1, 1) == 1
-    assert pick_bucket(buckets, 3, 1, 4) == 1       # k + 1 rows: a fully accepted verify step
-    assert pick_bucket(buckets, 3, 1, 5) == 2       # a longer catch-up takes a larger bucket, not the eager path
-    assert pick_bucket(buckets, 3, 3, 3) == 4
-    assert pick_bucket(buckets, 3, 3, 17) == 8
-    assert pick_bucket(buckets, 3, 16, 64) == 16
-    assert pick_bucket(buckets, 3, 16, 65) is None  # a whole prompt's catch-up: eager
-    assert pick_bucket(buckets, 3, 17, 17) is None  # more sequences than the largest bucket: eager
-    assert pick_bucket([1, 2], 1, 2, 4) == 2 and pick_bucket([1, 2], 1, 2, 5) is None
+    buckets = [1, 2, 4, 8, 16]  # 4 rows a sequence: k + 1 for k = 3
+    assert pick_bucket(buckets, 4, 1, 1) == 1
+    assert pick_bucket(buckets, 4, 1, 4) == 1       # k + 1 rows: a fully accepted verify step
+    assert pick_bucket(buckets, 4, 1, 5) == 2       # a longer catch-up takes a larger bucket, not the eager path
+    assert pick_bucket(buckets, 4, 3, 3) == 4
+    assert pick_bucket(buckets, 4, 3, 17) == 8
+    assert pick_bucket(buckets, 4, 16, 64) == 16
+    assert pick_bucket(buckets, 4, 16, 65) is None  # a whole prompt's catch-up: eager
+    assert pick_bucket(buckets, 4, 17, 17) is None  # more sequences than the largest bucket: eager
+    assert pick_bucket([1, 2], 2, 2, 4) == 2 and pick_bucket([1, 2], 2, 2, 5) is None
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_layout_fields_are_disjoint_aligned_and_tables_last(k):
-    layout = InputLayout(max_batch=4, k=k, max_blocks=5)
+    layout = InputLayout(max_batch=4, k=k, max_blocks=5, rows_per_seq=k + 1)
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
     views = layout.views(buffer)
     seen = np.zeros(layout.nbytes, dtype=np.int32)
@@ -53,7 +54,7 @@ def test_layout_fields_are_disjoint_aligned_and_tables_last(k):
 
 
 def test_fill_inputs_packs_rows_and_pads_rows_sequences_and_steps():
-    layout = InputLayout(max_batch=4, k=3, max_blocks=3)
+    layout = InputLayout(max_batch=4, k=3, max_blocks=3, rows_per_seq=4)
     host = {name: view.numpy() for name, view in layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8)).items()}
     host["ids"][:] = 77  # stale values of an earlier proposal: every field the bucket reads is rewritten
     host["block_tables"][:] = 9
@@ -77,7 +78,7 @@ def test_fill_inputs_packs_rows_and_pads_rows_sequences_and_steps():
 
 def test_bucket_for_sends_overwide_tables_to_the_eager_path():
     graphs = MTPGraphs.__new__(MTPGraphs)
-    graphs.buckets, graphs.k, graphs.max_blocks = [1, 2], 3, 8
+    graphs.buckets, graphs.k, graphs.max_blocks, graphs.rows_per_seq = [1, 2], 3, 8, 4
     assert graphs.bucket_for(2, 5, 8) == 2
     assert graphs.bucket_for(2, 5, 9) is None
     assert graphs.bucket_for(3, 3, 1) is None
@@ -104,7 +105,8 @@ def engine(path, spec, **settings) -> LLM:
 
 
 def count_proposals(mtp: MTPProposer) -> dict[str, int]:
-    """Counts `mtp`'s proposals that go through its MTP graphs ("graph") and that run eagerly ("eager")."""
+    """Counts `mtp`'s proposals that go through its graphs ("graph") and that run eagerly ("eager"); `mtp` may also be
+    a DraftModelProposer (the same `graphs.run` and `_draft_eager`)."""
     counts = {"graph": 0, "eager": 0}
     run, eager = mtp.graphs.run, mtp._draft_eager
 

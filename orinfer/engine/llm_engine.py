@@ -48,6 +48,7 @@ from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
+from orinfer.spec_decode.draft_graphs import capture_draft_graphs
 from orinfer.spec_decode.draft_model import DraftModelProposer
 from orinfer.spec_decode.mtp import MTPProposer, attach_mtp_kv, mtp_kv_bytes_per_block
 from orinfer.spec_decode.mtp_graphs import capture_mtp_graphs
@@ -123,6 +124,8 @@ class LLMEngine:
                                        config.replace(num_kv_blocks=self.runner.num_blocks), parts.device,
                                        parts.act_dtype, self.max_model_len, graph_hooks=hooks)
             self.draft = DraftModelProposer(draft_runner, self.block_manager, 1, config.max_num_batched_tokens)
+            if spec is not None and spec.method == "draft_model":  # (the draft runs whole on rank 0, even under TP)
+                self.draft.graphs = capture_draft_graphs(draft_runner, spec.num_speculative_tokens, spec.max_batch)
         self.mtp = None  # the MTP proposer: the target's MTP head, its KV pool on the target's block ids
         if spec is not None and spec.method == "mtp":
             attach_mtp_kv(self.runner, parts.model)

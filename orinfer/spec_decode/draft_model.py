@@ -4,8 +4,12 @@ The draft model has its own KV cache, indexed by the target's block ids (one blo
 both pools from one budget). Per proposal, for each sequence:
   1. catch-up: the tokens before the newest whose K/V the draft does not hold yet (a new prompt, the last draft of a
      fully accepted run, a preemption's recompute) run through the draft as a prompt chunk;
-  2. k greedy decode steps from the newest token, on the device: with CUDA graphs one upload and k replays, each
-     replay feeding its own argmax to the next (`DecodeGraphs.replay_advanced`); one host sync reads the k drafts.
+  2. k greedy decode steps from the newest token, on the device; one host sync reads the k drafts.
+With CUDA graphs, a proposal whose batch fits a bucket replays both from one graph (spec_decode/draft_graphs.py:
+one upload, one replay; a catch-up longer than 2 tokens first runs eagerly up to the newest token). Otherwise
+(the CPU, graphs off, more sequences than the largest bucket) the catch-up runs as a chunk, then the k steps as an
+upload and k replays of the draft's decode graph, each feeding its own argmax to the next
+(`DecodeGraphs.replay_advanced`), or eagerly without graphs.
 The drafts are the draft model's argmax, a deterministic proposal, so the verify step's one-hot rule applies: greedy
 output is the target's, and sampled output keeps the target's distribution (spec_decode/verify.py). After a verify
 step the draft's K/V counts as valid no further than the target's computed tokens (rejected drafts are overwritten
@@ -20,6 +24,7 @@ from orinfer.engine.block_manager import BlockManager
 from orinfer.engine.model_runner import ModelRunner
 from orinfer.engine.sequence import Sequence
 from orinfer.engine.step_inputs import StepInputs
+from orinfer.spec_decode.draft_graphs import DraftGraphs, graph_feed, needs_eager_catch_up
 
 
 def flat_inputs(seqs: list[Sequence], feeds: list[list[int]], firsts: list[int], block_size: int) -> StepInputs:
@@ -47,6 +52,9 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, k: int, max_chunk_tokens: int) -> None:
         self.runner, self.block_manager, self.k = runner, block_manager, k
         self.max_chunk_tokens = max_chunk_tokens
+        # Proposals replayed from one CUDA graph each (spec_decode/draft_graphs.py), set by the engine when the draft
+        # runner replays graphs; None: the catch-up chunk, then the decode steps.
+        self.graphs: DraftGraphs | None = None
 
     def keep_only(self, running) -> None:
         """(Nothing to forget: what the draft holds lives in the sequences' blocks.)"""
@@ -63,12 +71,34 @@ class DraftModelProposer:
                 picked.append(seq)
         if not picked:
             return [[] for _ in seqs]
-        self._catch_up(picked)
-        drafts = self._greedy_steps(picked).tolist()  # the one host sync of a proposal
+        drafts = self._draft(picked).tolist()  # the one host sync of a proposal
         for seq in picked:
             seq.num_draft_computed = len(seq.token_ids) + k - 1  # the newest token and the first k - 1 drafts
         by_seq = {id(seq): row for seq, row in zip(picked, drafts)}
         return [by_seq.get(id(seq), []) for seq in seqs]
+
+    def _draft(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Catch-up and k greedy steps for `seqs`: drafts [B, k] on the device. Replayed from the draft graphs when a
+        bucket holds the batch (same k, few enough sequences, tables narrow enough), after an eager catch-up of the
+        sequences whose catch-up is too long for a graph; else `_draft_eager`."""
+        graphs = self.graphs
+        if graphs is not None and graphs.k == self.k:
+            tables = [seq.block_table for seq in seqs]
+            widest = max(map(len, tables))
+            # (A batch that fits at one row a sequence fits once the long catch-ups are done.)
+            if graphs.key_for([[0]] * len(seqs), widest) is not None:
+                long = [seq for seq in seqs
+                        if needs_eager_catch_up(len(seq.token_ids), seq.num_draft_computed, graphs.rows_per_seq)]
+                if long:
+                    self._catch_up(long)
+                firsts, feeds = zip(*(graph_feed(seq.token_ids, seq.num_draft_computed) for seq in seqs))
+                return graphs.run(graphs.key_for(list(feeds), widest), tables, list(feeds), list(firsts))
+        return self._draft_eager(seqs)
+
+    def _draft_eager(self, seqs: list[Sequence]) -> torch.Tensor:
+        """`_draft` without the draft graphs: the catch-up in chunks, then k decode steps."""
+        self._catch_up(seqs)
+        return self._greedy_steps(seqs)
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Runs the tokens before each sequence's newest one that the draft's cache lacks, in chunks within the step

@@ -5,259 +5,57 @@ decoder layer's ~20 launches, the lm_head and an argmax: several ms of host time
 (benchmarks/NOTES.md, runs 298-302). Here a proposal is one upload, one device-to-device copy of the kept hidden rows
 and one replay; the host next waits at the drafts' `.tolist()`.
 
-Layout (one graph per batch bucket B of `batch_buckets`, each for k drafts):
-- catch-up: B (k + 1) rows, the mixed-step graphs' padding rules (engine/step_graphs.py). The real rows of every
-  sequence come first, packed (a sequence has 1 .. k + 1 after a verify step, more after steps that did not
-  speculate); rows past them have id 0, position 0, KV slot -1 (they store nothing) and stale hidden rows; sequences
-  past the real batch are empty (query_start_loc repeats the row count, context 0). Attention launches from the shapes
-  alone (`AttentionMetadata.fixed_launch`). A batch of b <= B sequences fits bucket B when its rows fit B (k + 1):
-  a sequence that caught up on a few extra rows takes a larger bucket rather than the eager path. Fixing the rows per
-  bucket, rather than keying graphs by (batch, token) pairs, keeps one graph per batch bucket (a single decoder layer
-  over at most B (k + 1) rows costs little more than over the real ones);
-- each sequence's last real row (its sample row; padding sequences: row 0) gives the first draft and the hidden
-  state g for the next step;
-- steps 1 .. k - 1: one row per sequence (decode attention), at positions and slots the host computed from the block
-  tables (the blocks were appended before the proposal); padding rows write nowhere (slot -1) and attend over one
-  slot of block 0 (context 1), like the decode graphs' padding rows.
-Every draft is an argmax written into `drafts` [k, B], whose row s is also step s + 1's input ids.
-
-All inputs sit in one device byte buffer (int64 fields, then int32 fields, the block tables last, so a bucket uploads
-only the table rows it reads) filled from one pinned host twin by one asynchronous copy. The graphs share one memory
-pool of their own (not the runner's: a deferred sampler may still read a runner graph's logits when drafts run).
+The layout, padding and replay are spec_decode/proposal_graphs.py's. The MTP head also reads a hidden state per row:
+the catch-up rows' kept hidden rows are copied into `hidden` (rows past them are stale: padding), and each
+sequence's sample row gives the head's hidden state g for the next step. A single decoder layer over at most
+B (k + 1) rows (a sequence's catch-up holds up to k + 1 rows after a verify step) costs little more than over
+the real ones.
 
 Tensor parallelism keeps the eager path (the workers would have to capture and replay these graphs in step; not done).
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
-from orinfer.engine.cuda_graph import batch_buckets
-from orinfer.engine.graph_capture import capture_graph
-from orinfer.layers.attention import AttentionMetadata
-
-log = logging.getLogger(__name__)
+from orinfer.spec_decode.proposal_graphs import ProposalGraphs
 
 
-@dataclass(frozen=True)
-class InputLayout:
-    """Where each input field of the MTP graphs lives in their byte buffer, for up to `max_batch` sequences, `k`
-    drafts and block tables `max_blocks` wide. Offsets count elements of the field's dtype from the start of its
-    region (int64 fields from byte 0, int32 fields from byte `i32_at`)."""
-
-    max_batch: int
-    k: int
-    max_blocks: int
-
-    @property
-    def max_rows(self) -> int:
-        """Catch-up rows of the largest bucket."""
-        return self.max_batch * (self.k + 1)
-
-    # int64 fields: ids, positions, slots [max_rows]; sample_rows [max_batch]; step_positions, step_slots [k-1, B].
-    @property
-    def i64_fields(self) -> dict[str, tuple[int, tuple[int, ...]]]:
-        rows, batch, steps = self.max_rows, self.max_batch, self.k - 1
-        sizes = {"ids": (rows,), "positions": (rows,), "slots": (rows,), "sample_rows": (batch,),
-                 "step_positions": (steps, batch), "step_slots": (steps, batch)}
-        return _offsets(sizes)
-
-    # int32 fields: query_start_loc [B+1], context_lens [B], step_context_lens [k-1, B], block_tables [B, W] (last).
-    @property
-    def i32_fields(self) -> dict[str, tuple[int, tuple[int, ...]]]:
-        batch = self.max_batch
-        sizes = {"query_start_loc": (batch + 1,), "context_lens": (batch,), "step_context_lens": (self.k - 1, batch),
-                 "block_tables": (batch, self.max_blocks)}
-        return _offsets(sizes)
-
-    @property
-    def i32_at(self) -> int:
-        """Byte offset of the int32 region."""
-        return 8 * sum(int(np.prod(shape)) for _, shape in self.i64_fields.values())
-
-    @property
-    def nbytes(self) -> int:
-        return self.used_bytes(self.max_batch)
-
-    def used_bytes(self, bucket: int) -> int:
-        """Bytes that bucket `bucket` reads: everything up to its last block-table row."""
-        tables_at, _ = self.i32_fields["block_tables"]
-        return self.i32_at + 4 * (tables_at + bucket * self.max_blocks)
-
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of every field in the byte tensor `buffer` [nbytes] uint8 (device buffer or host twin)."""
-        out = {}
-        for dtype, size, base, fields in ((torch.int64, 8, 0, self.i64_fields),
-                                          (torch.int32, 4, self.i32_at, self.i32_fields)):
-            for name, (offset, shape) in fields.items():
-                count = int(np.prod(shape))
-                start = base + size * offset
-                out[name] = buffer[start:start + size * count].view(dtype).view(shape)
-        return out
-
-
-def _offsets(sizes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, tuple[int, ...]]]:
-    out, at = {}, 0
-    for name, shape in sizes.items():
-        out[name] = (at, shape)
-        at += int(np.prod(shape))
-    return out
-
-
-def pick_bucket(buckets: list[int], k: int, batch: int, rows: int) -> int | None:
-    """The smallest bucket of at least `batch` sequences whose B (k + 1) catch-up rows hold `rows`; None: none does
-    (the proposal runs eagerly)."""
-    return next((b for b in buckets if b >= batch and b * (k + 1) >= rows), None)
-
-
-def fill_inputs(host: dict[str, np.ndarray], bucket: int, k: int, tables: list[list[int]], feeds: list[list[int]],
-                firsts: list[int], block_size: int) -> int:
-    """Writes a proposal's inputs for `bucket` into the host arrays `host` (numpy views of `InputLayout.views`):
-    sequence j catches up on feeds[j] (tokens x_{i+1}) at positions firsts[j] .. firsts[j] + len(feeds[j]) - 1, whose
-    end is its newest token's index N_j; draft step s (1 .. k-1) runs its row at position N_j + s - 1. Its KV slots
-    come from tables[j]. Padding rows and sequences up to the bucket as the module docstring says. Returns the real
-    catch-up rows."""
-    batch = len(tables)
-    rows = sum(len(feed) for feed in feeds)
-    total = bucket * (k + 1)
-    ids, positions, slots = host["ids"], host["positions"], host["slots"]
-    starts, lens, tables_out = host["query_start_loc"], host["context_lens"], host["block_tables"]
-    step_positions, step_slots, step_lens = host["step_positions"], host["step_slots"], host["step_context_lens"]
-    at = 0
-    starts[0] = 0
-    for j, (table, feed, first) in enumerate(zip(tables, feeds, firsts)):
-        end = first + len(feed)  # N_j
-        ids[at:at + len(feed)] = feed
-        span = np.arange(first, end, dtype=np.int64)
-        positions[at:at + len(feed)] = span
-        blocks = np.asarray(table, dtype=np.int64)
-        slots[at:at + len(feed)] = blocks[span // block_size] * block_size + span % block_size
-        at += len(feed)
-        starts[j + 1] = at
-        lens[j] = end
-        host["sample_rows"][j] = at - 1
-        tables_out[j, :len(table)] = table
-        for s in range(1, k):
-            p = end + s - 1
-            step_positions[s - 1, j] = p
-            step_slots[s - 1, j] = table[p // block_size] * block_size + p % block_size
-            step_lens[s - 1, j] = p + 1
-    # Padding: rows that store nothing, empty sequences, single-step rows over one slot of block 0.
-    ids[rows:total], positions[rows:total], slots[rows:total] = 0, 0, -1
-    starts[batch + 1:bucket + 1] = rows
-    lens[batch:bucket] = 0
-    host["sample_rows"][batch:bucket] = 0
-    step_positions[:, batch:bucket], step_slots[:, batch:bucket], step_lens[:, batch:bucket] = 0, -1, 1
-    tables_out[batch:bucket, 0] = 0
-    return rows
-
-
-class MTPGraphs:
+class MTPGraphs(ProposalGraphs):
     """The MTP head's proposal (catch-up, k - 1 single-row steps, their logits and argmaxes) per batch bucket."""
+
+    name = "MTP draft"
 
     def __init__(self, model: nn.Module, k: int, max_batch: int, max_blocks: int, block_size: int,
                  hidden_size: int, act_dtype: torch.dtype, device: torch.device,
                  argmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Graphs for proposals of `k` drafts for up to `max_batch` sequences of up to `max_blocks` KV blocks of
-        `block_size` tokens; `model` has `mtp_forward` and `compute_logits`. `argmax(logits [B, V], out [B] int64)`:
-        the backend's capturable greedy ids (torch.argmax when None). Until `capture` (and on the CPU, in tests), `run`
-        runs the same padded work eagerly."""
-        self.model, self.k, self.block_size, self.device = model, k, block_size, device
-        self.buckets = batch_buckets(max_batch)
-        self.layout = InputLayout(self.buckets[-1], k, max_blocks)
-        self.max_blocks = max_blocks
-        self.argmax = argmax or (lambda logits, out: torch.argmax(logits, dim=-1, out=out))
-        cuda = device.type == "cuda"
-        self.inputs = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        self.dev = self.layout.views(self.inputs)
-        self.staging = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=cuda)
-        self.host = {name: view.numpy() for name, view in self.layout.views(self.staging).items()}
-        # The staging is rewritten only once the last proposal's copy from it has run (in practice long done: the
-        # proposer waits for its drafts).
-        self.uploaded = torch.cuda.Event() if cuda else None
+        """As `ProposalGraphs`; `model` has `mtp_forward` and `compute_logits`, whose hidden states are
+        `hidden_size` wide in `act_dtype`."""
+        super().__init__(k, max_batch, max_blocks, block_size, k + 1, device, argmax)
+        self.model = model
         self.hidden = torch.zeros(self.layout.max_rows, hidden_size, dtype=act_dtype, device=device)
-        self.drafts = torch.zeros(k, self.layout.max_batch, dtype=torch.int64, device=device)
-        self.decode_starts = torch.arange(self.layout.max_batch + 1, dtype=torch.int32, device=device)
-        # At capture every sequence is padding: nothing stored, nothing attended.
-        fill_inputs(self.host, self.layout.max_batch, k, [], [], [], block_size)
-        self.inputs.copy_(self.staging)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-
-    def bucket_for(self, batch: int, rows: int, widest_table: int) -> int | None:
-        """The bucket that runs a proposal for `batch` sequences of `rows` catch-up rows in all whose block tables
-        are at most `widest_table` wide; None: it runs eagerly."""
-        if widest_table > self.max_blocks:
-            return None
-        return pick_bucket(self.buckets, self.k, batch, rows)
 
     def _body(self, bucket: int) -> None:
-        """The proposal's device work for `bucket` sequences, from the input buffers to `drafts`."""
         d, k, model = self.dev, self.k, self.model
-        rows = bucket * (k + 1)
-        width = self.max_blocks * self.block_size
-        meta = AttentionMetadata(
-            from_start=False, query_start_loc=d["query_start_loc"][:bucket + 1], context_lens=d["context_lens"][:bucket],
-            max_query_len=rows, max_context_len=width, slot_mapping=d["slots"][:rows],
-            block_tables=d["block_tables"][:bucket], fixed_launch=True)
-        g = model.mtp_forward(d["ids"][:rows], self.hidden[:rows], d["positions"][:rows], meta, 0)
+        rows = bucket * self.rows_per_seq
+        g = model.mtp_forward(d["ids"][:rows], self.hidden[:rows], d["positions"][:rows], self.catch_up_meta(bucket),
+                              0)
         g = g.index_select(0, d["sample_rows"][:bucket])
         self.argmax(model.compute_logits(g), self.drafts[0, :bucket])
         for step in range(1, k):
-            meta = AttentionMetadata(
-                from_start=False, query_start_loc=self.decode_starts[:bucket + 1],
-                context_lens=d["step_context_lens"][step - 1, :bucket], max_query_len=1, max_context_len=width,
-                slot_mapping=d["step_slots"][step - 1, :bucket], block_tables=d["block_tables"][:bucket])
-            g = model.mtp_forward(self.drafts[step - 1, :bucket], g, d["step_positions"][step - 1, :bucket], meta,
-                                  step)
+            g = model.mtp_forward(self.drafts[step - 1, :bucket], g, d["step_positions"][step - 1, :bucket],
+                                  self.step_meta(bucket, step), step)
             self.argmax(model.compute_logits(g), self.drafts[step, :bucket])
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Captures every bucket, largest first so that the smaller ones reuse its pool; each warmed up first
-        (Triton compiles, cuBLAS loads)."""
-        for bucket in reversed(self.buckets):
-            self._body(bucket)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with capture_graph(graph, pool=self.pool):
-                self._body(bucket)
-            self.graphs[bucket] = graph
-            if self.pool is None:
-                self.pool = graph.pool()
-        torch.cuda.synchronize(self.device)
-        log.info("captured MTP draft CUDA graphs (k = %d) for batch sizes %s", self.k, self.buckets)
 
     def run(self, bucket: int, tables: list[list[int]], feeds: list[list[int]], firsts: list[int],
             hiddens: list[torch.Tensor]) -> torch.Tensor:
-        """Drafts [B, k] on the device (a view of the graph's buffer: read it before the next proposal) for the B
-        sequences of `tables`, catching up on `feeds` from `firsts` with their kept hidden rows `hiddens` (one
-        tensor per sequence, rows in order), in bucket `bucket` (`bucket_for`)."""
-        if self.uploaded is not None:
-            self.uploaded.synchronize()
-        rows = fill_inputs(self.host, bucket, self.k, tables, feeds, firsts, self.block_size)
-        used = self.layout.used_bytes(bucket)
-        self.inputs[:used].copy_(self.staging[:used], non_blocking=True)
-        if self.uploaded is not None:
-            self.uploaded.record()
-        torch.cat(hiddens, out=self.hidden[:rows])
-        graph = self.graphs.get(bucket)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._body(bucket)
-        return self.drafts[:, :len(tables)].t()
-
-    def release(self) -> None:
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
+        """`ProposalGraphs.run` with each sequence's kept hidden rows for its catch-up, `hiddens` (one tensor per
+        sequence, rows in order)."""
+        return super().run(bucket, tables, feeds, firsts,
+                           before_replay=lambda rows: torch.cat(hiddens, out=self.hidden[:rows]))
 
 
 def capture_mtp_graphs(runner, k: int, max_batch: int) -> MTPGraphs | None:

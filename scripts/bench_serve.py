@@ -63,6 +63,10 @@ class Level:
     ttft_ms: dict = field(default_factory=dict)
     tpot_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
+    # TTFT of each wave of `concurrency` requests in the order they were issued: the first wave arrives as one burst
+    # (every prompt queued at once), the later ones as earlier requests finish, so the two show apart what a burst
+    # and the steady state cost.
+    ttft_ms_by_wave: list = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -264,9 +268,10 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int, offs
             print(f"  failed: {r.error}", file=sys.stderr)
             break
     tokens = sum(r.tokens for r in ok)
+    waves = [[r.ttft for r in results[start:start + concurrency] if r.ok] for start in range(0, n, concurrency)]
     return Level(concurrency, n, len(results) - len(ok), round(wall, 3), round(tokens / wall, 2),
                  round(len(ok) / wall, 3), summary([r.ttft for r in ok]), summary([r.tpot for r in ok]),
-                 summary([r.e2e for r in ok]))
+                 summary([r.e2e for r in ok]), [summary(wave) for wave in waves if wave])
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -287,6 +292,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         print(f"concurrency {c:>3}: {level.output_tok_s:>9.1f} tok/s  TTFT p50 {level.ttft_ms['p50']:.1f} ms "
               f"p99 {level.ttft_ms['p99']:.1f} ms  TPOT p50 {level.tpot_ms['p50']:.2f} ms "
               f"p99 {level.tpot_ms['p99']:.2f} ms  ({level.requests} requests, {level.failed} failed)")
+        print("  TTFT p50 / p99 ms by wave of requests: "
+              + ", ".join(f"{w['p50']:.0f} / {w['p99']:.0f}" for w in level.ttft_ms_by_wave))
         levels.append(level)
     return {"url": args.url, "model": model, "endpoint": args.endpoint, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "temperature": args.temperature, "host": platform.node(),

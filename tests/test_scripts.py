@@ -109,3 +109,26 @@ def test_server_load_test_runs_a_small_mix(tmp_path):
     assert report["failures"] == [] and report["server_5xx"] == 0 and report["tracebacks_logged"] == 0
     assert report["statuses"]["stream 200"] >= 15 and report["slow_clients_cut_off"] == 5
     assert report["free_blocks"] == report["total_blocks"] > 0
+
+
+def test_serving_bench_reports_ttft_by_wave_of_requests(monkeypatch):
+    """A level of 5 requests at concurrency 2 is 3 waves in the order the requests were issued: the first wave (the
+    burst) and the later ones (steady state) are summarised apart; failed requests count in no wave."""
+    pytest.importorskip("httpx")
+    import asyncio
+
+    bench_serve = load_script(SCRIPTS / "bench_serve.py", monkeypatch)
+    ttfts = {0: 0.9, 1: 1.1, 2: 0.1, 3: 0.3, 4: 0.2}
+
+    async def fake_request(client, args, model, i):
+        if i == 3:
+            return bench_serve.Result(False, error="boom")
+        return bench_serve.Result(True, ttft=ttfts[i], tpot=0.01, e2e=1.0, tokens=4)
+
+    monkeypatch.setattr(bench_serve, "one_request", fake_request)
+    args = bench_serve.parse_args(["--requests", "5"])
+    level = asyncio.run(bench_serve.run_level(args, "m", 2, offset=0))
+    assert level.failed == 1 and len(level.ttft_ms_by_wave) == 3
+    assert level.ttft_ms_by_wave[0]["p50"] == pytest.approx(1000.0)
+    assert level.ttft_ms_by_wave[1]["p50"] == pytest.approx(100.0)   # request 3 failed: request 2 alone
+    assert level.ttft_ms_by_wave[2]["p50"] == pytest.approx(200.0)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from orinfer.kernels.gemv_rows import MAX_FMA_ROWS, gemv_epilogue, launch_gemv_rows
+from orinfer.kernels.gemv_rows import MAX_FMA_ROWS, gemv_epilogue, launch_gemv_rows, weight_tile
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 MAX_ROWS = 16  # the DOT path pads x to 16 rows; larger batches go to cuBLAS
@@ -75,16 +75,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, B, N, K, stride_xb, stride_wn, st
                  PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         gdc_wait()
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    # Rows past N are clamped to N-1 (read twice, never stored), so the weight loads need no row mask.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_mask, offs_k, wg_ptrs, wu_ptrs = weight_tile(w_ptr, N, stride_wn, up_offset, BLOCK_N, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_B)
     b_mask = offs_b < B
-    wg_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    wu_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + offs_k[None, :]
     if USE_DOT:
         x_ptrs = x_ptr + offs_b[None, :] * stride_xb + offs_k[:, None]        # x^T tile [BLOCK_K, BLOCK_B]
         acc_g = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)

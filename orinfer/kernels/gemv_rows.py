@@ -45,6 +45,19 @@ MAX_FMA_ROWS = 8
 
 
 @triton.jit
+def weight_tile(w_ptr, N, stride_wn, up_offset, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's BLOCK_N output rows (offsets, mask) and the pointers of its first [BLOCK_N, BLOCK_K] weight
+    tile: gate rows n, and up rows up_offset + n (GATED; unused otherwise). Rows past N are clamped to N-1 (read
+    twice, never stored), so the weight loads need no row mask."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    wg_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    wu_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + offs_k[None, :]
+    return offs_n, offs_n < N, offs_k, wg_ptrs, wu_ptrs
+
+
+@triton.jit
 def gemv_epilogue(g, u, out_ptrs, mask, act_ty: tl.constexpr, GATED: tl.constexpr):
     """Stores an fp32 output tile g (bias already added) rounded to act_ty; GATED: stores silu(g) * u instead, with g
     and u rounded to act_ty first and silu rounded before the product, exactly as the unfused GEMM + `silu_and_mul`."""
@@ -77,14 +90,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, B, N, K, stride_xb, stride_w
     Traffic: N*K weights (2N*K gated) once, x (B*K) once per program (L2), B*N outputs."""
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         gdc_wait()
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    # Rows past N are clamped to N-1 (read twice, never stored), so the weight loads need no row mask.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    wg_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    wu_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + offs_k[None, :]
+    offs_n, n_mask, offs_k, wg_ptrs, wu_ptrs = weight_tile(w_ptr, N, stride_wn, up_offset, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + offs_k
     zero = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc_g = (zero,) * ROWS  # one accumulator per row of x (gate rows when GATED)

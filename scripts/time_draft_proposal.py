@@ -23,7 +23,7 @@ from orinfer.config import preset
 from orinfer.sampling_params import SamplingParams
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen3-8b")
     p.add_argument("--draft", default="qwen3-0.6b")
@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--device", default="cuda")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}

@@ -81,6 +81,7 @@ def check_step(num_seqs: int, *, k_heads: int = 2, v_heads: int = 4, dk: int = 1
         assert torch.equal(got_args["conv_states"], unfused_args["conv_states"])
 
 
+@pytest.mark.pairwise(each_value=True)  # default tier: each head ratio and dtype once; the slow tier the rest
 @pytest.mark.parametrize("k_heads, v_heads", [(2, 2), (2, 4), (1, 3)])  # 1:1, 2:1, 3:1 value to key heads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_step_matches_the_unfused_chain(k_heads, v_heads, dtype):

@@ -12,7 +12,7 @@ from orinfer import LLM, SamplingParams
 from orinfer.spec_decode.draft_graphs import DraftGraphs, graph_feed, graph_key, needs_eager_catch_up
 from orinfer.spec_decode.draft_model import DraftModelProposer
 from orinfer.spec_decode.proposal_graphs import InputLayout, fill_inputs
-from test_mtp_graphs import count_proposals
+from test_mtp_graphs import count_proposals, record_comparison
 from test_spec_decode import perturbed_dir  # noqa: F401  (a fixture: a draft that agrees with tiny_dir often)
 
 PROMPTS = ["Alice was beginning to get very tired", "Down, down, down. Would the fall never", "The rabbit-hole went"]
@@ -128,10 +128,7 @@ def draft_both_ways(llm: LLM, tolerance: float) -> list[tuple[list, list]]:
             cache.copy_(saved)
         for seq, n in zip(seqs, computed):
             seq.num_draft_computed = n
-        expected = run_eager(seqs)
-        for cache, graph_cache in zip(caches, after_graph):
-            torch.testing.assert_close(graph_cache, cache, rtol=tolerance, atol=tolerance)
-        compared.append((got.tolist(), expected.tolist()))
+        record_comparison(compared, caches, after_graph, got, run_eager(seqs), tolerance)
         return got
 
     draft._draft = both

@@ -137,13 +137,20 @@ def draft_both_ways(llm: LLM, tolerance: float) -> list[tuple[list, list]]:
         got = draft(seqs, feeds, firsts, hiddens).clone()
         after_graph = [cache.clone() for cache in caches]
         expected = mtp._draft_eager(seqs, feeds, firsts, torch.cat(hiddens))
-        for cache, graph_cache in zip(caches, after_graph):
-            torch.testing.assert_close(graph_cache, cache, rtol=tolerance, atol=tolerance)
-        compared.append((got.tolist(), expected.tolist()))
+        record_comparison(compared, caches, after_graph, got, expected, tolerance)
         return got
 
     mtp._draft = both
     return compared
+
+
+def record_comparison(compared: list, caches: list[torch.Tensor], after_graph: list[torch.Tensor], got: torch.Tensor,
+                      expected: torch.Tensor, tolerance: float) -> None:
+    """The draft's KV caches left by the graph path (`after_graph`) equal the eager path's (`caches`, as it left
+    them); the (graph, eager) drafts of the proposal go to `compared`."""
+    for cache, graph_cache in zip(caches, after_graph):
+        torch.testing.assert_close(graph_cache, cache, rtol=tolerance, atol=tolerance)
+    compared.append((got.tolist(), expected.tolist()))
 
 
 def padded(llm: LLM, max_batch: int = 16) -> dict[str, int]:

@@ -183,6 +183,10 @@ def test_speculative_runs_size_the_engine_and_report_against_plain_decoding():
     assert llm.engine.spec is None  # the bench leaves plain decoding on
     table = "\n".join(speculation_markdown(spec, rows))
     assert "| 3 | forced 1 |" in table and "ngram, k = 2" in table
+    # A forced row draws the same acceptances run after run (each row seeds the generator).
+    halves = [bench_speculation(llm, cfg, spec, [1], 7, 12, acceptances=(0.5,))[1]["forced 0.5"] for _ in range(2)]
+    assert halves[0]["verify_steps"] == halves[1]["verify_steps"]
+    assert halves[0]["acceptance_rate"] == halves[1]["acceptance_rate"]
 
 
 def test_draft_model_speculation_on_random_weights():

@@ -89,6 +89,20 @@ def test_leading_dims_fp32_out_and_the_row_limit():
         gemv.run_gemv(randn(9, 64, dtype=torch.bfloat16), w, None, gated=False, cfg=cfg)
 
 
+@pytest.mark.parametrize("k", [80, 2048])
+def test_one_sixteen_bit_row_fuses_swiglu_only_below_the_wide_tile(monkeypatch, k):
+    """One bf16 row: K < ONE_ROW's tile (a small model) runs the fused gate/up kernel on the small tile; wider K runs
+    the plain GEMV on ONE_ROW and then SwiGLU (faster on Qwen3-8B end to end). Both give the reference."""
+    launched = []
+    real = gemv.launch_gemv
+    monkeypatch.setattr(gemv, "launch_gemv", lambda *a, **kw: launched.append((a[4], a[5])) or real(*a, **kw))
+    x = randn(1, k, dtype=torch.bfloat16)
+    w = randn(2 * 24, k, dtype=torch.bfloat16, scale=k ** -0.5)
+    got = activation.fused_gate_up_silu(x, w)
+    assert launched == ([(True, gemv.ONE_ROW_SMALL_TILE)] if k < gemv.ONE_ROW.block_k else [(False, gemv.ONE_ROW)])
+    close(got, reference(x, w, None, True), torch.bfloat16)
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_fma_mode_sends_2_to_8_sixteen_bit_rows_to_the_multi_row_loop(monkeypatch, gated):
     """ORINFER_GEMV_FEW_ROWS=fma: `gemv` and `fused_gate_up_silu` run FEW_ROWS_FMA* for 3 rows (checked by recording
@@ -110,6 +124,9 @@ def test_fixed_configs_per_mode(monkeypatch):
                                  ("fma", gemv.FEW_ROWS_FMA, gemv.FEW_ROWS_FMA_GATED), ("tune", None, None)):
         monkeypatch.setattr(gemv, "FEW_ROWS_LOOP", mode)
         assert gemv.fixed_config(1, False, bf16, bf16) == gemv.ONE_ROW
+        assert gemv.fixed_config(1, True, bf16, bf16) == gemv.ONE_ROW_SMALL_TILE
+        assert gemv.fixed_config(1, False, bf16, bf16, k=4096) == gemv.ONE_ROW
+        assert gemv.fixed_config(1, False, bf16, bf16, k=1024) == gemv.ONE_ROW_SMALL_TILE  # (2048-wide tiles half idle)
         assert [gemv.fixed_config(r, False, bf16, bf16) for r in (2, 5, 8)] == [few] * 3
         assert gemv.fixed_config(4, True, bf16, bf16) == few_gated
         nine = None if mode == "tune" else gemv.FEW_ROWS
@@ -132,6 +149,8 @@ def test_tuner_candidates_and_row_buckets():
         assert default == gemv.DEFAULT_DOT_F32
     for rows in (1, 9, 16):
         assert not any(c.multi_row for c in gemv.tuning_plan(rows, False, bf16, bf16)[0])
+    assert gemv.tuning_plan(1, True, f32, bf16)[1] == gemv.ONE_ROW_SMALL_TILE  # (the tuner's default off the GPU)
+    assert gemv.ONE_ROW_SMALL_TILE in gemv.FMA_CONFIGS  # a one-row FMA config the kernel tests run
     assert gemv.tuning_plan(4, False, f32, f32)[1] == gemv.CUBLAS
 
 
@@ -167,7 +186,6 @@ def test_the_sweep_bench_runs_end_to_end_with_a_stand_in_timer(monkeypatch):
     timer that returns 1, 2, 3, ... us: rows of every loop, the defaults and the fastest tagged, the summary built."""
     from orinfer.bench import gemv_sweep
 
-    monkeypatch.setattr(gemv_sweep, "SHAPES", {"qkv": (24, 64, False), "gate_up": (12, 64, True)})
     monkeypatch.setattr(gemv_sweep, "read_bandwidth_gbps", lambda dev: 1000.0)
     ticks = iter(range(1, 1000))
 
@@ -177,7 +195,8 @@ def test_the_sweep_bench_runs_end_to_end_with_a_stand_in_timer(monkeypatch):
         return float(next(ticks))
 
     monkeypatch.setattr(gemv_sweep, "graph_us", stand_in)
-    rows = [r for r in gemv_sweep.run_gemv_sweep(str(DEVICE), (1, 3), 1) if "rows" in r]
+    shapes = {"qkv": (24, 64, False), "gate_up": (12, 64, True)}
+    rows = [r for r in gemv_sweep.run_gemv_sweep(str(DEVICE), (1, 3), 1, shapes) if "rows" in r]
     assert {r["impl"] for r in rows} == {"one-row FMA", "multi-row FMA", "DOT", "cuBLAS"}
     for op in ("qkv", "gate_up +SwiGLU"):
         for n_rows in (1, 3):
@@ -187,6 +206,10 @@ def test_the_sweep_bench_runs_end_to_end_with_a_stand_in_timer(monkeypatch):
             assert group[0]["tags"][-1] == "best" and group[0]["us"] == min(r["us"] for r in group)
             assert all(r["speedup"] is not None for r in group)  # 1 row ran first: every row has its ratio
     assert len(gemv_sweep.summary(rows).splitlines()) == 2 + 4  # header, 2 shapes x 2 row counts
+    from orinfer.config import preset
+    assert gemv_sweep.decode_shapes(preset("qwen3-0.6b"), lm_head=True) == {
+        "qkv": (4096, 1024, False), "o": (1024, 2048, False), "gate_up": (3072, 1024, True),
+        "down": (1024, 3072, False), "lm_head": (151936, 1024, False)}
 
 
 # --- sm_90 codegen (no GPU needed; slow: ~1-2 s a kernel) -----------------------------------------------------------

@@ -48,7 +48,9 @@ def tokens(llm: LLM, batch: int, seed: int | None = None) -> list[list[int]]:
 def test_graphs_are_captured_per_bucket_only_with_graphs_on(tiny_dir, perturbed_dir):  # noqa: F811
     graphs = engine(tiny_dir, perturbed_dir).engine.draft.graphs
     assert graphs is not None and graphs.k == K
-    assert graphs.buckets == batch_buckets(8) and sorted(graphs.graphs) == graphs.buckets  # max_num_seqs 8 < 16
+    assert graphs.buckets == batch_buckets(8)  # max_num_seqs 8 < 16
+    # two graphs a bucket: a catch-up of one row per sequence (a decode step's shape) and of two
+    assert sorted(graphs.graphs) == [(b, one_row) for b in graphs.buckets for one_row in (False, True)]
     assert engine(tiny_dir, perturbed_dir, cuda_graph=False).engine.draft.graphs is None
 
 
@@ -115,10 +117,12 @@ def test_batches_past_the_largest_bucket_draft_eagerly(tiny_dir, perturbed_dir):
 
 def test_preemption_and_prefix_cache_hits_keep_greedy_output(tiny_dir, perturbed_dir):  # noqa: F811
     want = tokens(engine(tiny_dir, None), 3)
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)  # 3 x 50 tokens outgrow 9 blocks
+    want_long = [o.token_ids for o in engine(tiny_dir, None).generate(PROMPTS, long)]
     tight = engine(tiny_dir, perturbed_dir, kv_cache_bytes=None, num_kv_blocks=9)
     counts = count_proposals(tight.engine.draft)
-    outs = tight.generate(PROMPTS, params(3))
-    assert [o.token_ids for o in outs] == want
+    outs = tight.generate(PROMPTS, long)
+    assert [o.token_ids for o in outs] == want_long
     assert sum(o.metrics.num_preemptions for o in outs) > 0 and counts["graph"] > 0
     llm = engine(tiny_dir, perturbed_dir, block_size=4)  # (small blocks: the short prompts fill some)
     counts = count_proposals(llm.engine.draft)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from orinfer.bench.engine_bench import random_prompts
 from orinfer.config import ModelConfig
 from orinfer.llm import LLM
@@ -23,7 +25,11 @@ POLICY_ACCEPTANCE = 0.8  # the default-policy row's forced acceptance (the issue
 
 
 def _decode(llm: LLM, cfg: ModelConfig, batch: int, decode_tokens: int, prompt_len: int, seed: int) -> dict:
-    """Decode tok/s of `batch` sequences (from the moment all have their first token to the last finish)."""
+    """Decode tok/s of `batch` sequences (from the moment all have their first token to the last finish). Forced
+    acceptance draws from torch's global generator: seeding it per row makes a row's acceptance pattern the same from
+    run to run and commit to commit, so two runs' ratios compare the same draws (96 tokens are ~30 verify steps, too
+    few for the average to settle)."""
+    torch.manual_seed(seed)
     prompts = random_prompts(batch, prompt_len, cfg.vocab_size, seed)
     outs = llm.generate(prompts, SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True))
     start = max(o.metrics.ttft_s for o in outs)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from orinfer.kernels.gemv import MAX_ROWS, check_device, gemv_ref, run_gemv, supported
+from orinfer.kernels.gemv import MAX_ROWS, ONE_ROW, check_device, gemv_ref, one_row_config, run_gemv, supported
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -73,12 +73,16 @@ def fused_gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.T
     rows = x.numel() // max(x.shape[-1], 1)
     if rows == 0 or rows > MAX_ROWS or not supported(x, gate_up_weight):
         return silu_and_mul(gemv_ref(x, gate_up_weight))
-    if rows < FUSED_MIN_ROWS and x.dtype == gate_up_weight.dtype and x.dtype != torch.float32:
+    if (rows < FUSED_MIN_ROWS and x.dtype == gate_up_weight.dtype and x.dtype != torch.float32
+            and one_row_config(False, x.shape[-1]) == ONE_ROW):
         return silu_and_mul(run_gemv(x, gate_up_weight, None, gated=False))
     return run_gemv(x, gate_up_weight, None, gated=True)
 
 
 # Measured end to end on the H200 (Qwen3-8B bf16; docs/performance.md): at batch 1 the one-pass kernel made
 # decode slower (211-212 tok/s) than GEMV + SwiGLU (238-239 tok/s), although in isolation it streams the weight at 98%
-# of bandwidth; at 8 rows it is on par or ahead. Until that is understood, one 16-bit row takes the faster path.
+# of bandwidth; at 8 rows it is on par or ahead. Until that is understood, one 16-bit row takes the faster path,
+# except where the unfused GEMV would not get ONE_ROW's wide tile either (K < 2048: a small model such as a draft
+# Qwen3-0.6B): there fusing saves the SwiGLU launch and costs no bandwidth. H200, NOTES run 325: Qwen3-0.6B decode
+# batch 1 1329 tok/s unfused, 1408 fused; Qwen3-8B 252 unfused, 248 fused (so its rows stay unfused).
 FUSED_MIN_ROWS = 2

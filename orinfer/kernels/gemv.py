@@ -172,6 +172,12 @@ DOT_F32_CONFIGS = [GemvConfig(True, 64, 32, 4, 4), GemvConfig(True, 32, 32, 4, 4
 # (qkv 84%, o 76%, fused gate_up 97%, down 92% of read bandwidth). Timing candidates in-process misleads here (small
 # weights sit in L2 between repeats), so one row does not go through the tuner.
 ONE_ROW = GemvConfig(False, 2, 2048, 2, 1)
+# One row where ONE_ROW's tile does not fit (H200 sweeps, NOTES runs 323-324):
+# - K < 2048 (Qwen3-0.6B, a draft model: hidden 1024): half of each 2048-wide tile is masked off; 8 x 512 with 4 warps
+#   ran its lm_head in 74.7 us against 115.1 (98% of bandwidth against 63%) and qkv in 3.9 against 4.6 us.
+# - the fused gate_up + SwiGLU (two tiles a program: 128 weights a thread at 2 x 2048): 60.1 us on Qwen3-8B's
+#   2 x 12288 x 4096 against 50.9 at 8 x 512 (77% of bandwidth against 91-93%).
+ONE_ROW_SMALL_TILE = GemvConfig(False, 8, 512, 4, 1)
 DEFAULT_FMA = ONE_ROW
 # 2..16 rows (batched decode), from the same sweep at 8 rows: best or within 3% on qkv/o/down (76-86% of bandwidth)
 # and on the fused gate_up (96%), ahead of cuBLAS (61-84%) everywhere.
@@ -296,7 +302,7 @@ def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
         x2 = x2.contiguous()
     rows = x2.shape[0]
     if cfg is None:
-        cfg = fixed_config(rows, gated, x.dtype, weight.dtype)
+        cfg = fixed_config(rows, gated, x.dtype, weight.dtype, k)
     if cfg is None:
         key = (n_out, k, rows_bucket(rows), gated, bias is not None, x.dtype, weight.dtype, out_dtype, str(x.device))
         candidates, default = tuning_plan(rows, gated, x.dtype, weight.dtype)
@@ -311,19 +317,27 @@ def rows_bucket(rows: int) -> int:
     return triton.next_power_of_2(rows)
 
 
-def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype) -> GemvConfig | None:
-    """The measured config for 16-bit x and W (one row; 2..16 rows per FEW_ROWS_LOOP), or None: timed by the tuner."""
+def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                 k: int | None = None) -> GemvConfig | None:
+    """The measured config for 16-bit x and W (one row, by `k` = x's columns when given; 2..16 rows per
+    FEW_ROWS_LOOP), or None: timed by the tuner."""
     if FEW_ROWS_LOOP not in ("dot", "fma", "tune"):
         raise ValueError(f"ORINFER_GEMV_FEW_ROWS must be dot, fma or tune, got {FEW_ROWS_LOOP!r}")
     if x_dtype != w_dtype or x_dtype == torch.float32:
         return None
     if rows == 1:
-        return ONE_ROW
+        return one_row_config(gated, k)
     if FEW_ROWS_LOOP == "fma" and rows <= MAX_FMA_ROWS:
         return FEW_ROWS_FMA_GATED if gated else FEW_ROWS_FMA
     if FEW_ROWS_LOOP == "tune":
         return None
     return FEW_ROWS_GATED if gated else FEW_ROWS
+
+
+def one_row_config(gated: bool, k: int | None = None) -> GemvConfig:
+    """The one-row FMA config: ONE_ROW, or ONE_ROW_SMALL_TILE for gated weights and for K shorter than ONE_ROW's
+    tile."""
+    return ONE_ROW_SMALL_TILE if gated or (k is not None and k < ONE_ROW.block_k) else ONE_ROW
 
 
 def tuning_plan(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype
@@ -338,7 +352,7 @@ def tuning_plan(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dty
     candidates = ((FMA_CONFIGS if rows == 1 else []) + multi_row
                   + (DOT_F32_CONFIGS if f32 else DOT_CONFIGS) + ([CUBLAS] if same else []))
     if rows == 1:
-        default = DEFAULT_FMA
+        default = one_row_config(gated)
     elif not f32:  # 16-bit x in "tune" mode: the measured tensor-core configs
         default = FEW_ROWS_GATED if gated else FEW_ROWS
     else:

@@ -235,3 +235,20 @@ def test_logit_bias_has_a_limit(http):
     r = http.post(CHAT, json={"messages": USER, "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(9)}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias" and "at most 8" in r.text
     assert http.post(CHAT, json={"messages": USER, "max_tokens": 1, "logit_bias": {"5": 1}}).status_code == 200
+
+
+# --- slow-step log (ORINFER_SLOW_STEP_MS) --------------------------------------------------------------------------------
+
+
+def test_slow_steps_are_logged_with_their_batch_when_asked(http, monkeypatch, caplog):
+    from orinfer.server import engine_loop
+
+    body = {"model": "tiny", "prompt": "Alice was", "max_tokens": 3, "temperature": 0}
+    with caplog.at_level(logging.WARNING, logger="orinfer.server.engine_loop"):
+        assert http.post(COMP, json=body).status_code == 200
+        assert not [r for r in caplog.records if "slow step" in r.message]  # off by default: no timing at all
+        monkeypatch.setattr(engine_loop, "SLOW_STEP_MS", 1e-6)  # every step is "slow"
+        assert http.post(COMP, json=body).status_code == 200
+    slow = [r.getMessage() for r in caplog.records if "slow step" in r.getMessage()]
+    assert slow and all("running and" in m and "advanced" in m for m in slow)
+    assert any("1 running and 0 waiting" in m or "0 running and 1 waiting" in m for m in slow)

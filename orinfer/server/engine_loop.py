@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,6 +35,9 @@ from orinfer.server.request_group import (EngineDeadError, EngineStepError, Requ
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# ORINFER_SLOW_STEP_MS=N: log (warning) every engine step, and every gap between two steps, longer than N ms, with the
+# batch it ran: for finding where a serving run's long TTFTs come from. Unset: no timing at all.
+SLOW_STEP_MS = float(os.environ.get("ORINFER_SLOW_STEP_MS", "0") or 0)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class EngineLoop:
         self._pending = 0                   # sequences submitted but not yet added by the engine thread
         self._pending_lock = threading.Lock()
         self._stats: dict[str, float] = {}
+        self._last_step_end = 0.0           # (SLOW_STEP_MS) when the last step ended, 0 when it left no work
         self._publish_stats()
 
     # --- event-loop side --------------------------------------------------------------------------------------------
@@ -195,7 +200,7 @@ class EngineLoop:
     def _step(self) -> None:
         # One wake-up of each event loop per step (not one per sequence): call_soon_threadsafe writes to a pipe.
         batches: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[RequestGroup, SeqUpdate]]]] = {}
-        for seq in self.engine.step():
+        for seq in self._timed_step():
             tracked = self._tracked.get(seq.request_id)
             if tracked is None:
                 continue
@@ -222,6 +227,23 @@ class EngineLoop:
                 loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # the event loop is closed (server shut down): nobody is waiting
                 pass
+
+    def _timed_step(self) -> list[Sequence]:
+        """`engine.step()`, timed when SLOW_STEP_MS is set (see there)."""
+        if not SLOW_STEP_MS:
+            return self.engine.step()
+        start = time.perf_counter()
+        gap_ms = (start - self._last_step_end) * 1e3 if self._last_step_end else 0.0
+        sched = self.engine.scheduler
+        running, waiting = len(sched.running), len(sched.waiting)
+        advanced = self.engine.step()
+        end = time.perf_counter()
+        self._last_step_end = end if self.engine.has_unfinished() else 0.0  # (an idle wait is no gap)
+        took_ms = (end - start) * 1e3
+        if took_ms > SLOW_STEP_MS or gap_ms > SLOW_STEP_MS:
+            log.warning("slow step at %.3f: %.1f ms (%.1f ms since the last one), %d running and %d waiting before "
+                        "it, %d advanced", time.time(), took_ms, gap_ms, running, waiting, len(advanced))
+        return advanced
 
     def _fail_all(self, error: BaseException) -> None:
         """Aborts every in-flight sequence and tells each group (once) why."""

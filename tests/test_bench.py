@@ -388,3 +388,30 @@ def test_a_synthetic_engine_with_an_fp8_kv_cache_runs_the_bench_workload():
     assert runner.kv_budget_blocks == plan["engine_config"].kv_cache_bytes // runner.bytes_per_block()
     timings = bench_engine(llm, cfg, plan["prompt_lens"], plan["batch_sizes"], 4, repeats=1)
     assert sorted(timings["decode"]) == [1, 2]
+
+
+def test_moe_skew_routes_every_token_to_the_first_experts():
+    """`--moe-skew`: the routers' expert rows zeroed, every token of a random MoE model (with a shared expert, whose
+    gate row stays) picks experts 0..k-1 with equal weights."""
+    import dataclasses
+
+    from orinfer.bench.run import route_every_token_to_the_first_experts
+    from orinfer.layers.moe import SparseMoE
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.loader import random_model
+
+    cfg = dataclasses.replace(preset("qwen3.5-35b-a3b"), vocab_size=256, hidden_size=128, num_hidden_layers=4,
+                              num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=64, max_position_embeddings=1024)
+    model = random_model(cfg, TORCH_OPS, torch.float32, torch.float32, CPU, std=0.02)
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert layers and layers[0].shared_expert is not None
+    shared_gate = layers[0].gate.weight[8:].clone()
+    assert route_every_token_to_the_first_experts(model) == len(layers)
+    x = torch.randn(5, 128)
+    for moe in layers:
+        weights, ids = TORCH_OPS.moe_route(moe.gate(x)[:, :8], 3, moe.renormalize)
+        assert ids.tolist() == [[0, 1, 2]] * 5
+        assert torch.allclose(weights.sum(-1), torch.ones(5)) and torch.allclose(weights, weights[:, :1])
+    assert torch.equal(layers[0].gate.weight[8:], shared_gate)

@@ -63,10 +63,27 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
                         "--structured-batch-sizes; the masks need the model family's real tokenizer: a directory "
                         "with its tokenizer.json (bench/structured_bench.py)")
     p.add_argument("--structured-batch-sizes", default="1,64")
+    p.add_argument("--moe-skew", action="store_true",
+                   help="MoE presets: route every token to the same top-k experts (the routers' expert rows zeroed: "
+                        "all logits tie, and ties go to the lowest ids) instead of the random weights' spread; "
+                        "results go to a file named with -skew")
     p.add_argument("--out", default="benchmarks", help="directory for the JSON and markdown results")
     # The engine settings a benchmark may vary; the workload sets the batching limits and the KV-cache size.
     add_engine_args(p, only=BENCH_ENGINE_SETTINGS, defaults={"dtype": "bfloat16"})
     p.set_defaults(func=func)
+
+
+def route_every_token_to_the_first_experts(model: torch.nn.Module) -> int:
+    """Zeroes the expert rows of every MoE router (a shared-expert gate row packed below them stays): each token's
+    expert logits then tie, and ties go to the lowest ids (the routing kernels' contract), so every token picks
+    experts 0..k-1 with equal weights: the skewed load of `--moe-skew`. Returns the MoE layers changed."""
+    from orinfer.layers.moe import SparseMoE
+
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    with torch.no_grad():
+        for moe in layers:
+            moe.gate.weight[:moe.experts.num_experts].zero_()
+    return len(layers)
 
 
 # --quant: the weight format of the random weights.
@@ -169,7 +186,16 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
         if args.synthetic:
             cfg.mtp_num_hidden_layers = 1  # the published checkpoints' one MTP layer, random like the rest
+    if getattr(args, "moe_skew", False):
+        if not cfg.num_experts or args.model or args.tensor_parallel_size > 1:
+            print("error: --moe-skew takes a MoE preset (--synthetic qwen3-30b-a3b, qwen3.5-35b-a3b, ...) on one GPU",
+                  file=sys.stderr)
+            return 2
+        name = f"{name}-skew"
     plan = bench_plan(args, cfg, dtype)
+    if getattr(args, "moe_skew", False):
+        plan["notes"].append("--moe-skew: every token routes to experts 0..k-1; the rooflines assume the uniform "
+                             "spread (a skewed batch reads fewer expert bytes)")
     prompt_lens, batch_sizes, engine_config = plan["prompt_lens"], plan["batch_sizes"], plan["engine_config"]
     if args.kv_tokens is not None:
         name = f"{name}-kv{plan['kv_tokens']}"
@@ -209,6 +235,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         llm = build_synthetic_llm(cfg, dtype, device, engine_config, tokenizer=tokenizer, draft=draft)
     llm.engine.set_speculation(None)  # (created with --speculative's config: plain decoding first)
     model = llm.engine.parts.model
+    if getattr(args, "moe_skew", False):
+        route_every_token_to_the_first_experts(model)  # in place: the captured graphs read the same weights
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)
     context, experts = args.decode_prompt_len + args.decode_tokens // 2, routed_expert_bytes(model)

@@ -37,14 +37,7 @@ SMALL_FMA = RouterConfig(False, 4, 32, 4, 1, 2)
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    poison_allocations(monkeypatch)
-    empty = torch.empty
-
-    def poisoned_ints(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t if t.is_floating_point() else t.fill_(-7777)
-
-    monkeypatch.setattr(torch, "empty", poisoned_ints)
+    poison_allocations(monkeypatch, ints=True)
 
 
 def exact_router_inputs(tokens: int, rows: int, hidden: int, dtypes: tuple[torch.dtype, torch.dtype]

@@ -35,15 +35,18 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -
     return (torch.randn(*shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
 
 
-def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+def poison_allocations(monkeypatch: pytest.MonkeyPatch, ints: bool = False) -> None:
     """A fresh seed, and NaN-filled floating torch.empty / torch.empty_like while the test runs: an output element
-    a kernel forgets to write then fails the comparison instead of passing on leftover memory."""
+    a kernel forgets to write then fails the comparison instead of passing on leftover memory. `ints`: integer
+    torch.empty allocations are filled with -7777 too (expert ids, sorted lists)."""
     torch.manual_seed(1234)
     empty, empty_like = torch.empty, torch.empty_like
 
     def nan_empty(*args, **kwargs):
         t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        if not t.is_floating_point():
+            return t.fill_(-7777) if ints else t
+        return t.fill_(float("nan"))
 
     def nan_empty_like(*args, **kwargs):
         t = empty_like(*args, **kwargs)

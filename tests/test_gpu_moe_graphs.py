@@ -1,7 +1,7 @@
-"""Mixture-of-experts models under CUDA graphs on the triton backend: tiny random Qwen3-MoE models (hf_models.py) give
-the same greedy tokens with graphs as without, and as HF transformers, over the decode buckets 1, 4 and 16 (batches
-of 1, 3 and 9: the experts' decode FMA, decode dot and grouped paths) and over mixed-step graphs (short whole prompts,
-and a long prompt in chunks beside decode rows).
+"""Mixture-of-experts models under CUDA graphs on the triton backend: tiny random Qwen3-MoE and Qwen3.5-MoE models
+(hf_models.py) give the same greedy tokens with graphs as without, and as HF transformers, over the decode buckets 1,
+4 and 16 (batches of 1, 3 and 9: the experts' decode FMA, decode dot and grouped paths; the fused router's FMA and
+dot loops) and over mixed-step graphs (short whole prompts, and a long prompt in chunks beside decode rows).
 
 The mixed-step graphs' padding rows are made NaN on every replay (attention's output is NaN-filled before the kernel
 writes the real rows; it leaves the padding rows unwritten): the state in which an MoE model's capture hit an illegal
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_models import build_hf_qwen3_moe, hf_greedy, save_hf_model
+from hf_models import build_hf_qwen3_5_moe, build_hf_qwen3_moe, hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -41,11 +41,15 @@ BATCHES = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3moe-e16-top4-dense1", "qwen3moe-e3-top1-step2"])
+@pytest.fixture(scope="module", params=["qwen3moe-e16-top4-dense1", "qwen3moe-e3-top1-step2", "qwen3.5moe-e6-top2"])
 def moe_model(request, tmp_path_factory):
-    """(HF model on the CPU, its saved checkpoint): 16 experts top-4 with a dense layer, or 3 experts top-1 (E not a
-    power of two) in every other layer."""
-    hf = build_hf_qwen3_moe(request.param, vocab_size=VOCAB)
+    """(HF model on the CPU, its saved checkpoint): 16 experts top-4 with a dense layer, 3 experts top-1 (E not a
+    power of two) in every other layer, or Qwen3.5-MoE's hybrid layers with 6 experts top-2 beside the gated shared
+    expert (the router's packed gate row: the fused router's shared logit and the shared-expert combine)."""
+    if request.param.startswith("qwen3.5"):
+        hf = build_hf_qwen3_5_moe(request.param)              # vocabulary 211, as VOCAB
+    else:
+        hf = build_hf_qwen3_moe(request.param, vocab_size=VOCAB)
     return hf, save_hf_model(hf, tmp_path_factory.mktemp(request.param))
 
 

@@ -30,14 +30,7 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float16), (
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    poison_allocations(monkeypatch)
-    empty = torch.empty
-
-    def poisoned_ints(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t if t.is_floating_point() else t.fill_(-7777)
-
-    monkeypatch.setattr(torch, "empty", poisoned_ints)
+    poison_allocations(monkeypatch, ints=True)
 
 
 def routing(tokens: int, experts: int, top_k: int, mode: str = "random") -> tuple[torch.Tensor, torch.Tensor]:

@@ -274,6 +274,7 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
         logits = randn(t, n_exp)
         add("moe_route (softmax+top-k)", f"T={t} E={n_exp} k={top_k}", t * (n_exp * esize + top_k * 8),
             lambda: moe_route(logits, top_k, True), lambda: moe_route_ref(logits, top_k, True))
+    _moe_router_rows(add, randn, hidden, top_k, esize)
     for t in (1, 8, 64, 2048):
         x = randn(t, hidden)
         weights, ids = moe_route(randn(t, n_exp), top_k, True)
@@ -290,6 +291,30 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
     moe_w4_rows(add, randn, w13, w2, top_k, esize)
     del w13, w2
     torch.cuda.empty_cache()
+
+
+def _moe_router_rows(add: Callable, randn: Callable, hidden: int, top_k: int, esize: int) -> None:
+    """The fused router (kernels/moe_router.py: GEMV, softmax, top-k and the shared gate's logit in one launch) against
+    the triton backend's two-kernel path it replaces (the linear, then moe_route; "torch" column), for Qwen3-30B-A3B's
+    128 experts and Qwen3.5-35B-A3B's 256 + the shared gate row. Bytes: the router weight, x, the routing."""
+    from orinfer.kernels.moe_ops import moe_route
+    from orinfer.kernels.moe_router import default_config, moe_router
+    from orinfer.layers.triton_ops import triton_linear
+
+    for n_exp, rows in ((128, 128), (256, 257)):
+        w = randn(rows, hidden, scale=hidden ** -0.5)
+        for t in (1, 8, 16):
+            x = randn(t, hidden)
+
+            def unfused(x=x, w=w, n_exp=n_exp):
+                logits = triton_linear(x, w)
+                return moe_route(logits[:, :n_exp], top_k, True), logits[:, n_exp:]
+
+            cfg = default_config(t, x.dtype, w.dtype)
+            add("moe_router (GEMV+top-k, one launch) vs linear+moe_route", f"T={t} E={n_exp} rows={rows} H={hidden}",
+                rows * hidden * esize + t * hidden * esize + t * top_k * 8,
+                lambda x=x, w=w, n_exp=n_exp: moe_router(x, w, top_k, True, n_exp), unfused,
+                config=f"{'dot' if cfg.use_dot else 'fma'} n={cfg.block_n} k={cfg.block_k} w={cfg.num_warps}")
 
 
 def _moe_fp8_rows(add: Callable, randn: Callable, w13: torch.Tensor, w2: torch.Tensor, top_k: int, esize: int

@@ -10,13 +10,17 @@ A sparse MoE block (Qwen3-MoE, the Qwen3.5-family MoE, Qwen3-VL-MoE) sends each 
 
 Expert weights are packed at load into two tensors: `w13` [E, 2I, H] (gate rows 0..I-1, then up rows I..2I-1, as HF
 transformers' `gate_up_proj`) and `w2` [E, H, I] (`down_proj`). A shared expert, when the model has one, is an ordinary
-MLP outside these ops.
+MLP outside these ops; its [1, H] gate is one more row of the router's weight, so `moe_router_ref` (the router's
+linear and the routing as one op) returns its logit beside the routing, and `shared_expert_combine_ref` adds
+sigmoid(logit) times its output to the experts' (kernels/moe_router.py and kernels/moe_shared.py: the Triton kernels).
 
 The Triton path (`kernels/moe_ops.py`) sorts the (token, slot) pairs by expert first (`moe_align_ref` is that
 intermediate's contract), so each expert's weights are read once per block of its rows.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,34 @@ def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def moe_router_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, *,
+                   linear: Callable | None = None, route: Callable = moe_route_ref
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [T, H], the router's weight [N, H] with N = E (`num_experts`) or E + 1 (the last row: the shared expert's
+    gate, layers/moe.py) -> (weights [T, top_k] fp32, ids [T, top_k] int32, shared_logit [T, 1] in x's dtype or
+    None when N = E).
+
+    logits = x W^T in x's dtype (F.linear, a 16-bit W widened for fp32 x, as every reference linear); the first E
+    columns are routed (`route`: `moe_route_ref`'s contract), column E is the shared expert's gate logit. A backend
+    may pass its own `linear` (with that contract) and `route` (the triton backend does, for more tokens than
+    kernels/moe_router.py's fused launch takes)."""
+    if linear is None:
+        logits = F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+    else:
+        logits = linear(x, weight)
+    weights, ids = route(logits[:, :num_experts], top_k, renormalize)
+    return weights, ids, logits[:, num_experts:] if weight.shape[0] > num_experts else None
+
+
+def shared_expert_combine_ref(experts_out: torch.Tensor, shared_out: torch.Tensor, gate_logit: torch.Tensor
+                              ) -> torch.Tensor:
+    """experts_out, shared_out [T, H], gate_logit [T, 1] -> experts_out + sigmoid(gate_logit) * shared_out [T, H]:
+    fp32 math, rounded once to experts_out's dtype (the Qwen3.5-MoE block's sum of its routed and gated shared
+    expert)."""
+    gate = torch.sigmoid(gate_logit.float())
+    return (experts_out.float() + gate * shared_out.float()).to(experts_out.dtype)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

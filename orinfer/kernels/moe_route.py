@@ -38,29 +38,21 @@ MAX_TOP_K = 16
 
 
 @triton.jit
-def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    # Rows past T read row T - 1 (never stored), so every row has a finite maximum.
-    src = tl.minimum(rows, T - 1).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    pad = offs_e[None, :] >= E
-    x = tl.load(logits_ptr + src[:, None] * stride_t + offs_e[None, :], mask=~pad, other=float("-inf"))
+def route_rows(x, pad, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The routing of a block of rows: x [R, BLOCK_E] fp32 logits, pad [1, BLOCK_E] (columns >= E, which must hold
+    -inf in x) -> (weights [R, BLOCK_K] fp32, ids [R, BLOCK_K] int32), the columns >= TOP_K zero. The module
+    docstring's math, tie and NaN rules; `kernels/moe_router.py` runs it on logits it computed itself."""
     # NaN ranks below every number: without this an all-NaN row (a CUDA-graph padding row's garbage) matches no
     # expert and picks id BLOCK_E, out of range for the expert kernels (see the module docstring).
-    x = x.to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))
-    if PDL:
-        gdc_launch_dependents()
+    offs_e = tl.arange(0, BLOCK_E)
     m = tl.max(x, axis=1)
     e = tl.exp(x - m[:, None])                                  # padding: exp(-inf) = 0
     total = tl.sum(e, axis=1)
     offs_k = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    taken = tl.broadcast_to(pad, [BLOCK_T, BLOCK_E])            # padding is never picked
+    weights = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.int32)
+    taken = tl.broadcast_to(pad, x.shape)                      # padding is never picked
     for j in range(TOP_K):
         cand = tl.where(taken, float("-inf"), x)
         best = tl.max(cand, axis=1)
@@ -73,6 +65,25 @@ def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.cons
         ids = tl.where(offs_k[None, :] == j, pick[:, None], ids)
     if RENORM:
         weights = weights / tl.sum(weights, axis=1)[:, None]     # slots >= TOP_K hold 0
+    return weights, ids
+
+
+@triton.jit
+def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # Rows past T read row T - 1 (never stored), so every row has a finite maximum.
+    src = tl.minimum(rows, T - 1).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    pad = offs_e[None, :] >= E
+    x = tl.load(logits_ptr + src[:, None] * stride_t + offs_e[None, :], mask=~pad, other=float("-inf"))
+    x = x.to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+    weights, ids = route_rows(x, pad, TOP_K, RENORM, BLOCK_E, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     out = rows.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
     mask = (rows[:, None] < T) & (offs_k[None, :] < TOP_K)
     tl.store(w_ptr + out, weights, mask=mask)

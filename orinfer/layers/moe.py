@@ -1,10 +1,10 @@
 """Sparse mixture-of-experts feed-forward (Qwen3-MoE, the Qwen3.5-family MoE, Qwen3-VL-MoE).
 
-A router (a plain [E, H] linear) scores the experts of each token; `ops.moe_route` keeps the top_k (softmax in fp32,
-optionally renormalised over the k) and `ops.fused_moe` sums those experts' SwiGLU FFNs with the weights
-(kernels/moe.py has the math and the packed layout). Qwen3.5's MoE adds a shared expert, an ordinary MLP that every
-token runs, scaled by sigmoid(shared_expert_gate(x)) with a [1, H] gate (computed as one more row of the router's
-GEMV).
+A router (a plain [E, H] linear) scores the experts of each token and keeps the top_k (softmax in fp32, optionally
+renormalised over the k): `ops.moe_router`, the linear and `moe_route` as one op; `ops.fused_moe` sums those experts'
+SwiGLU FFNs with the weights (kernels/moe.py has the math and the packed layout). Qwen3.5's MoE adds a shared expert,
+an ordinary MLP that every token runs, scaled by sigmoid(shared_expert_gate(x)) with a [1, H] gate (one more row of
+the router's weight, so `moe_router` returns its logit too) and added by `ops.shared_expert_combine`.
 
 Checkpoints store the routed experts one of two ways, both read here:
 - per expert, `experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I] (the published releases,
@@ -128,14 +128,14 @@ class SparseMoE(nn.Module):
         self.gate.weight.weight_loader = functools.partial(_load_16_bit, loader=self.gate.weight.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        if self.shared_expert is None:
-            weights, ids = self.ops.moe_route(logits, self.top_k, self.renormalize)
-            return self.experts(x, weights, ids)
-        num_experts = self.experts.num_experts
-        weights, ids = self.ops.moe_route(logits[:, :num_experts], self.top_k, self.renormalize)
+        # The router's linear and its top-k are one op (one launch for a decode step on the triton backend); the
+        # shared gate's logit comes back from the same product.
+        weights, ids, shared_logit = self.ops.moe_router(x, self.gate.weight, self.top_k, self.renormalize,
+                                                         self.experts.num_experts)
         out = self.experts(x, weights, ids)
-        return out + torch.sigmoid(logits[:, num_experts:]) * self.shared_expert(x)
+        if self.shared_expert is None:
+            return out
+        return self.ops.shared_expert_combine(out, self.shared_expert(x), shared_logit)
 
 
 def _load_16_bit(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "", *,

@@ -20,7 +20,7 @@ from orinfer.kernels.fp8_block import fp8_block_linear_ref, fp8_gate_up_silu_ref
 from orinfer.kernels.gated_delta import (causal_conv1d_ref, gated_delta_decode_step_ref, gated_delta_rule_ref,
                                         gated_rms_norm_ref)
 from orinfer.kernels.gptq import gptq_linear_ref
-from orinfer.kernels.moe import fused_moe_ref, moe_route_ref
+from orinfer.kernels.moe import fused_moe_ref, moe_route_ref, moe_router_ref, shared_expert_combine_ref
 from orinfer.kernels.moe_fp8 import fused_moe_fp8_ref
 from orinfer.kernels.moe_w4 import fused_moe_w4_ref
 from orinfer.kernels.norm import rms_norm_ref
@@ -128,6 +128,12 @@ class Ops:
     # ids); fused_moe(x, w13, w2, weights, ids) -> the routed experts' weighted sum.
     moe_route: Callable = moe_route_ref
     fused_moe: Callable = fused_moe_ref
+    # moe_router(x, router_weight [E or E + 1, H], top_k, renormalize, num_experts) -> (weights, ids, shared gate
+    # logit [T, 1] or None): the router's linear and moe_route in one op, the packed shared-expert gate row split off
+    # (kernels/moe.py; the triton backend fuses it into one launch for decode-sized batches).
+    moe_router: Callable = moe_router_ref
+    # shared_expert_combine(experts_out, shared_out, gate_logit [T, 1]) -> experts_out + sigmoid(gate) * shared_out.
+    shared_expert_combine: Callable = shared_expert_combine_ref
     # fused_moe_fp8(x, w13, s13, w2, s2, block_size, weights, ids): the same over FP8 block-wise experts
     # (kernels/moe_fp8.py).
     fused_moe_fp8: Callable = fused_moe_fp8_ref

@@ -24,7 +24,10 @@ from orinfer.kernels.gated_delta_fla import gated_delta_rule
 from orinfer.kernels.gated_norm import gated_rms_norm
 from orinfer.kernels.gemv import gemv, supported
 from orinfer.kernels.l2_prefetch import prefetch_scope, prefetch_weights
+from orinfer.kernels import moe_router as fused_router
+from orinfer.kernels.moe import moe_router_ref
 from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, fused_moe_w4, moe_route
+from orinfer.kernels.moe_shared import shared_expert_combine
 from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
@@ -106,6 +109,15 @@ def unfused_w4_gate_up_silu(x: torch.Tensor | W4Words, w: W4Weight) -> torch.Ten
     return silu_and_mul(w4_linear(x, w))
 
 
+def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`moe_router_ref`'s contract: decode-sized batches in one launch (kernels/moe_router.py: the GEMV, softmax,
+    top-k and the shared gate's logit), more tokens through the linear, then `moe_route`."""
+    if fused_router.supported(x, weight, top_k, num_experts):
+        return fused_router.moe_router(x, weight, top_k, renormalize, num_experts)
+    return moe_router_ref(x, weight, top_k, renormalize, num_experts, linear=triton_linear, route=moe_route)
+
+
 GRAPH_HOOKS = GraphHooks(argmax_rows=argmax_rows, advance_decode_inputs=advance_decode_inputs,
                          capture_scope=prefetch_scope)
 
@@ -125,5 +137,6 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         graph_hooks=GRAPH_HOOKS, materializes_attention=False, causal_conv1d=causal_conv1d,
         gated_delta_rule=gated_delta_rule, gated_rms_norm=gated_rms_norm,
         gated_delta_decode_step=gated_delta_decode_step, moe_route=moe_route, fused_moe=fused_moe,
-        fused_moe_fp8=fused_moe_fp8, fused_moe_w4=fused_moe_w4,
+        fused_moe_fp8=fused_moe_fp8, fused_moe_w4=fused_moe_w4, moe_router=triton_moe_router,
+        shared_expert_combine=shared_expert_combine,
     )

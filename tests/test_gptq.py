@@ -189,17 +189,21 @@ def _gptq_layers(llm):
 
 
 @pytest.mark.parametrize("case,repacked", [("qwen3-int4-g32", "all"), ("qwen3-int4-g32-actorder-partial", "some"),
-                                           ("qwen3-int8-g-1", "none")])
-def test_which_layers_run_on_w4(case, repacked, tmp_path):
-    """4-bit layers whose groups divide in_features run on W4 (act-order included); partial groups and 8-bit keep
-    GPTQ's layout. Logits match HF either way (test_gptq_model_logits_and_greedy_match_hf)."""
+                                           ("qwen3-int8-g-1", "all"), ("qwen2-int8-g32-actorder", "all")])
+def test_which_layers_are_repacked(case, repacked, tmp_path):
+    """4-bit layers whose groups divide in_features run on W4 (act-order included), partial groups keep GPTQ's
+    layout; 8-bit layers all run on W8 (partial groups and act-order included). Logits match HF either way
+    (test_gptq_model_logits_and_greedy_match_hf)."""
     kind, bits, group, desc_act = CASES[case]
     orig = save_hf_model(build_hf_model(kind), tmp_path / "orig")
     write_gptq_checkpoint(orig, tmp_path / "gptq", bits, group, desc_act)
-    flags = [m.repacked for m in _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV))]
-    assert {"all": all(flags), "some": any(flags) and not all(flags), "none": not any(flags)}[repacked]
+    layers = _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV))
+    flags = [m.repacked for m in layers]
+    assert {"all": all(flags), "some": any(flags) and not all(flags)}[repacked]
+    layout = "packed" if bits == 4 else "codes"
+    assert all(layout in dict(m.named_parameters()) for m in layers if m.repacked)
     if desc_act:
-        assert any(m.input_perm is not None for m in _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV)))
+        assert any(m.input_perm is not None for m in layers)
 
 
 @needs_kernels

@@ -61,8 +61,13 @@ def gptq_to_w8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     if perm is not None:
         q = q[perm]
     zeros = unpack_gptq_cols(qzeros, 8) + 1                # [G, N]: the classic format stores zero - 1
-    return W8Weight(q.t().to(torch.uint8).contiguous(), scales.t().to(torch.float16).contiguous(),
-                    zeros.t().to(torch.float16).contiguous(), group_size), perm
+    return W8Weight(_row_major(q.to(torch.uint8)), _row_major(scales.to(torch.float16)),
+                    _row_major(zeros.to(torch.float16)), group_size), perm
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """t^T with unit last stride even for one column ([N, 1]: `contiguous()` would keep the transpose's strides)."""
+    return t.t().clone(memory_format=torch.contiguous_format)
 
 
 def w8_to_gptq(w: W8Weight, perm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

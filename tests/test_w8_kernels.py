@@ -33,17 +33,19 @@ def poison(monkeypatch):
     poison_allocations(monkeypatch)
 
 
-def random_gptq8(n: int, k: int, group: int, desc_act: bool, seed: int = 0, device=DEVICE):
+def random_gptq8(n: int, k: int, group: int, desc_act: bool, seed: int = 0, device=DEVICE, sym: bool = False):
     """(GPTQ tensors {qweight, qzeros, scales, g_idx}, W fp64 [n, k]) of random 8-bit codes and stored zeros (every
-    value 0..255, the extremes included: zero points 1 and 256) by the classic format's definition,
-    W[n, k] = (q[k, n] - (z[g_idx[k], n] + 1)) * s[g_idx[k], n], with scales giving W ~ 1/sqrt(k) (outputs ~1).
-    desc_act: groups over a random order of the inputs, as GPTQ's act-order makes them."""
+    value 0..255, the extremes included: zero points 1 and 256; sym: all 127, symmetric GPTQ's) by the classic
+    format's definition, W[n, k] = (q[k, n] - (z[g_idx[k], n] + 1)) * s[g_idx[k], n], with scales giving
+    W ~ 1/sqrt(k) (outputs ~1). desc_act: groups over a random order of the inputs, as GPTQ's act-order makes them."""
     gen = torch.Generator().manual_seed(seed)
     g = k if group == -1 else group
     groups = math.ceil(k / g)
     q = torch.randint(0, 256, (k, n), generator=gen, dtype=torch.int32)
     stored = torch.randint(0, 256, (groups, n), generator=gen, dtype=torch.int32)
     stored[0, :2] = torch.tensor([0, 255])
+    if sym:
+        stored.fill_(127)
     s = ((torch.rand(groups, n, generator=gen) + 0.5) / (100 * math.sqrt(k))).half()
     order = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
     g_idx = torch.empty(k, dtype=torch.int32)
@@ -54,9 +56,9 @@ def random_gptq8(n: int, k: int, group: int, desc_act: bool, seed: int = 0, devi
     return {name: t.to(device) for name, t in tensors.items()}, w.to(device)
 
 
-def w8_weight(n: int, k: int, group: int, desc_act: bool, seed: int = 0):
+def w8_weight(n: int, k: int, group: int, desc_act: bool, seed: int = 0, sym: bool = False):
     """(W8 weight, perm or None, W fp64 [n, k] in the inputs' original order) on DEVICE."""
-    t, w = random_gptq8(n, k, group, desc_act, seed)
+    t, w = random_gptq8(n, k, group, desc_act, seed, sym=sym)
     w8, perm = gptq_to_w8(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], k if group == -1 else group)
     return w8, perm, w
 
@@ -68,15 +70,20 @@ def permuted(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 # --- the layout --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,k,group,desc_act", [(24, 64, 32, False), (40, 200, 32, True), (16, 256, 128, True),
-                                                (8, 136, 128, False), (12, 36, -1, False), (20, 96, -1, True)])
-def test_repack_dequantizes_identically_and_round_trips(n, k, group, desc_act):
-    t, w = random_gptq8(n, k, group, desc_act, seed=n, device="cpu")
+@pytest.mark.parametrize("n,k,group,desc_act,sym", [
+    (24, 64, 32, False, False), (40, 200, 32, True, False), (16, 256, 128, True, True), (8, 136, 128, False, False),
+    (12, 36, -1, False, True), (20, 96, -1, True, False)])
+def test_repack_dequantizes_identically_and_round_trips(n, k, group, desc_act, sym):
+    t, w = random_gptq8(n, k, group, desc_act, seed=n, device="cpu", sym=sym)
     w8, perm = gptq_to_w8(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], k if group == -1 else group)
     assert (perm is None) == (not desc_act or group == -1)   # one group: act-order changes nothing
     assert w8.codes.dtype == torch.uint8 and w8.codes.shape == (n, k) and w8.codes.is_contiguous()
-    assert w8.scales.shape == w8.zeros.shape == (n, math.ceil(k / w8.group_size))
-    assert w8.zeros.min() >= 1 and w8.zeros.max() == 256                 # GPTQ's stored 0 and 255
+    assert w8.scales.shape == (n, math.ceil(k / w8.group_size)) and w8.scales.stride(1) == 1
+    if sym:                                                               # one zero point: an int, no tensor
+        assert w8.zeros == 128 and isinstance(w8.zeros, int)
+    else:
+        assert w8.zeros.shape == w8.scales.shape and w8.zeros.stride() == w8.scales.stride()
+        assert w8.zeros.min() >= 1 and w8.zeros.max() == 256             # GPTQ's stored 0 and 255
     dense = w8_dequantize_ref(w8, torch.float64)                          # W' [N, K]: inputs in perm's order
     if perm is not None:
         dense = torch.empty_like(dense).index_copy_(1, perm, dense)
@@ -118,18 +125,21 @@ def test_u8_to_f32_bits():
 # --- the kernels ---------------------------------------------------------------------------------------------------------
 
 @needs_kernels
-@pytest.mark.parametrize("rows,n,k,group,desc_act,dtype,bias,gated,cfg", [
-    (1, 44, 200, 32, True, torch.float32, True, False, Fp8GemvConfig(16, 64, 1)),
-    (1, 96, 256, 128, False, torch.bfloat16, False, True, Fp8GemvConfig(8, 128, 2)),
-    (1, 40, 192, -1, True, torch.float16, True, False, None),
-    (3, 44, 200, 32, False, torch.bfloat16, True, False, Fp8MmConfig(16, 32, 32, 4, 1, 2)),
-    (3, 96, 264, 128, True, torch.float32, False, True, Fp8MmConfig(16, 32, 64, 4, 1, 3)),
-    (16, 64, 192, -1, False, torch.float16, False, False, Fp8MmConfig(16, 64, 64, 4, 1, 0)),
-    (16, 128, 160, 32, True, torch.bfloat16, False, True, None),
+@pytest.mark.parametrize("rows,n,k,group,desc_act,sym,dtype,bias,gated,cfg", [
+    (1, 44, 200, 32, True, False, torch.float32, True, False, Fp8GemvConfig(16, 64, 1)),
+    (1, 96, 256, 128, False, True, torch.bfloat16, False, True, Fp8GemvConfig(8, 128, 2)),
+    (1, 40, 192, -1, True, False, torch.float16, True, False, None),
+    (1, 48, 200, 32, True, True, torch.float32, False, False, None),
+    (3, 44, 200, 32, False, False, torch.bfloat16, True, False, Fp8MmConfig(16, 32, 32, 4, 1, 2)),
+    (3, 96, 264, 128, True, True, torch.float32, False, True, Fp8MmConfig(16, 32, 64, 4, 1, 3)),
+    (16, 64, 192, -1, False, False, torch.float16, False, False, Fp8MmConfig(16, 64, 64, 4, 1, 0)),
+    (16, 128, 160, 32, True, False, torch.bfloat16, False, True, None),
 ])
-def test_w8_kernels(rows, n, k, group, desc_act, dtype, bias, gated, cfg, poison):
-    """The GEMV (1 row) and the W8A16 MMA (split-K and not) on uint8 codes, explicit small tiles and the defaults."""
-    w8, perm, w = w8_weight(n, k, group, desc_act, seed=rows)
+def test_w8_kernels(rows, n, k, group, desc_act, sym, dtype, bias, gated, cfg, poison):
+    """The GEMV (1 row) and the W8A16 MMA (split-K and not) on uint8 codes, zero points per group or one for all
+    (sym), explicit small tiles and the defaults."""
+    w8, perm, w = w8_weight(n, k, group, desc_act, seed=rows, sym=sym)
+    assert isinstance(w8.zeros, int) == sym
     n_out = n // 2 if gated else n
     b = randn(n_out, dtype=dtype, scale=0.1) if bias else None
     x = randn(rows, k, dtype=dtype)
@@ -140,12 +150,13 @@ def test_w8_kernels(rows, n, k, group, desc_act, dtype, bias, gated, cfg, poison
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 300])
-def test_w8_ops_by_row_count(rows, poison):
+@pytest.mark.parametrize("rows,sym", [(1, False), (3, True), (16, False), (17, True), (64, False), (65, False),
+                                      (300, True)])
+def test_w8_ops_by_row_count(rows, sym, poison):
     """w8_linear / w8_gate_up_silu: GEMV, MMA up to MMA_MAX_ROWS rows, then the dequantised weight and cuBLAS (x as
     it is); act-order and a partial last group."""
     n, k, dtype = 48, 208, torch.bfloat16
-    w8, perm, w = w8_weight(n, k, 32, True, seed=rows)
+    w8, perm, w = w8_weight(n, k, 32, True, seed=rows, sym=sym)
     b = randn(n, dtype=dtype, scale=0.1)
     x = randn(1, rows, k, dtype=dtype)
     check(w8_ops.w8_linear(permuted(x, perm), w8, b), w8a16_ref(x, w, b, False), dtype)
@@ -164,12 +175,13 @@ def test_group_sizes_the_kernels_cannot_take_go_to_the_dequantised_weight(poison
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,k,group,dtype", [(44, 200, 32, torch.bfloat16), (24, 136, 128, torch.float16),
-                                             (16, 96, -1, torch.float32)])
-def test_w8_dequantize_matches_the_reference_bit_for_bit(n, k, group, dtype, poison):
-    w8, _, _ = w8_weight(n, k, group, False)
+@pytest.mark.parametrize("n,k,group,sym,dtype", [(44, 200, 32, False, torch.bfloat16),
+                                                 (24, 136, 128, True, torch.float16), (16, 96, -1, False, torch.float32)])
+def test_w8_dequantize_matches_the_reference_bit_for_bit(n, k, group, sym, dtype, poison):
+    w8, _, _ = w8_weight(n, k, group, False, sym=sym)
     got = w8_ops.w8_dequantize(w8, dtype)
-    exact = w8_dequantize_ref(W8Weight(*(t.cpu() for t in w8[:3]), w8.group_size))
+    exact = w8_dequantize_ref(W8Weight(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in w8[:3]),
+                                       w8.group_size))
     if INTERPRET and dtype == torch.bfloat16:   # the interpreter rounds fp32 -> bf16 by truncation, a GPU to nearest
         want = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
     else:
@@ -205,9 +217,9 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288)}
 @pytest.mark.parametrize("shape", sorted(QWEN3_8B))
 def test_gpu_w8_qwen3_8b_shapes(dtype, rows, shape):
     """Every path of the dispatch (GEMV, MMA, dequantise + cuBLAS) on Qwen3-8B's shapes, groups of 128 with act-order
-    (GPTQ-Int8's published setting)."""
+    and symmetric zero points (GPTQ-Int8's published setting); zero points per group at one and 64 rows."""
     n, k = QWEN3_8B[shape]
-    w8, perm, w = w8_weight(n, k, 128, True)
+    w8, perm, w = w8_weight(n, k, 128, True, sym=rows not in (1, 64))
     x = randn(rows, k, dtype=dtype)
     check(w8_ops.w8_linear(permuted(x, perm), w8), w8a16_ref(x, w, None, False), dtype, 2)
 
@@ -217,7 +229,7 @@ def test_gpu_w8_qwen3_8b_shapes(dtype, rows, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 8, 64, 300])
 def test_gpu_w8_gate_up_qwen3_8b(dtype, rows):
-    w8, perm, w = w8_weight(2 * 12288, 4096, 128, True)
+    w8, perm, w = w8_weight(2 * 12288, 4096, 128, True, sym=rows != 8)
     x = randn(rows, 4096, dtype=dtype)
     check(w8_ops.w8_gate_up_silu(permuted(x, perm), w8), w8a16_ref(x, w, None, True), dtype, 2)
 
@@ -227,7 +239,7 @@ def test_gpu_w8_gate_up_qwen3_8b(dtype, rows):
 @pytest.mark.parametrize("rows", [1, 8, 64, 300])
 def test_gpu_w8_kernels_replay_in_cuda_graphs(rows):
     """Captured once (act-order gather included), replayed with new inputs: the results equal eager calls."""
-    w8, perm, _ = w8_weight(4096, 4096, 128, True)
+    w8, perm, _ = w8_weight(4096, 4096, 128, True, sym=True)
     gu, gu_perm, _ = w8_weight(2 * 1536, 4096, 128, True, seed=1)
     x = randn(rows, 4096, dtype=torch.bfloat16)
     w8_ops.w8_linear(permuted(x, perm), w8)                                 # compile outside the capture

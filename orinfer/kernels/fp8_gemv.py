@@ -25,9 +25,10 @@ More rows: `kernels/fp8_mm.py` (tensor cores, split-K).
 
 8-bit integer codes (the W8 layout of GPTQ-Int8, `kernels/w8.py`): the same kernel with CODES = UINT8, weight uint8
 [N, K], scales fp16 [N, groups] with bn = 1 and bk = the group size, and zeros [N, groups] (the zero points, same
-shape and strides as the scales): y[n] = sum_c s[n, c] * sum_{k in chunk c} (q[n, k] - z[n, c]) x[k], q - z formed
-exactly in fp32 (`tiles.code_values`: a byte-or into 2^23's mantissa and one FADD per weight, then the FMA). Traffic:
-N*K bytes + 4 bytes per (row, group) (3% at groups of 128).
+shape and strides as the scales; or one zero point for all, a constexpr: symmetric GPTQ's 128): y[n] = sum_c s[n, c] *
+sum_{k in chunk c} (q[n, k] - z[n, c]) x[k], q - z formed exactly in fp32 (`tiles.code_values`: the byte put into
+2^23's mantissa by one prmt and one FADD per weight, then the FMA; about 4.2 SASS instructions per weight). Traffic:
+N*K bytes + 2 bytes of scale (+ 2 of zero point) per (row, group): 1.6% (3.1%) at groups of 128.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import triton.language as tl
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.tiles import UINT8, code_type, code_values, epilogue, zero_offset
+from orinfer.kernels.tiles import UINT8, code_args, code_values, epilogue, zero_offsets
 
 VEC = 16  # FP8 weights per thread per load: 16 bytes, one LDG.128
 
@@ -86,7 +87,8 @@ def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexpr, EVEN_K: tl.constexpr):
+def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexpr, ZERO: tl.constexpr,
+                EVEN_K: tl.constexpr):
     """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights (uint8 codes:
     of (q - z) * x)."""
     zoff = 0.0
@@ -94,20 +96,22 @@ def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexp
         w = tl.load(w_ptrs, eviction_policy="evict_first")
         s = tl.load(s_ptrs)
         if CODES == UINT8:
-            zoff = zero_offset(tl.load(z_ptrs))[:, :, None]
+            zoff = zero_offsets(z_ptrs, None, ZERO)
     else:
         w = tl.load(w_ptrs, mask=kmask[:, None, :], other=0.0, eviction_policy="evict_first")
         s = tl.load(s_ptrs, mask=smask[:, None], other=0.0)
         if CODES == UINT8:       # masked inputs have x = 0: any value of q - z times it is 0
-            zoff = zero_offset(tl.load(z_ptrs, mask=smask[:, None], other=0.0))[:, :, None]
+            zoff = zero_offsets(z_ptrs, smask[:, None], ZERO)
+    if CODES == UINT8 and ZERO < 0:
+        zoff = zoff[:, :, None]
     return acc + tl.sum(code_values(w, zoff, CODES) * x[:, None, :], axis=2) * s.to(tl.float32)
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
-                     BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, HAS_RB: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
+                     HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: wait for the previous kernel before touching memory
         gdc_wait()
     CH: tl.constexpr = BLOCK_K // 16
@@ -131,10 +135,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, 
         sc = ((k0 + offs_c * 16) // BK)[:, None]                              # each chunk's scale column
         x = _load_x(x_ptr, k0, K, CH, EVEN_K)
         acc_g = _chunk_sums(acc_g, wg_ptrs + k0, s_ptr + sg_offs + sc, z_ptr + sg_offs + sc, x, kmask, smask,
-                            CODES, EVEN_K)
+                            CODES, ZERO, EVEN_K)
         if GATED:
             acc_u = _chunk_sums(acc_u, wu_ptrs + k0, s_ptr + su_offs + sc, z_ptr + su_offs + sc, x, kmask, smask,
-                                CODES, EVEN_K)
+                                CODES, ZERO, EVEN_K)
     if PDL:  # the main loop is done: let the next kernel launch while this one reduces and stores
         gdc_launch_dependents()
     g = tl.sum(acc_g, axis=0)
@@ -148,11 +152,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, 
 
 def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                      row_block: torch.Tensor | None, k: int, bias: torch.Tensor | None = None,
-                     gated: bool = False, zeros: torch.Tensor | None = None) -> int:
+                     gated: bool = False, zeros: torch.Tensor | int | None = None) -> int:
     """The number of outputs (N, or N / 2 for a packed gate_up when `gated`); raises ValueError unless weight [N, k]
     is row-major float8_e4m3fn and scale [rows, ceil(k / bk)] fp32 fits it (rows = ceil(N / bn), or any count with a
     row_block [N] map) with unit last stride, and a bias is contiguous [outputs]. With `zeros` (8-bit integer codes,
-    module docstring): weight uint8, scale fp16 or fp32, zeros of the scale's shape and strides, fp16 or fp32."""
+    module docstring): weight uint8, scale fp16 or fp32, zeros of the scale's shape and strides, fp16 or fp32, or
+    one zero point for all (an int 0..256)."""
     n = weight.shape[0]
     bn, bk = block_size
     fmt, codes = ("W8", torch.uint8) if zeros is not None else ("FP8", FP8_DTYPE)
@@ -165,8 +170,10 @@ def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tupl
             or scale.stride(1) != 1):
         raise ValueError(f"{fmt} scales {tuple(scale.shape)} {scale.dtype} do not fit a weight {tuple(weight.shape)} "
                          f"in blocks {tuple(block_size)}")
-    if zeros is not None and (zeros.shape != scale.shape or zeros.stride() != scale.stride()
-                              or zeros.dtype not in scale_types):
+    if isinstance(zeros, int) and not 0 <= zeros <= 256:
+        raise ValueError(f"a uint8 code's zero point {zeros} is not in 0..256")
+    if isinstance(zeros, torch.Tensor) and (zeros.shape != scale.shape or zeros.stride() != scale.stride()
+                                            or zeros.dtype not in scale_types):
         raise ValueError(f"zero points {tuple(zeros.shape)} {zeros.dtype} must have the scales' shape and strides")
     if row_block is not None and (tuple(row_block.shape) != (n,) or row_block.dtype != torch.int32):
         raise ValueError(f"row_block must be int32 [{n}], got {tuple(row_block.shape)} {row_block.dtype}")
@@ -180,11 +187,11 @@ def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tupl
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
              row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None, gated: bool = False,
-             cfg: Fp8GemvConfig | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
+             cfg: Fp8GemvConfig | None = None, zeros: torch.Tensor | int | None = None) -> torch.Tensor:
     """y = x W^T (+ b) [..., N] for x [..., K] holding one row, in x's dtype (`fp8_block_linear_ref`'s values up to
     summation order); gated: weight is a packed [2I, K] gate_up and the result silu(x Wg^T) * (x Wu^T) [..., I].
     Needs bk % 16 == 0 (Qwen's 128); `cfg` forces a tile (benchmarks, tests). `zeros`: uint8 codes with these zero
-    points (module docstring; `kernels/w8_ops.py` calls it so)."""
+    points, or this one zero point (module docstring; `kernels/w8_ops.py` calls it so)."""
     check_device(x)
     k = x.shape[-1]
     n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated, zeros)
@@ -198,10 +205,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_s
     cfg = cfg or (DEFAULT_GATED if gated else DEFAULT)
     block_k = min(cfg.block_k, max(VEC, triton.next_power_of_2(k)))   # short rows: one step, no masked-off chunks
     pdl = use_pdl(x1)
+    z = zeros if isinstance(zeros, torch.Tensor) else scale                 # any pointer when not read
     _fp8_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        x1, weight, scale, scale if zeros is None else zeros, scale if row_block is None else row_block,
+        x1, weight, scale, z, scale if row_block is None else row_block,
         scale if bias is None else bias, out, n_out, k, weight.stride(0), scale.stride(0), n_out if gated else 0,
-        BN=bn, BK=bk, CODES=code_type(zeros), HAS_RB=row_block is not None,
+        BN=bn, BK=bk, **code_args(zeros), HAS_RB=row_block is not None,
         HAS_BIAS=bias is not None, GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)

@@ -28,15 +28,25 @@ _U8_TO_F32_4 = tl.constexpr(_u8_to_f32_asm(4))
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-def code_type(zeros: object) -> int:
-    """A kernel's CODES argument: UINT8 for codes with zero points (`zeros` given), else E4M3."""
-    return E4M3.value if zeros is None else UINT8.value
+def code_args(zeros: object) -> dict[str, int]:
+    """A kernel's CODES and ZERO arguments for `zeros`: None: e4m3 codes; a tensor: uint8 codes with a zero point per
+    (row, group) read from it (ZERO = -1); an int: uint8 codes whose zero points all equal it (symmetric GPTQ's 128:
+    no zero-point traffic)."""
+    if zeros is None:
+        return {"CODES": E4M3.value, "ZERO": -1}
+    return {"CODES": UINT8.value, "ZERO": zeros if isinstance(zeros, int) else -1}
 
 
 @triton.jit
-def zero_offset(z):
-    """A uint8 code's zero point z (fp16 or fp32, an integer) as the `code_values` offset 2^23 + z (exact in fp32)."""
-    return z.to(tl.float32) + _TWO_23
+def zero_offsets(z_ptrs, mask, ZERO: tl.constexpr):
+    """The `code_values` offsets 2^23 + z of uint8 codes' zero points z (exact in fp32): the constant of a uniform
+    zero point ZERO >= 0, or the fp16 / fp32 values at z_ptrs (where `mask`; None: everywhere)."""
+    if ZERO >= 0:
+        return _TWO_23 + ZERO
+    elif mask is None:
+        return tl.load(z_ptrs).to(tl.float32) + _TWO_23
+    else:
+        return tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32) + _TWO_23
 
 
 @triton.jit

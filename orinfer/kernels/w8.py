@@ -7,11 +7,13 @@ a few output rows would read 4 bytes with a stride of N * 4 bytes. W8 holds, for
   codes   [N, K] uint8    row n holds output n's codes along K (in the act-order permutation's input order, below)
   scales  [N, G] fp16     one scale per output row and group of `group_size` consecutive inputs (the last may be
                           partial: G = ceil(K / group_size)), the checkpoint's values transposed
-  zeros   [N, G] fp16     the zero points, GPTQ's stored value + 1 (1..256: integers, exact in fp16)
+  zeros   [N, G] fp16     the zero points, GPTQ's stored value + 1 (1..256: integers, exact in fp16); or one int when
+                          they are all equal (symmetric GPTQ: 128), which the kernels then take as a constant
 
 W[n, k] = (codes[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size], formed in fp32 (exact: a 9-bit
-integer times an fp16 scale) and rounded once. Bytes per weight: 1 + 4 / group_size (1.03 at 128): the FP8 GEMV and
-MMA kernels read it with their CODES = UINT8 variant (`kernels/w8_ops.py`).
+integer times an fp16 scale) and rounded once. Bytes per weight: 1 + 2 / group_size with one zero point (1.016 at 128;
+4 / group_size with a tensor of them): the FP8 GEMV and MMA kernels read it with their CODES = UINT8 variant
+(`kernels/w8_ops.py`).
 
 Act-order (desc_act): GPTQ gives input k the group g_idx[k] in a permuted order. Sorting the inputs by group
 (`gptq.gptq_input_order`, `perm`) makes each group a contiguous run: W'[n, i] = W[n, perm[i]], and x W^T = x[:, perm]
@@ -35,7 +37,7 @@ from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_ro
 class W8Weight(NamedTuple):
     codes: torch.Tensor    # [N, K] uint8
     scales: torch.Tensor   # [N, G] fp16
-    zeros: torch.Tensor    # [N, G] fp16, the zero points (integers 0..256)
+    zeros: torch.Tensor | int   # [N, G] fp16, the zero points (integers 0..256), or the one zero point of all
     group_size: int
 
     @property
@@ -61,8 +63,10 @@ def gptq_to_w8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     if perm is not None:
         q = q[perm]
     zeros = unpack_gptq_cols(qzeros, 8) + 1                # [G, N]: the classic format stores zero - 1
+    first = int(zeros[0, 0]) if zeros.numel() else 128
+    uniform = bool((zeros == first).all())
     return W8Weight(_row_major(q.to(torch.uint8)), _row_major(scales.to(torch.float16)),
-                    _row_major(zeros.to(torch.float16)), group_size), perm
+                    first if uniform else _row_major(zeros.to(torch.float16)), group_size), perm
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -75,14 +79,16 @@ def w8_to_gptq(w: W8Weight, perm: torch.Tensor | None) -> tuple[torch.Tensor, to
     q = w.codes.t().to(torch.int32)                        # [K, N] in W8's (permuted) input order
     if perm is not None:
         q = torch.empty_like(q).index_copy_(0, perm, q)
-    return (pack_gptq_rows(q, 8), pack_gptq_cols(w.zeros.t().to(torch.int32) - 1, 8), w.scales.t().contiguous())
+    zeros = (torch.full(w.scales.shape, w.zeros, dtype=torch.int32, device=q.device) if isinstance(w.zeros, int)
+             else w.zeros.to(torch.int32))
+    return pack_gptq_rows(q, 8), pack_gptq_cols(zeros.t() - 1, 8), w.scales.t().contiguous()
 
 
 def w8_dequantize_ref(w: W8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W [N, K] = (q - z) * s in `dtype`, computed in fp32 (fp64 if asked) and rounded once."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     group = torch.arange(w.in_features, device=w.codes.device) // w.group_size
-    z = w.zeros.to(compute)[:, group]
+    z = w.zeros if isinstance(w.zeros, int) else w.zeros.to(compute)[:, group]
     s = w.scales.to(compute)[:, group]
     return ((w.codes.to(compute) - z) * s).to(dtype)
 

@@ -11,7 +11,8 @@ same input) into the layout its kernels read, exactly; x's columns are then perm
 on (one gather of the activations, kernels/w8.py explains why that is exact):
   - 4 bits, groups W4 can hold (16, 32, 64 or a multiple of 128 dividing K): the W4 layout (kernels/gptq_w4.py),
     qweight/qzeros/scales replaced by packed/w4_scales/w4_zeros, forward `ops.w4_linear` (the AWQ Triton kernels);
-  - 8 bits, any group size: the W8 layout (kernels/w8.py), replaced by codes/w8_scales/w8_zeros, forward
+  - 8 bits, any group size: the W8 layout (kernels/w8.py), replaced by codes/w8_scales/w8_zeros (no w8_zeros but the
+    int `w8_zero` when every zero point is the same, as symmetric GPTQ's 128), forward
     `ops.w8_linear` (the FP8 GEMV / MMA on uint8 codes for decode, dequantise + cuBLAS for prefill).
 `checkpoint_tensors()` rebuilds the GPTQ tensors exactly.
 """
@@ -88,7 +89,8 @@ class GPTQLinear(LinearBase):
 
     @property
     def w8(self) -> W8Weight:
-        return W8Weight(self.codes, self.w8_scales, self.w8_zeros, self.group_size)
+        zeros = self.w8_zeros if "w8_zeros" in self._parameters else self.w8_zero
+        return W8Weight(self.codes, self.w8_scales, zeros, self.group_size)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """x in the repacked layout's input order (act-order: one gather of its columns)."""
@@ -113,7 +115,7 @@ class GPTQLinear(LinearBase):
         if "packed" in self._parameters:
             return self.packed, self.w4_scales, self.w4_zeros
         if "codes" in self._parameters:
-            return self.codes, self.w8_scales, self.w8_zeros
+            return self.codes, self.w8_scales, *([self.w8_zeros] if "w8_zeros" in self._parameters else [])
         return self.qweight, self.qzeros, self.scales
 
     @torch.no_grad()
@@ -135,7 +137,10 @@ class GPTQLinear(LinearBase):
         for name in ("qweight", "qzeros", "scales"):
             del self._parameters[name]
         for name, tensor in zip(names, w[:3]):
-            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+            if isinstance(tensor, torch.Tensor):
+                self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+            else:
+                self.w8_zero = tensor       # one zero point for all (W8 of symmetric GPTQ)
         self.input_perm = perm
 
     def shard_view(self, tensor: torch.Tensor, shard: object, kind: str) -> torch.Tensor:

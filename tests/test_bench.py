@@ -149,6 +149,7 @@ def test_synthetic_quantized_weights_are_valid_checkpoints(quant):
     assert 0.01 < w.std().item() < 0.04 and w.mean().abs().item() < 0.12 * w.std().item()
     if isinstance(layer, GPTQLinear):
         assert layer.repacked and ("packed" if quant == "gptq4" else "codes") in dict(layer.named_parameters())
+        assert quant == "gptq4" or layer.w8.zeros == 128  # symmetric: one zero point, no zero-point tensor read
     else:
         assert layer.weight.dtype == torch.float8_e4m3fn
     llm = build_synthetic_llm(cfg, torch.float32, CPU, bench_plan(

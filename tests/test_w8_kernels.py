@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from kernel_checks import DEVICE, INTERPRET, gpu, poison_allocations, randn, tol
+from kernel_checks import DEVICE, INTERPRET, assert_stored_as_kernels_round, gpu, poison_allocations, randn
 from test_fp8_kernels import check, w8a16_ref
 from orinfer.kernels import splitk, w8_ops
 from orinfer.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
@@ -68,7 +68,7 @@ def permuted(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     return x if perm is None else x.index_select(-1, perm)
 
 
-# --- the layout --------------------------------------------------------------------------------------------------------
+# --- the layout -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,k,group,desc_act,sym", [
     (24, 64, 32, False, False), (40, 200, 32, True, False), (16, 256, 128, True, True), (8, 136, 128, False, False),
@@ -122,7 +122,7 @@ def test_u8_to_f32_bits():
                 assert value.view(torch.float32).item() == 2.0 ** 23 + code
 
 
-# --- the kernels ---------------------------------------------------------------------------------------------------------
+# --- the kernels ------------------------------------------------------------------------------------------------------
 
 @needs_kernels
 @pytest.mark.parametrize("rows,n,k,group,desc_act,sym,dtype,bias,gated,cfg", [
@@ -175,18 +175,14 @@ def test_group_sizes_the_kernels_cannot_take_go_to_the_dequantised_weight(poison
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,k,group,sym,dtype", [(44, 200, 32, False, torch.bfloat16),
-                                                 (24, 136, 128, True, torch.float16), (16, 96, -1, False, torch.float32)])
+@pytest.mark.parametrize("n,k,group,sym,dtype", [
+    (44, 200, 32, False, torch.bfloat16), (24, 136, 128, True, torch.float16), (16, 96, -1, False, torch.float32)])
 def test_w8_dequantize_matches_the_reference_bit_for_bit(n, k, group, sym, dtype, poison):
     w8, _, _ = w8_weight(n, k, group, False, sym=sym)
     got = w8_ops.w8_dequantize(w8, dtype)
     exact = w8_dequantize_ref(W8Weight(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in w8[:3]),
                                        w8.group_size))
-    if INTERPRET and dtype == torch.bfloat16:   # the interpreter rounds fp32 -> bf16 by truncation, a GPU to nearest
-        want = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
-    else:
-        want = exact.to(dtype)
-    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+    assert_stored_as_kernels_round(got, exact, dtype)
 
 
 @needs_kernels

@@ -97,15 +97,21 @@ def _w8a8(x, w, s, block, rb=None, bias=None, cfg=None) -> None:
 
 
 def _candidate_calls():
-    """Every candidate tile, as the bench's sweep and test_gpu_every_fp8_config_is_correct launch them."""
+    """Every candidate tile, as the bench's sweep (FP8 and W8) and test_gpu_every_fp8_config_is_correct launch
+    them."""
     block = (128, 128)
     for dtype in (torch.float16, torch.bfloat16):
         for (n, k), gated in itertools.product(((1536, 2048), QWEN3_8B["gate_up"]), (False, True)):
             w, s, _ = weight(n, k, block)
+            w8 = w8_weight(n, k, 128)
             for cfg in fp8_gemv.CANDIDATES:
                 yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w, s, block, gated=gated, cfg=cfg)
+                yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w8.codes, w8.scales, (1, 128), gated=gated,
+                              cfg=cfg, zeros=w8.zeros)
             for cfg, rows in itertools.product(fp8_mm.CANDIDATES, (1, 8, 64)):
                 yield partial(fp8_mm.fp8_mm, _x(rows, k, dtype), w, s, block, gated=gated, cfg=cfg)
+                yield partial(fp8_mm.fp8_mm, _x(rows, k, dtype), w8.codes, w8.scales, (1, 128), gated=gated,
+                              cfg=cfg, zeros=w8.zeros)
         for (n, k), rows in itertools.product(((1536, 2048), QWEN3_8B["o"]), (1, 64, 300, 2048)):
             for cfg in fp8_gemm.CANDIDATES:
                 yield partial(_w8a8, _x(rows, k, dtype), *weight(n, k, block)[:2], block, cfg=cfg)

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from kernel_checks import DEVICE, INTERPRET, assert_stored_as_kernels_round, gpu, poison_allocations, randn
+from kernel_checks import (DEVICE, INTERPRET, assert_stored_as_kernels_round, gpu, poison_allocations, randn,
+                           tol)
 from test_fp8_kernels import check, w8a16_ref
 from orinfer.kernels import splitk, w8_ops
 from orinfer.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
@@ -228,6 +229,24 @@ def test_gpu_w8_gate_up_qwen3_8b(dtype, rows):
     w8, perm, w = w8_weight(2 * 12288, 4096, 128, True, sym=rows != 8)
     x = randn(rows, 4096, dtype=dtype)
     check(w8_ops.w8_gate_up_silu(permuted(x, perm), w8), w8a16_ref(x, w, None, True), dtype, 2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_every_w8_tile_is_correct(dtype):
+    """Each tile `orinfer.bench.fp8_kernels --sweep` times on uint8 codes computes the same thing."""
+    from orinfer.kernels.fp8_gemv import CANDIDATES as GEMV_CANDIDATES
+    from orinfer.kernels.fp8_mm import CANDIDATES as MM_CANDIDATES
+
+    w8, perm, w = w8_weight(1536, 2048, 128, True, sym=True)
+    for rows, kernel, cfgs in ((1, fp8_gemv, GEMV_CANDIDATES), (8, fp8_mm, MM_CANDIDATES)):
+        x = randn(rows, 2048, dtype=dtype)
+        for gated in (False, True):
+            want = w8a16_ref(x, w, None, gated)
+            for cfg in cfgs:
+                got = kernel(permuted(x, perm), w8.codes, w8.scales, (1, 128), gated=gated, cfg=cfg, zeros=w8.zeros)
+                torch.testing.assert_close(got.double(), want, **tol(dtype, 2), msg=lambda m: f"{cfg} {gated}: {m}")
 
 
 @gpu

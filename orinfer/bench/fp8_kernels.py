@@ -68,7 +68,8 @@ W8_GROUP = 128   # GPTQ-Int8's usual group size
 
 class Weights:
     """A shape's random bf16 weight (std 0.02), its FP8 block-wise form (`fp8_block_quantize`) and its W8 form
-    (symmetric 8-bit codes per row and group of W8_GROUP inputs, zero point 128: what GPTQ-Int8 repacks to)."""
+    (symmetric 8-bit codes per row and group of W8_GROUP inputs, the one zero point 128: what GPTQ-Int8 repacks to;
+    codes and scales are what a call reads)."""
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
         from orinfer.kernels.fp8_block import fp8_block_quantize
@@ -78,7 +79,7 @@ class Weights:
         groups = self.bf16.float().view(n, k // W8_GROUP, W8_GROUP)
         scales = (groups.abs().amax(dim=2) / 127).clamp_min(1e-8).half()
         codes = (groups / scales.float()[:, :, None]).round().add(128).clamp(0, 255).to(torch.uint8).view(n, k)
-        self.w8 = (codes, scales, torch.full_like(scales, 128.0))
+        self.w8 = (codes, scales)
 
     def nbytes(self, form: str) -> int:
         """The bytes a call reads of this weight in `form` (bf16, fp8 or w8)."""
@@ -131,7 +132,7 @@ def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) ->
                      fp8_bytes + act, base=base)
             w8_fn = w8_ops.w8_gate_up_silu if gated else w8_ops.w8_linear
             w8_us = add("decode", name, shape, "w8 dispatch (GPTQ-Int8)", timed(
-                w, "w8", lambda *t: w8_fn(x, W8Weight(*t, W8_GROUP))), w.nbytes("w8") + act, base=base)
+                w, "w8", lambda c, sc: w8_fn(x, W8Weight(c, sc, 128, W8_GROUP))), w.nbytes("w8") + act, base=base)
             for form, t in (("bf16", base), ("fp8", us), ("w8", w8_us)):
                 layer[(m, form)] = layer.get((m, form), 0.0) + (t if name in LAYER else 0.0)
             kernels = [("fp8_gemv (CUDA cores)", fp8_gemv.fp8_gemv, fp8_gemv.CANDIDATES)] if m == 1 else []
@@ -141,6 +142,11 @@ def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) ->
                     fn = (lambda q, s, kernel=kernel, cfg=cfg: kernel(x, q, s, BLOCK, gated=gated, cfg=cfg))
                     add("decode", name, shape, label, timed(w, "fp8", fn), fp8_bytes + act, base=base,
                         config=str(cfg or "default"))
+                    if sweep:   # the same tiles on W8's uint8 codes (its dispatch takes FP8's defaults)
+                        fn = (lambda c, sc, kernel=kernel, cfg=cfg: kernel(
+                            x, c, sc, (1, W8_GROUP), gated=gated, cfg=cfg, zeros=128))
+                        add("decode", name, shape, f"w8 {label}", timed(w, "w8", fn), w.nbytes("w8") + act,
+                            base=base, config=str(cfg))
         if name == "lm_head":
             continue
         for m in (64, 2048):

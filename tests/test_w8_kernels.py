@@ -12,6 +12,7 @@ multiplies 16-bit operands (well inside the same tolerance on O(1) outputs).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -57,8 +58,9 @@ def random_gptq8(n: int, k: int, group: int, desc_act: bool, seed: int = 0, devi
     return {name: t.to(device) for name, t in tensors.items()}, w.to(device)
 
 
+@functools.lru_cache(maxsize=8)     # the GPU tests' full-size weights take seconds to make: reused across cases
 def w8_weight(n: int, k: int, group: int, desc_act: bool, seed: int = 0, sym: bool = False):
-    """(W8 weight, perm or None, W fp64 [n, k] in the inputs' original order) on DEVICE."""
+    """(W8 weight, perm or None, W fp64 [n, k] in the inputs' original order) on DEVICE (shared: not to be changed)."""
     t, w = random_gptq8(n, k, group, desc_act, seed, sym=sym)
     w8, perm = gptq_to_w8(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], k if group == -1 else group)
     return w8, perm, w
@@ -253,7 +255,8 @@ def test_gpu_every_w8_tile_is_correct(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 64, 300])
 def test_gpu_w8_kernels_replay_in_cuda_graphs(rows):
-    """Captured once (act-order gather included), replayed with new inputs: the results equal eager calls."""
+    """Captured once (act-order gather included), replayed with new inputs: the results equal eager calls (beyond
+    MMA_MAX_ROWS, where cuBLAS may pick another kernel inside a capture, within the tolerance)."""
     w8, perm, _ = w8_weight(4096, 4096, 128, True, sym=True)
     gu, gu_perm, _ = w8_weight(2 * 1536, 4096, 128, True, seed=1)
     x = randn(rows, 4096, dtype=torch.bfloat16)
@@ -267,8 +270,12 @@ def test_gpu_w8_kernels_replay_in_cuda_graphs(rows):
         x.copy_(randn(rows, 4096, dtype=torch.bfloat16, scale=1.0 + seed))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, w8_ops.w8_linear(permuted(x, perm), w8))
-        assert torch.equal(g, w8_ops.w8_gate_up_silu(permuted(x, gu_perm), gu))
+        for got, want in ((y, w8_ops.w8_linear(permuted(x, perm), w8)),
+                          (g, w8_ops.w8_gate_up_silu(permuted(x, gu_perm), gu))):
+            if rows <= w8_ops.MMA_MAX_ROWS:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, **tol(torch.bfloat16))
     assert not splitk.counters(x.device).any()
 
 

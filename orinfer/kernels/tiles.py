@@ -52,11 +52,11 @@ def zero_offsets(z_ptrs, mask, ZERO: tl.constexpr):
 @triton.jit
 def code_values(w, zoff, CODES: tl.constexpr, PACK: tl.constexpr = 4):
     """8-bit weight codes w as fp32, before their scale. CODES == E4M3: the float8_e4m3fn values (zoff unused).
-    CODES == UINT8: code - zero, exact, for zoff = `zero_offset(zero)` broadcastable to w: the byte or-ed into the low
-    mantissa bits of 2^23 reads as 2^23 + code, and one subtraction leaves code - zero (no integer -> float convert,
-    which runs at a quarter of the FMA rate on sm_90). PACK (2 or 4): codes per PTX instance, as many as a thread
-    holds contiguous in w's layout (16-byte loads: 4; an MMA operand of kWidth 2: 2), so that no bytes are shuffled
-    into place first."""
+    CODES == UINT8: code - zero, exact, for zoff = 2^23 + zero (`zero_offsets`) broadcastable to w: the byte or-ed
+    into the low mantissa bits of 2^23 reads as 2^23 + code, and one subtraction leaves code - zero (no integer ->
+    float convert, which runs at a quarter of the FMA rate on sm_90). PACK (2 or 4): codes per PTX instance, as many
+    as a thread holds contiguous in w's layout (16-byte loads: 4; an MMA operand of kWidth 2: 2), so that no bytes
+    are shuffled into place first."""
     if CODES == E4M3:
         return w.to(tl.float32)
     elif _INTERPRETED:

@@ -8,7 +8,9 @@ met `int.to` in its split-K reduction. So the launches here come from the host f
     counts, in fp32 / fp16 / bf16, under each of its settings (ONE_ROW, SMALL_M, PREFILL), gate/up fused and not;
   - odd shapes (partial blocks, one scale column, packed shards with row_block, bias) through the dispatch;
   - every candidate tile of each kernel (what `orinfer.bench.fp8_kernels --sweep` and the GPU tests launch);
-  - the explicit tiles and shapes of tests/test_fp8_kernels.py's parametrized tests, which the GPU runs too.
+  - the explicit tiles and shapes of tests/test_fp8_kernels.py's parametrized tests, which the GPU runs too;
+  - the same kernels on uint8 codes (W8, GPTQ-Int8: `w8_ops`) over Qwen3-8B's shapes in groups of 128, odd shapes and
+    groups, every dtype and row count, and tests/test_w8_kernels.py's explicit tiles.
 Launches the launcher would compile to the same kernel are kept once (`sm90.launch_key`).
 """
 
@@ -21,7 +23,9 @@ from typing import Callable
 
 import torch
 
-from orinfer.kernels import activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv, sm90
+from orinfer.kernels import (activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv, sm90,
+                             w8_ops)
+from orinfer.kernels.w8 import W8Weight
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,15 +97,21 @@ def _w8a8(x, w, s, block, rb=None, bias=None, cfg=None) -> None:
 
 
 def _candidate_calls():
-    """Every candidate tile, as the bench's sweep and test_gpu_every_fp8_config_is_correct launch them."""
+    """Every candidate tile, as the bench's sweep (FP8 and W8) and test_gpu_every_fp8_config_is_correct launch
+    them."""
     block = (128, 128)
     for dtype in (torch.float16, torch.bfloat16):
         for (n, k), gated in itertools.product(((1536, 2048), QWEN3_8B["gate_up"]), (False, True)):
             w, s, _ = weight(n, k, block)
+            w8 = w8_weight(n, k, 128)
             for cfg in fp8_gemv.CANDIDATES:
                 yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w, s, block, gated=gated, cfg=cfg)
+                yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w8.codes, w8.scales, (1, 128), gated=gated,
+                              cfg=cfg, zeros=w8.zeros)
             for cfg, rows in itertools.product(fp8_mm.CANDIDATES, (1, 8, 64)):
                 yield partial(fp8_mm.fp8_mm, _x(rows, k, dtype), w, s, block, gated=gated, cfg=cfg)
+                yield partial(fp8_mm.fp8_mm, _x(rows, k, dtype), w8.codes, w8.scales, (1, 128), gated=gated,
+                              cfg=cfg, zeros=w8.zeros)
         for (n, k), rows in itertools.product(((1536, 2048), QWEN3_8B["o"]), (1, 64, 300, 2048)):
             for cfg in fp8_gemm.CANDIDATES:
                 yield partial(_w8a8, _x(rows, k, dtype), *weight(n, k, block)[:2], block, cfg=cfg)
@@ -132,6 +142,39 @@ def _test_file_calls():
         yield partial(fp8_quant.fp8_quantize_act, _x(case["rows"], case["k"], case["dtype"]), case["group"])
 
 
+@cache
+def w8_weight(n: int, k: int, group: int, sym: bool = True) -> W8Weight:
+    """A W8 weight of GPTQ-Int8's shapes as empty tensors; sym: one zero point (128), else a tensor of them."""
+    groups = -(-k // group)
+    zeros = 128 if sym else torch.empty(n, groups, dtype=torch.float16)
+    return W8Weight(torch.empty(n, k, dtype=torch.uint8), torch.empty(n, groups, dtype=torch.float16), zeros, group)
+
+
+def _w8_calls():
+    """The W8 dispatch over Qwen3-8B's shapes (groups of 128), odd shapes and groups (partial ones, whole rows), one
+    zero point or a tensor of them, every dtype and row count, gate/up fused and not; and tests/test_w8_kernels.py's
+    explicit tiles."""
+    import test_w8_kernels as t
+
+    shapes = [(n, k, 128, name == "gate_up", name == "qkv") for name, (n, k) in QWEN3_8B.items()]
+    shapes += [(44, 200, 32, False, True), (96, 264, 128, True, False), (40, 192, 192, False, False)]
+    for dtype, (n, k, group, gate_up, bias), sym in itertools.product(DTYPES, shapes, (True, False)):
+        w = w8_weight(n, k, group, sym)
+        for rows in DECODE_ROWS + PREFILL_ROWS:
+            x = _x(rows, k, dtype)
+            if gate_up:
+                yield partial(w8_ops.w8_gate_up_silu, x, w)
+                yield partial(w8_ops.unfused_w8_gate_up_silu, x, w)
+            else:
+                yield partial(w8_ops.w8_linear, x, w, torch.empty(n, dtype=dtype) if bias else None)
+    for c in _parametrized(t.test_w8_kernels):
+        w = w8_weight(c["n"], c["k"], c["k"] if c["group"] == -1 else c["group"], c["sym"])
+        kernel = fp8_gemv.fp8_gemv if c["rows"] == 1 else fp8_mm.fp8_mm
+        bias = torch.empty(c["n"] // 2 if c["gated"] else c["n"], dtype=c["dtype"]) if c["bias"] else None
+        yield partial(kernel, _x(c["rows"], c["k"], c["dtype"]), w.codes, w.scales, (1, w.group_size), None, bias,
+                      gated=c["gated"], cfg=c["cfg"], zeros=w.zeros)
+
+
 def _record(calls) -> list[sm90.Launch]:
     with sm90.recorded_launches(activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant,
                                 gemv) as launches:
@@ -156,16 +199,16 @@ def _dispatch_with(setting: dict, args: tuple) -> Callable[[], None]:
 def fp8_launches() -> list[tuple[sm90.Launch, bool]]:
     """The distinct launches (one per `sm90.launch_key`) in a fixed order, each with whether the engine makes it for
     Qwen3-8B in bf16 as configured by default (the dispatch's default settings on its shapes)."""
-    saved = fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F
+    saved = fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F, w8_ops.F
     fp8_ops.fp8_block_linear_ref = fp8_ops.fp8_gate_up_silu_ref = _no_reference
-    fp8_ops.F = SimpleNamespace(linear=_no_linear)
+    fp8_ops.F = w8_ops.F = SimpleNamespace(linear=_no_linear)
     try:
         calls = [(_dispatch_with(setting, args), default) for setting, default, args in _dispatch_calls()]
         production = _record(call for call, default in calls if default)
         others = _record(itertools.chain((call for call, default in calls if not default), _candidate_calls(),
-                                         _test_file_calls()))
+                                         _test_file_calls(), _w8_calls()))
     finally:
-        fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F = saved
+        fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F, w8_ops.F = saved
     unique: dict[str, tuple[sm90.Launch, bool]] = {}
     for launch, default in [(launch, True) for launch in production] + [(launch, False) for launch in others]:
         unique.setdefault(sm90.launch_key(launch), (launch, default))
@@ -182,7 +225,8 @@ def features(launch: sm90.Launch) -> dict[str, str]:
 
 def named_launches() -> dict[str, sm90.Launch]:
     """The default tiles' launches whose SASS tests/test_fp8_codegen.py reads, by name: the one-row GEMV (o and the
-    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows."""
+    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows, and
+    the GEMV and MMA on W8's uint8 codes (symmetric: one zero point; the GEMV also with a tensor of them)."""
     block = (128, 128)
     o, gate_up = weight(*QWEN3_8B["o"], block), weight(*QWEN3_8B["gate_up"], block)
     calls = {
@@ -194,5 +238,10 @@ def named_launches() -> dict[str, sm90.Launch]:
         "mm_64": partial(fp8_mm.fp8_mm, _x(64, 4096, torch.bfloat16), *o[:2], block),
         "gemm": partial(_w8a8, _x(2048, 4096, torch.bfloat16), *o[:2], block),
         "gemm_small_m": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block),
+        "w8_gemv": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128)),
+        "w8_gemv_gated": partial(w8_ops.w8_gate_up_silu, _x(1, 4096, torch.bfloat16), w8_weight(24576, 4096, 128)),
+        "w8_gemv_zeros": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128, False)),
+        "w8_mm": partial(w8_ops.w8_linear, _x(8, 4096, torch.bfloat16), w8_weight(4096, 4096, 128)),
+        "w8_mm_gated": partial(w8_ops.w8_gate_up_silu, _x(8, 4096, torch.bfloat16), w8_weight(24576, 4096, 128)),
     }
     return {name: _record([call])[-1] for name, call in calls.items()}     # (the W8A8 GEMM after the quantization)

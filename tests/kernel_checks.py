@@ -24,6 +24,16 @@ def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
     return dict(atol=t * scale, rtol=t * scale)
 
 
+def assert_stored_as_kernels_round(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> None:
+    """got (a kernel's output, any device) equals the fp32 values `exact` rounded once to `dtype` as a kernel's store
+    rounds them: to nearest on a GPU, by truncation for fp32 -> bf16 in the interpreter."""
+    if INTERPRET and dtype == torch.bfloat16:
+        want = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    else:
+        want = exact.to(dtype)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+
+
 def skip_module_without_kernels() -> None:
     """Skips the calling test module when Triton kernels can run neither on CUDA nor in the CPU interpreter."""
     if DEVICE.type == "cpu" and not INTERPRET:

@@ -13,9 +13,10 @@ PROMPT = [5, 17, 42, 99, 3, 150, 7, 8, 61]
 SMALL_KV = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, progress=False)
 
 
-def assert_matches_hf(model_dir, hf, steps: int = 16) -> LLM:
-    """Logits of a prefill + decode steps within 1e-3 of HF's, and `steps` greedy tokens identical. Returns the LLM."""
-    llm = LLM(model_dir, **SMALL_KV)
+def assert_matches_hf(model_dir, hf, steps: int = 16, llm: LLM | None = None) -> LLM:
+    """Logits of a prefill + decode steps within 1e-3 of HF's, and `steps` greedy tokens identical. Returns the LLM
+    (`llm`, or the torch backend's on the CPU)."""
+    llm = llm or LLM(model_dir, **SMALL_KV)
     ids = PROMPT + [7] * 5 + [1, 2, 3]
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]

@@ -132,7 +132,7 @@ def test_report_memory_row_shows_the_kv_tokens_the_copies_and_the_notes():
 @pytest.mark.parametrize("quant", ["fp8", "gptq4", "gptq8"])
 def test_synthetic_quantized_weights_are_valid_checkpoints(quant):
     """--quant fp8 | gptq4 | gptq8: random weights of the format (symmetric GPTQ zero points and plain group order,
-    so 4-bit layers repack into W4), weights of about the 16-bit ones' size, finite logits."""
+    so 4-bit layers repack into W4 and 8-bit ones into W8), weights of about the 16-bit ones' size, finite logits."""
     from orinfer.bench.run import SYNTHETIC_QUANT
     from orinfer.layers.gptq_linear import GPTQLinear
     from orinfer.layers.ops import TORCH_OPS
@@ -148,7 +148,8 @@ def test_synthetic_quantized_weights_are_valid_checkpoints(quant):
     # symmetric 4-bit codes span -8..7 steps: their mean is half a step (about 0.11 of their deviation) below 0
     assert 0.01 < w.std().item() < 0.04 and w.mean().abs().item() < 0.12 * w.std().item()
     if isinstance(layer, GPTQLinear):
-        assert layer.repacked == (quant == "gptq4")
+        assert layer.repacked and ("packed" if quant == "gptq4" else "codes") in dict(layer.named_parameters())
+        assert quant == "gptq4" or layer.w8.zeros == 128  # symmetric: one zero point, no zero-point tensor read
     else:
         assert layer.weight.dtype == torch.float8_e4m3fn
     llm = build_synthetic_llm(cfg, torch.float32, CPU, bench_plan(

@@ -18,6 +18,10 @@ Default tiles, from their launches on Qwen3-8B's shapes:
 - The W8A16 MMA unpacks the FP8 tile into the registers Hopper's wgmma reads (the unpacked tile never goes through
   shared memory) for bf16 x, converts with cvt for fp16 x, and nothing spills.
 - The W8A8 GEMM runs FP8 wgmma (QGMMA) and nothing spills.
+- On W8's uint8 codes (GPTQ-Int8), the one-row GEMV streams the same loads with one prmt per weight (the byte into
+  2^23's mantissa), then FADD (- 2^23 - zero) and FFMA: about 4.0 instructions per weight with symmetric GPTQ's one
+  zero point, 4.2 with a zero point per group; the MMA unpacks in the wgmma operand layout, two codes per prmt
+  instance, and nothing spills.
 Compiling takes ~1-15 s a kernel on the CPU: the slow tier.
 """
 
@@ -167,3 +171,26 @@ def test_w8a16_mma_fp16_and_w8a8_gemm(compiled):
         assert compiled[name]["stack"] == 0, f"{name}: {compiled[name]['stack']} bytes of spills"
         assert any(op.startswith("QGMMA") for op in compiled[name]["ops"]), f"{name}: no FP8 wgmma"
     assert compiled["gemm"]["loops"], "no K loop"
+
+
+@pytest.mark.parametrize("name,most", [("w8_gemv", 4.1), ("w8_gemv_gated", 4.1), ("w8_gemv_zeros", 4.4)])
+def test_w8_gemv_loop(compiled, name, most):
+    got = compiled[name]
+    assert got["stack"] == 0, f"{got['stack']} bytes of spills"
+    assert got["ops"].count("LDG.E.EF.128") * 16 == got["weights"], "codes not read as 16-byte evict-first loads"
+    (loop,) = got["loops"]
+    assert not [op for op in loop if op.startswith(("BAR", "LDS", "STS", "SHFL", "I2F"))], "x re-laid out or I2F"
+    ops = [op.split(".")[0] for op in loop]
+    assert got["weights"] <= ops.count("PRMT") < 1.2 * got["weights"], "not one prmt per weight"
+    per_weight = len(loop) / got["weights"]
+    assert per_weight < most, f"{per_weight:.2f} SASS instructions per weight in the loop"
+
+
+@pytest.mark.parametrize("name", ["w8_mm", "w8_mm_gated"])
+def test_w8_mma_unpacks_uint8_codes_into_wgmma_registers(compiled, name):
+    got = compiled[name]
+    assert got["stack"] == 0, f"{got['stack']} bytes of spills"
+    unpack = [line for line in got["ttgir"].splitlines() if "tt.elementwise_inline_asm" in line and "prmt.b32" in line]
+    assert unpack and all("dot_op<{opIdx = 0" in line and "packed_element = 2" in line for line in unpack)
+    assert any(op.startswith("HGMMA") for op in got["ops"])
+    assert not [op for loop in got["loops"] for op in loop if op.startswith("I2F")], "integer -> float converts"

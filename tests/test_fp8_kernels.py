@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, INTERPRET, gpu, poison_allocations, randn, tol
+from kernel_checks import DEVICE, INTERPRET, assert_stored_as_kernels_round, gpu, poison_allocations, randn, tol
 from quant_packers import fp8_pack
 from orinfer.fp8_config import FP8Config
 from orinfer.kernels import fp8_ops, splitk
@@ -181,11 +181,7 @@ def test_fp8_dequantize_matches_the_reference_bit_for_bit(n, k, block, shards, d
     weight, scale, row_block, _ = fp8_weight(n, k, block, shards)
     got = fp8_dequantize(weight, scale, block, row_block, dtype)
     exact = fp8_block_dequantize_ref(weight.cpu(), scale.cpu(), block, None if row_block is None else row_block.cpu())
-    if INTERPRET and dtype == torch.bfloat16:   # the interpreter rounds fp32 -> bf16 by truncation, a GPU to nearest
-        want = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
-    else:
-        want = exact.to(dtype)
-    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+    assert_stored_as_kernels_round(got, exact, dtype)
 
 
 # --- the dispatch by row count --------------------------------------------------------------------------------------

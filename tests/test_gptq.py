@@ -111,6 +111,37 @@ def test_gptq_model_logits_and_greedy_match_hf(gptq_pair):
     assert_matches_hf(gptq, hf)
 
 
+@pytest.mark.slow  # the whole model through Triton's CPU interpreter; CI's slow tier and the GPU run it
+@needs_kernels
+@pytest.mark.parametrize("case", ["qwen3-int8-g-1", "qwen2-int8-g32-actorder"])
+def test_gptq8_model_on_the_triton_kernels_matches_hf(case, tmp_path, monkeypatch):
+    """8-bit layers in W8 through the Triton op table (the W8A16 MMA for the prompt, the GEMV and fused gate/up for
+    decode; act-order, Qwen2's q|k|v bias and a partial last group of down_proj in the second case) against HF."""
+    from test_awq import _triton_llm
+
+    monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
+    kind, bits, group, desc_act = CASES[case]
+    orig = save_hf_model(build_hf_model(kind), tmp_path / "orig")
+    state = write_gptq_checkpoint(orig, tmp_path / "gptq", bits, group, desc_act)
+    llm = _triton_llm(tmp_path / "gptq")
+    assert all("codes" in dict(m.named_parameters()) for m in _gptq_layers(llm))
+    assert_matches_hf(tmp_path / "gptq", hf_with_weights(build_hf_model(kind), state), steps=8, llm=llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_gpu_gptq8_model_triton_matches_torch_backend(tmp_path, cuda_graph):
+    """A tiny GPTQ-Int8 Qwen2 (act-order, q|k|v bias, a partial group) on CUDA in fp32: the triton backend (W8 GEMV,
+    MMA, fused gate/up, CUDA graphs) gives the torch backend's greedy tokens, one sequence and a batch of five."""
+    from quant_parity import assert_triton_matches_torch_on_cuda
+
+    kind, bits, group, desc_act = CASES["qwen2-int8-g32-actorder"]
+    orig = save_hf_model(build_hf_model(kind), tmp_path / "orig")
+    write_gptq_checkpoint(orig, tmp_path / "gptq", bits, group, desc_act)
+    assert_triton_matches_torch_on_cuda(tmp_path / "gptq", cuda_graph)
+
+
 def test_gptq_checkpoint_tensors_round_trip(gptq_pair):
     gptq, _ = gptq_pair
     tensors = load_file(str(gptq / "model.safetensors"))
@@ -189,41 +220,46 @@ def _gptq_layers(llm):
 
 
 @pytest.mark.parametrize("case,repacked", [("qwen3-int4-g32", "all"), ("qwen3-int4-g32-actorder-partial", "some"),
-                                           ("qwen3-int8-g-1", "none")])
-def test_which_layers_run_on_w4(case, repacked, tmp_path):
-    """4-bit layers whose groups divide in_features run on W4 (act-order included); partial groups and 8-bit keep
-    GPTQ's layout. Logits match HF either way (test_gptq_model_logits_and_greedy_match_hf)."""
+                                           ("qwen3-int8-g-1", "all"), ("qwen2-int8-g32-actorder", "all")])
+def test_which_layers_are_repacked(case, repacked, tmp_path):
+    """4-bit layers whose groups divide in_features run on W4 (act-order included), partial groups keep GPTQ's
+    layout; 8-bit layers all run on W8 (partial groups and act-order included). Logits match HF either way
+    (test_gptq_model_logits_and_greedy_match_hf)."""
     kind, bits, group, desc_act = CASES[case]
     orig = save_hf_model(build_hf_model(kind), tmp_path / "orig")
     write_gptq_checkpoint(orig, tmp_path / "gptq", bits, group, desc_act)
-    flags = [m.repacked for m in _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV))]
-    assert {"all": all(flags), "some": any(flags) and not all(flags), "none": not any(flags)}[repacked]
+    layers = _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV))
+    flags = [m.repacked for m in layers]
+    assert {"all": all(flags), "some": any(flags) and not all(flags)}[repacked]
+    layout = "packed" if bits == 4 else "codes"
+    assert all(layout in dict(m.named_parameters()) for m in layers if m.repacked)
     if desc_act:
-        assert any(m.input_perm is not None for m in _gptq_layers(LLM(tmp_path / "gptq", **SMALL_KV)))
+        assert any(m.input_perm is not None for m in layers)
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5])
-def test_triton_w4_path_matches_the_reference(rows, monkeypatch):
-    """A packed gate|up and a q|k|v GPTQ layer with act-order through the Triton op table (AWQ's W4 GEMV / GEMM,
-    the interpreter on the CPU) against the GPTQ reference."""
+@pytest.mark.parametrize("bits,rows", [(4, 1), (4, 5), (8, 1), (8, 5), (8, 70)])
+def test_triton_repacked_path_matches_the_reference(bits, rows, monkeypatch):
+    """A packed gate|up and a q|k|v GPTQ layer with act-order through the Triton op table (4 bits: AWQ's W4 GEMV /
+    GEMM; 8 bits: the W8 GEMV, MMA and, at 70 rows, dequantise + matmul; the interpreter on the CPU) against the GPTQ
+    reference."""
     from orinfer.layers.triton_ops import triton_ops
 
     monkeypatch.setenv("ORINFER_AUTOTUNE", "0")
     gen = torch.Generator().manual_seed(rows)
     for sizes in ({0: 48, 1: 48}, {"q": 64, "k": 16, "v": 16}):
-        layer = make_linear(GPTQConfig(bits=4, group_size=32, desc_act=True), 64, sizes, False, triton_ops(),
-                            torch.float32)
-        ref = make_linear(GPTQConfig(bits=4, group_size=32, desc_act=True), 64, sizes, False, TORCH_OPS,
-                          torch.float32)
+        quant = GPTQConfig(bits=bits, group_size=32, desc_act=True)
+        layer = make_linear(quant, 64, sizes, False, triton_ops(), torch.float32)
+        ref = make_linear(quant, 64, sizes, False, TORCH_OPS, torch.float32)
         for shard, cols in sizes.items():
-            packed, _ = gptq_pack(torch.randn(cols, 64, generator=gen), 4, 32, True, seed=11)  # one shared order
+            packed, _ = gptq_pack(torch.randn(cols, 64, generator=gen), bits, 32, True, seed=11)  # one shared order
             for kind, tensor in packed.items():
                 for target in (layer, ref):
                     param = getattr(target, kind)
                     param.weight_loader(param, tensor, shard, f"{shard}.{kind}")
         layer.to(DEVICE).finish_loading()
         assert layer.repacked and layer.input_perm is not None and not ref.repacked
+        assert ("packed" if bits == 4 else "codes") in dict(layer.named_parameters())
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), ref(x), atol=1e-4, rtol=1e-4)
         if 0 in sizes:

@@ -22,6 +22,13 @@ Traffic: N*K bytes of weight + N*K/(bn*bk)*4 of scales + 2K of x (from L2/L1, pe
 bf16 GEMV's bytes, so the target time is N*K / (HBM read bandwidth). Qwen3-8B in FP8: qkv 6144x4096 = 25 MB (6 us on an
 H100 at 3.35 TB/s... 4.3 TB/s on an H200), o 4096x4096 = 17 MB, gate_up 24576x4096 = 101 MB, down 4096x12288 = 50 MB.
 More rows: `kernels/fp8_mm.py` (tensor cores, split-K).
+
+8-bit integer codes (the W8 layout of GPTQ-Int8, `kernels/w8.py`): the same kernel with CODES = UINT8, weight uint8
+[N, K], scales fp16 [N, groups] with bn = 1 and bk = the group size, and zeros [N, groups] (the zero points, same
+shape and strides as the scales; or one zero point for all, a constexpr: symmetric GPTQ's 128): y[n] = sum_c s[n, c] *
+sum_{k in chunk c} (q[n, k] - z[n, c]) x[k], q - z formed exactly in fp32 (`tiles.code_values`: the byte put into
+2^23's mantissa by one prmt and one FADD per weight, then the FMA; about 4.2 SASS instructions per weight). Traffic:
+N*K bytes + 2 bytes of scale (+ 2 of zero point) per (row, group): 1.6% (3.1%) at groups of 128.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import triton.language as tl
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.tiles import epilogue
+from orinfer.kernels.tiles import UINT8, code_args, code_values, epilogue, zero_offsets
 
 VEC = 16  # FP8 weights per thread per load: 16 bytes, one LDG.128
 
@@ -80,22 +87,31 @@ def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sums(acc, w_ptrs, s_ptrs, x, kmask, smask, EVEN_K: tl.constexpr):
-    """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights."""
+def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexpr, ZERO: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights (uint8 codes:
+    of (q - z) * x)."""
+    zoff = 0.0
     if EVEN_K:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
         s = tl.load(s_ptrs)
+        if CODES == UINT8:
+            zoff = zero_offsets(z_ptrs, None, ZERO)
     else:
         w = tl.load(w_ptrs, mask=kmask[:, None, :], other=0.0, eviction_policy="evict_first")
         s = tl.load(s_ptrs, mask=smask[:, None], other=0.0)
-    return acc + tl.sum(w.to(tl.float32) * x[:, None, :], axis=2) * s
+        if CODES == UINT8:       # masked inputs have x = 0: any value of q - z times it is 0
+            zoff = zero_offsets(z_ptrs, smask[:, None], ZERO)
+    if CODES == UINT8 and ZERO < 0:
+        zoff = zoff[:, :, None]
+    return acc + tl.sum(code_values(w, zoff, CODES) * x[:, None, :], axis=2) * s.to(tl.float32)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
-                     BN: tl.constexpr, BK: tl.constexpr, HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     GATED: tl.constexpr, CLAMP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
+                     BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
+                     HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: wait for the previous kernel before touching memory
         gdc_wait()
     CH: tl.constexpr = BLOCK_K // 16
@@ -107,10 +123,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stri
     kk = offs_c[:, None] * 16 + tl.arange(0, 16)[None, :]                    # [CH, VEC] inputs of a step
     wg_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + kk[:, None, :]
     wu_ptrs = wg_ptrs + UP * stride_wn
-    sg_ptrs = s_ptr + _scale_rows(rb_ptr, rn, BN, HAS_RB)[None, :] * stride_sn
-    su_ptrs = sg_ptrs
+    sg_offs = _scale_rows(rb_ptr, rn, BN, HAS_RB)[None, :] * stride_sn    # zero points: the scales' offsets
+    su_offs = sg_offs
     if GATED:
-        su_ptrs = s_ptr + _scale_rows(rb_ptr, rn + UP, BN, HAS_RB)[None, :] * stride_sn
+        su_offs = _scale_rows(rb_ptr, rn + UP, BN, HAS_RB)[None, :] * stride_sn
     acc_g = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -118,9 +134,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stri
         smask = (k0 + offs_c * 16) < K
         sc = ((k0 + offs_c * 16) // BK)[:, None]                              # each chunk's scale column
         x = _load_x(x_ptr, k0, K, CH, EVEN_K)
-        acc_g = _chunk_sums(acc_g, wg_ptrs + k0, sg_ptrs + sc, x, kmask, smask, EVEN_K)
+        acc_g = _chunk_sums(acc_g, wg_ptrs + k0, s_ptr + sg_offs + sc, z_ptr + sg_offs + sc, x, kmask, smask,
+                            CODES, ZERO, EVEN_K)
         if GATED:
-            acc_u = _chunk_sums(acc_u, wu_ptrs + k0, su_ptrs + sc, x, kmask, smask, EVEN_K)
+            acc_u = _chunk_sums(acc_u, wu_ptrs + k0, s_ptr + su_offs + sc, z_ptr + su_offs + sc, x, kmask, smask,
+                                CODES, ZERO, EVEN_K)
     if PDL:  # the main loop is done: let the next kernel launch while this one reduces and stores
         gdc_launch_dependents()
     g = tl.sum(acc_g, axis=0)
@@ -134,20 +152,29 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stri
 
 def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                      row_block: torch.Tensor | None, k: int, bias: torch.Tensor | None = None,
-                     gated: bool = False) -> int:
+                     gated: bool = False, zeros: torch.Tensor | int | None = None) -> int:
     """The number of outputs (N, or N / 2 for a packed gate_up when `gated`); raises ValueError unless weight [N, k]
     is row-major float8_e4m3fn and scale [rows, ceil(k / bk)] fp32 fits it (rows = ceil(N / bn), or any count with a
-    row_block [N] map) with unit last stride, and a bias is contiguous [outputs]."""
+    row_block [N] map) with unit last stride, and a bias is contiguous [outputs]. With `zeros` (8-bit integer codes,
+    module docstring): weight uint8, scale fp16 or fp32, zeros of the scale's shape and strides, fp16 or fp32, or
+    one zero point for all (an int 0..256)."""
     n = weight.shape[0]
     bn, bk = block_size
-    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
-        raise ValueError(f"FP8 weight {tuple(weight.shape)} {weight.dtype} must be a row-major float8_e4m3fn "
+    fmt, codes = ("W8", torch.uint8) if zeros is not None else ("FP8", FP8_DTYPE)
+    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != codes or weight.stride(1) != 1:
+        raise ValueError(f"{fmt} weight {tuple(weight.shape)} {weight.dtype} must be a row-major {codes} "
                          f"[N, {k}] matrix")
     rows = scale.shape[0] if row_block is not None else -(-n // bn)
-    if (scale.dim() != 2 or tuple(scale.shape) != (rows, -(-k // bk)) or scale.dtype != torch.float32
+    scale_types = (torch.float32,) if zeros is None else (torch.float32, torch.float16)
+    if (scale.dim() != 2 or tuple(scale.shape) != (rows, -(-k // bk)) or scale.dtype not in scale_types
             or scale.stride(1) != 1):
-        raise ValueError(f"FP8 scales {tuple(scale.shape)} {scale.dtype} do not fit a weight {tuple(weight.shape)} "
+        raise ValueError(f"{fmt} scales {tuple(scale.shape)} {scale.dtype} do not fit a weight {tuple(weight.shape)} "
                          f"in blocks {tuple(block_size)}")
+    if isinstance(zeros, int) and not 0 <= zeros <= 256:
+        raise ValueError(f"a uint8 code's zero point {zeros} is not in 0..256")
+    if isinstance(zeros, torch.Tensor) and (zeros.shape != scale.shape or zeros.stride() != scale.stride()
+                                            or zeros.dtype not in scale_types):
+        raise ValueError(f"zero points {tuple(zeros.shape)} {zeros.dtype} must have the scales' shape and strides")
     if row_block is not None and (tuple(row_block.shape) != (n,) or row_block.dtype != torch.int32):
         raise ValueError(f"row_block must be int32 [{n}], got {tuple(row_block.shape)} {row_block.dtype}")
     if gated and n % 2:
@@ -160,13 +187,14 @@ def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tupl
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
              row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None, gated: bool = False,
-             cfg: Fp8GemvConfig | None = None) -> torch.Tensor:
+             cfg: Fp8GemvConfig | None = None, zeros: torch.Tensor | int | None = None) -> torch.Tensor:
     """y = x W^T (+ b) [..., N] for x [..., K] holding one row, in x's dtype (`fp8_block_linear_ref`'s values up to
     summation order); gated: weight is a packed [2I, K] gate_up and the result silu(x Wg^T) * (x Wu^T) [..., I].
-    Needs bk % 16 == 0 (Qwen's 128); `cfg` forces a tile (benchmarks, tests)."""
+    Needs bk % 16 == 0 (Qwen's 128); `cfg` forces a tile (benchmarks, tests). `zeros`: uint8 codes with these zero
+    points, or this one zero point (module docstring; `kernels/w8_ops.py` calls it so)."""
     check_device(x)
     k = x.shape[-1]
-    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated)
+    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated, zeros)
     bn, bk = block_size
     if bk % VEC:
         raise ValueError(f"fp8_gemv needs a block width that is a multiple of {VEC}, got {bk}")
@@ -177,9 +205,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_s
     cfg = cfg or (DEFAULT_GATED if gated else DEFAULT)
     block_k = min(cfg.block_k, max(VEC, triton.next_power_of_2(k)))   # short rows: one step, no masked-off chunks
     pdl = use_pdl(x1)
+    z = zeros if isinstance(zeros, torch.Tensor) else scale                 # any pointer when not read
     _fp8_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        x1, weight, scale, scale if row_block is None else row_block, scale if bias is None else bias, out, n_out,
-        k, weight.stride(0), scale.stride(0), n_out if gated else 0, BN=bn, BK=bk, HAS_RB=row_block is not None,
+        x1, weight, scale, z, scale if row_block is None else row_block,
+        scale if bias is None else bias, out, n_out, k, weight.stride(0), scale.stride(0), n_out if gated else 0,
+        BN=bn, BK=bk, **code_args(zeros), HAS_RB=row_block is not None,
         HAS_BIAS=bias is not None, GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)

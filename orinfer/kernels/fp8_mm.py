@@ -26,6 +26,10 @@ program multiplies the gate rows n and the up rows I + n and stores silu(g) * u 
 Traffic: N*K bytes of weight per BLOCK_M rows of x + M*K*2 of x per BLOCK_N weight rows (L2) + M*N*2 out +
 SPLIT*M*N*4 of partials (L2): bound by the weight read, the target is N*K / HBM bandwidth, half the bf16 GEMM's bytes.
 More rows (prefill): `kernels/fp8_gemm.py` (W8A8 on FP8 tensor cores).
+
+8-bit integer codes (W8, `kernels/w8.py`; CODES = UINT8, as in `kernels/fp8_gemv.py`): uint8 weight, fp16 scales and
+zero points per (row, group) (or one for all), bn = 1, bk = the group size. The operand is q - z, formed exactly in fp32
+(`tiles.code_values`) and converted to x's 16-bit type, exact (integers of at most 9 bits): no 2^64 trick.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
 from orinfer.kernels.gemv import as_rows, check_device, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import counters, plan, splitk_store
-from orinfer.kernels.tiles import grouped_tile, tile_rows
+from orinfer.kernels.tiles import (E4M3, UINT8, code_args, code_values, grouped_tile, tile_rows,
+                                   zero_offsets)
 
 A16_BF16, A16_FP16, PLAIN = 0, 1, 2
 
@@ -63,9 +68,18 @@ _UNDO = tl.constexpr(2.0 ** 56)  # ... and the row scales times 2^56 back
 
 
 @triton.jit
-def _w_operand(w, MODE: tl.constexpr):
-    """The weight tile as the MMA's first operand (module docstring, MODE)."""
-    if MODE == 0:
+def _w_operand(w, MODE: tl.constexpr, CODES: tl.constexpr = 0, zoff=0.0):
+    """The weight tile as the MMA's first operand (module docstring, MODE; CODES = UINT8: q - z in x's type, zoff as
+    `tiles.code_values` takes it). The MoE decode kernel shares it (e4m3 codes)."""
+    if CODES == UINT8:
+        v = code_values(w, zoff, CODES, 2)              # the operand layout holds pairs along K
+        if MODE == 0:
+            return v.to(tl.bfloat16)
+        elif MODE == 1:
+            return v.to(tl.float16)
+        else:
+            return v
+    elif MODE == 0:
         return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
     elif MODE == 1:
         return w.to(tl.float16)
@@ -74,40 +88,53 @@ def _w_operand(w, MODE: tl.constexpr):
 
 
 @triton.jit
-def _x_operand(x, MODE: tl.constexpr):
-    """The x^T tile as the MMA's second operand."""
-    if MODE == 0:
+def _x_operand(x, MODE: tl.constexpr, CODES: tl.constexpr = 0):
+    """The x^T tile as the MMA's second operand (bf16 x against e4m3 codes: times 2^64)."""
+    if MODE == 0 and CODES == E4M3:
         return x * _X_UP
-    elif MODE == 1:
-        return x
-    else:
+    elif MODE == 2:
         return x.to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
-def _acc_step(acc, w_ptrs, s_ptrs, xb, kmask, MODE: tl.constexpr, ROW_UNIFORM: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_values(ptrs, ROW_UNIFORM: tl.constexpr):
+    """A K step's scales as fp32: one for the tile, or one per weight row [BLOCK_N, 1]."""
+    if ROW_UNIFORM:
+        return tl.load(ptrs).to(tl.float32)
+    else:
+        return tl.load(ptrs).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _acc_step(acc, w_ptrs, s_ptrs, z_ptrs, xb, kmask, MODE: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
+              ROW_UNIFORM: tl.constexpr, EVEN_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] + s * dot(weight tile, x tile) for one K step."""
     if EVEN_K:
         w = tl.load(w_ptrs)
-    else:
+    else:               # masked inputs have x = 0, whatever the weight operand is there
         w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+    zoff = 0.0
+    if CODES == UINT8:
+        zoff = zero_offsets(z_ptrs, None, ZERO)
+        if ZERO < 0 and not ROW_UNIFORM:
+            zoff = zoff[:, None]
     if MODE == 2:
-        part = tl.dot(_w_operand(w, MODE), xb, input_precision="ieee")
+        part = tl.dot(_w_operand(w, MODE, CODES, zoff), xb, input_precision="ieee")
     else:
-        part = tl.dot(_w_operand(w, MODE), xb)
-    if ROW_UNIFORM:                                     # the tile's rows share one scale row: a scalar
-        rs = tl.load(s_ptrs)
-    else:
-        rs = tl.load(s_ptrs)[:, None]
-    if MODE == 0:
+        part = tl.dot(_w_operand(w, MODE, CODES, zoff), xb)
+    rs = _row_values(s_ptrs, ROW_UNIFORM)               # the tile's rows share one scale row: a scalar
+    if MODE == 0 and CODES == E4M3:
         rs = rs * _UNDO
     return acc + part * rs
 
 
 @triton.jit
-def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N_OUT, K, stride_xm,
+def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N_OUT, K, stride_xm,
                    stride_wn, stride_sn, stride_om, UP, STEPS, BN: tl.constexpr, BK: tl.constexpr,
-                   MODE: tl.constexpr, HAS_RB: tl.constexpr, ROW_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   MODE: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr, HAS_RB: tl.constexpr,
+                   ROW_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                    GATED: tl.constexpr, CLAMP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    PDL: tl.constexpr):
@@ -120,12 +147,12 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     x_ptrs = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]       # x^T [BLOCK_K, BLOCK_M]
     wg_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
     wu_ptrs = wg_ptrs + UP * stride_wn
-    if ROW_UNIFORM:
-        sg_ptrs = s_ptr + ((pid_n * BLOCK_N) // BN) * stride_sn
-        su_ptrs = s_ptr + ((pid_n * BLOCK_N + UP) // BN) * stride_sn
+    if ROW_UNIFORM:                                   # zero points: at the scales' offsets
+        sg_offs = ((pid_n * BLOCK_N) // BN) * stride_sn
+        su_offs = ((pid_n * BLOCK_N + UP) // BN) * stride_sn
     else:
-        sg_ptrs = s_ptr + _scale_rows(rb_ptr, rn, BN, HAS_RB) * stride_sn
-        su_ptrs = s_ptr + _scale_rows(rb_ptr, rn + UP, BN, HAS_RB) * stride_sn
+        sg_offs = _scale_rows(rb_ptr, rn, BN, HAS_RB) * stride_sn
+        su_offs = _scale_rows(rb_ptr, rn + UP, BN, HAS_RB) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     step_lo = 0
@@ -141,10 +168,12 @@ def _fp8_mm_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
             xt = tl.load(x_ptrs + k0)
         else:
             xt = tl.load(x_ptrs + k0, mask=kmask[:, None], other=0.0)
-        xb = _x_operand(xt, MODE)
-        acc_g = _acc_step(acc_g, wg_ptrs + k0, sg_ptrs + kb, xb, kmask, MODE, ROW_UNIFORM, EVEN_K)
+        xb = _x_operand(xt, MODE, CODES)
+        acc_g = _acc_step(acc_g, wg_ptrs + k0, s_ptr + sg_offs + kb, z_ptr + sg_offs + kb, xb, kmask, MODE, CODES,
+                          ZERO, ROW_UNIFORM, EVEN_K)
         if GATED:
-            acc_u = _acc_step(acc_u, wu_ptrs + k0, su_ptrs + kb, xb, kmask, MODE, ROW_UNIFORM, EVEN_K)
+            acc_u = _acc_step(acc_u, wu_ptrs + k0, s_ptr + su_offs + kb, z_ptr + su_offs + kb, xb, kmask, MODE,
+                              CODES, ZERO, ROW_UNIFORM, EVEN_K)
     if PDL:
         gdc_launch_dependents()
     g = tl.trans(acc_g)                               # [BLOCK_M, BLOCK_N]: row-major, coalesced stores
@@ -191,12 +220,13 @@ def sm_count(device: torch.device) -> int:
 
 def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
            row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None, gated: bool = False,
-           cfg: Fp8MmConfig | None = None) -> torch.Tensor:
+           cfg: Fp8MmConfig | None = None, zeros: torch.Tensor | int | None = None) -> torch.Tensor:
     """y = x W^T (+ b) [..., N] in x's dtype for x [..., K] fp32/fp16/bf16 (gated: weight is a packed [2I, K] gate_up
-    and y = silu(x Wg^T) * (x Wu^T) [..., I]). Needs bk % 16 == 0; `cfg` forces a tile (benchmarks, tests)."""
+    and y = silu(x Wg^T) * (x Wu^T) [..., I]). Needs bk % 16 == 0; `cfg` forces a tile (benchmarks, tests). `zeros`:
+    uint8 codes with these zero points, or this one zero point (module docstring)."""
     check_device(x)
     k = x.shape[-1]
-    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated)
+    n_out = check_fp8_weight(weight, scale, block_size, row_block, k, bias, gated, zeros)
     bn, bk = block_size
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or bk % 16:
         raise ValueError(f"fp8_mm takes fp32/fp16/bf16 x and bk % 16 == 0; got {x.dtype}, bk {bk}")
@@ -217,10 +247,12 @@ def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_siz
     # One scale row for a whole tile (Qwen's shapes): a scalar load per step instead of one per row.
     row_uniform = row_block is None and bn % cfg.block_n == 0 and (not gated or n_out % bn == 0)
     pdl = use_pdl(x2)
+    z = zeros if isinstance(zeros, torch.Tensor) else scale                 # any pointer when not read
     _fp8_mm_kernel[(tiles, split)](
-        x2, weight, scale, scale if row_block is None else row_block, out if bias is None else bias, out, ws,
-        counters(x.device) if split > 1 else scale, m, n_out, k, x2.stride(0), weight.stride(0), scale.stride(0),
-        out.stride(0), n_out if gated else 0, per_split, BN=bn, BK=bk, MODE=mode, HAS_RB=row_block is not None,
+        x2, weight, scale, z, scale if row_block is None else row_block,
+        out if bias is None else bias, out, ws, counters(x.device) if split > 1 else scale, m, n_out, k, x2.stride(0),
+        weight.stride(0), scale.stride(0), out.stride(0), n_out if gated else 0, per_split, BN=bn, BK=bk, MODE=mode,
+        **code_args(zeros), HAS_RB=row_block is not None,
         ROW_UNIFORM=row_uniform, HAS_BIAS=bias is not None, GATED=gated, CLAMP16=x.dtype == torch.float16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT=split, EVEN_K=k % block_k == 0,
         PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)

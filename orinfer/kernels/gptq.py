@@ -64,6 +64,19 @@ def gptq_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     return fp16_guard(F.linear(x, w, None if bias is None else bias.to(x.dtype)))
 
 
+def gptq_input_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input permutation that makes g_idx's groups contiguous runs of `group_size`: None when g_idx already is
+    k // G; ValueError when no permutation does (groups of other sizes)."""
+    k = g_idx.shape[0]
+    plain = torch.arange(k, device=g_idx.device) // group_size
+    if torch.equal(g_idx.long(), plain):
+        return None
+    perm = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[perm], plain):
+        raise ValueError("g_idx does not hold groups of group_size inputs each")
+    return perm
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement into int32
 

@@ -12,21 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from orinfer.kernels.gptq import pack_gptq_cols, pack_gptq_rows, unpack_gptq_cols, unpack_gptq_rows
+from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows, unpack_gptq_cols,
+                                 unpack_gptq_rows)
 from orinfer.kernels.w4 import W4Weight, check_group_size, w4_from_codes, w4_unpack
-
-
-def gptq_input_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
-    """The input permutation that makes g_idx's groups contiguous runs of `group_size`: None when g_idx already is
-    k // G; ValueError when no permutation does (groups of other sizes)."""
-    k = g_idx.shape[0]
-    plain = torch.arange(k, device=g_idx.device) // group_size
-    if torch.equal(g_idx.long(), plain):
-        return None
-    perm = torch.argsort(g_idx.long(), stable=True)
-    if not torch.equal(g_idx.long()[perm], plain):
-        raise ValueError("g_idx does not hold groups of group_size inputs each")
-    return perm
 
 
 def gptq_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,

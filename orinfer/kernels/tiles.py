@@ -1,10 +1,72 @@
-"""Triton helpers shared by the quantized matmul kernels (W4, FP8): the grouped order of output tiles and the epilogue
-that turns fp32 sums into stored values (bias, fused SwiGLU with the unfused path's roundings, fp16 clamp)."""
+"""Triton helpers shared by the quantized matmul kernels (W4, FP8, W8): the grouped order of output tiles, the epilogue
+that turns fp32 sums into stored values (bias, fused SwiGLU with the unfused path's roundings, fp16 clamp), and the
+conversion of 8-bit weight codes (e4m3, or uint8 with a zero point) to fp32."""
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+
+E4M3, UINT8 = tl.constexpr(0), tl.constexpr(1)      # the 8-bit code types (`code_values`' CODES)
+_TWO_23 = tl.constexpr(8388608.0)
+
+
+def _u8_to_f32_asm(pack: int) -> str:
+    """PTX: `pack` uint8 codes (the low bytes of $pack) -> the fp32 bits of 2^23 + code in $0..$pack-1. prmt builds
+    each word from byte i of the input (selector nibble i), two zero bytes and 0x4B (bytes 4 and 7 of c): one
+    instruction per weight, where the compiler's own byte extraction and or take two."""
+    return "\n".join(["{", ".reg .b32 c;", "mov.b32 c, 0x4B000000;",
+                      *(f"prmt.b32 ${i}, ${pack}, c, 0x{0x7440 + i:x};" for i in range(pack)), "}"])
+
+
+_U8_TO_F32_2 = tl.constexpr(_u8_to_f32_asm(2))
+_U8_TO_F32_4 = tl.constexpr(_u8_to_f32_asm(4))
+# The CPU interpreter runs no PTX: it takes the plain Triton form of the same bit operations.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def code_args(zeros: object) -> dict[str, int]:
+    """A kernel's CODES and ZERO arguments for `zeros`: None: e4m3 codes; a tensor: uint8 codes with a zero point per
+    (row, group) read from it (ZERO = -1); an int: uint8 codes whose zero points all equal it (symmetric GPTQ's 128:
+    no zero-point traffic)."""
+    if zeros is None:
+        return {"CODES": E4M3.value, "ZERO": -1}
+    return {"CODES": UINT8.value, "ZERO": zeros if isinstance(zeros, int) else -1}
+
+
+@triton.jit
+def zero_offsets(z_ptrs, mask, ZERO: tl.constexpr):
+    """The `code_values` offsets 2^23 + z of uint8 codes' zero points z (exact in fp32): the constant of a uniform
+    zero point ZERO >= 0, or the fp16 / fp32 values at z_ptrs (where `mask`; None: everywhere)."""
+    if ZERO >= 0:
+        return _TWO_23 + ZERO
+    elif mask is None:
+        return tl.load(z_ptrs).to(tl.float32) + _TWO_23
+    else:
+        return tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32) + _TWO_23
+
+
+@triton.jit
+def code_values(w, zoff, CODES: tl.constexpr, PACK: tl.constexpr = 4):
+    """8-bit weight codes w as fp32, before their scale. CODES == E4M3: the float8_e4m3fn values (zoff unused).
+    CODES == UINT8: code - zero, exact, for zoff = 2^23 + zero (`zero_offsets`) broadcastable to w: the byte or-ed
+    into the low mantissa bits of 2^23 reads as 2^23 + code, and one subtraction leaves code - zero (no integer ->
+    float convert, which runs at a quarter of the FMA rate on sm_90). PACK (2 or 4): codes per PTX instance, as many
+    as a thread holds contiguous in w's layout (16-byte loads: 4; an MMA operand of kWidth 2: 2), so that no bytes
+    are shuffled into place first."""
+    if CODES == E4M3:
+        return w.to(tl.float32)
+    elif _INTERPRETED:
+        return (w.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - zoff
+    elif PACK == 2:
+        return tl.inline_asm_elementwise(_U8_TO_F32_2, "=r,=r,r", [w], dtype=tl.float32, is_pure=True,
+                                         pack=2) - zoff
+    else:
+        return tl.inline_asm_elementwise(_U8_TO_F32_4, "=r,=r,=r,=r,r", [w], dtype=tl.float32, is_pure=True,
+                                         pack=4) - zoff
 
 
 @triton.jit

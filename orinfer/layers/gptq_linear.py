@@ -6,10 +6,14 @@ the output, qweight, qzeros and scales concatenate by columns (every shard's N i
 two shards), while g_idx stays one row per shard ([S, K]): each checkpoint matrix has its own, and with act-order
 they need not agree. Forward is `ops.gptq_linear` (the torch backend dequantises per call).
 
-4-bit layers whose groups W4 can hold (group size 16, 32, 64 or a multiple of 128 dividing K; one act-order shared by
-all shards, as GPTQ gives q|k|v and gate|up, which read the same input) are repacked by `finish_loading` into the W4
-layout (kernels/gptq_w4.py): qweight/qzeros/scales are replaced by packed/w4_scales/w4_zeros, x's columns are
-permuted once per call when act-order is on, and forward is `ops.w4_linear`: the AWQ Triton kernels on the GPU.
+`finish_loading` repacks a layer whose shards share one act-order (as GPTQ gives q|k|v and gate|up, which read the
+same input) into the layout its kernels read, exactly; x's columns are then permuted once per call when act-order is
+on (one gather of the activations, kernels/w8.py explains why that is exact):
+  - 4 bits, groups W4 can hold (16, 32, 64 or a multiple of 128 dividing K): the W4 layout (kernels/gptq_w4.py),
+    qweight/qzeros/scales replaced by packed/w4_scales/w4_zeros, forward `ops.w4_linear` (the AWQ Triton kernels);
+  - 8 bits, any group size: the W8 layout (kernels/w8.py), replaced by codes/w8_scales/w8_zeros (no w8_zeros but the
+    int `w8_zero` when every zero point is the same, as symmetric GPTQ's 128), forward
+    `ops.w8_linear` (the FP8 GEMV / MMA on uint8 codes for decode, dequantise + cuBLAS for prefill).
 `checkpoint_tensors()` rebuilds the GPTQ tensors exactly.
 """
 
@@ -24,12 +28,14 @@ from orinfer.errors import WeightsError
 from orinfer.kernels.gptq import gptq_dequantize_ref
 from orinfer.kernels.gptq_w4 import gptq_to_w4, w4_to_gptq
 from orinfer.kernels.w4 import W4Weight
+from orinfer.kernels.w8 import W8Weight, gptq_to_w8, w8_to_gptq
 from orinfer.layers.linear import LinearBase, shard_offsets
 from orinfer.layers.ops import Ops
 
 GPTQ_PARAMS = ("qweight", "qzeros", "scales", "g_idx")
 _INT_PARAMS = ("qweight", "qzeros", "g_idx")
 W4_PARAMS = ("packed", "w4_scales", "w4_zeros")
+W8_PARAMS = ("codes", "w8_scales", "w8_zeros")
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,7 @@ class GPTQLinear(LinearBase):
         self.bias = param((n,), dtype) if bias else None
         for prm in self.parameters():
             prm.weight_loader = self._load
-        self.register_buffer("input_perm", None, persistent=False)  # W4 with act-order: x's column order
+        self.register_buffer("input_perm", None, persistent=False)  # W4 / W8 with act-order: x's column order
 
     @property
     def shard_offsets(self) -> dict[object, tuple[int, int]] | None:
@@ -75,49 +81,66 @@ class GPTQLinear(LinearBase):
 
     @property
     def repacked(self) -> bool:
-        return "packed" in self._parameters
+        return "packed" in self._parameters or "codes" in self._parameters
 
     @property
     def w4(self) -> W4Weight:
         return W4Weight(self.packed, self.w4_scales, self.w4_zeros, self.group_size)
 
-    def _w4_input(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def w8(self) -> W8Weight:
+        zeros = self.w8_zeros if "w8_zeros" in self._parameters else self.w8_zero
+        return W8Weight(self.codes, self.w8_scales, zeros, self.group_size)
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the repacked layout's input order (act-order: one gather of its columns)."""
         return x if self.input_perm is None else x.index_select(-1, self.input_perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.repacked:
-            return self.ops.w4_linear(self._w4_input(x), self.w4, self.bias)
+        if "packed" in self._parameters:
+            return self.ops.w4_linear(self._input(x), self.w4, self.bias)
+        if "codes" in self._parameters:
+            return self.ops.w8_linear(self._input(x), self.w8, self.bias)
         return self.ops.gptq_linear(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
                                     self._shard_columns(), self.bias)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
-        if self.repacked:
-            return self.ops.w4_gate_up_silu(self._w4_input(x), self.w4)
+        if "packed" in self._parameters:
+            return self.ops.w4_gate_up_silu(self._input(x), self.w4)
+        if "codes" in self._parameters and self.bias is None:
+            return self.ops.w8_gate_up_silu(self._input(x), self.w8)
         return self.ops.silu_and_mul(self(x))
 
     def decode_weights(self) -> tuple[torch.Tensor, ...]:
-        if self.repacked:
+        if "packed" in self._parameters:
             return self.packed, self.w4_scales, self.w4_zeros
+        if "codes" in self._parameters:
+            return self.codes, self.w8_scales, *([self.w8_zeros] if "w8_zeros" in self._parameters else [])
         return self.qweight, self.qzeros, self.scales
 
     @torch.no_grad()
     def finish_loading(self) -> None:
-        """Repacks a 4-bit layer into W4 when the layout can hold it (module docstring); others keep GPTQ's tensors."""
-        if self.repacked or self.bits != 4:
+        """Repacks into W4 (4 bits) or W8 (8 bits) when the layout can hold the layer (module docstring); others keep
+        GPTQ's tensors."""
+        if self.repacked:
             return
         g_idx = self.g_idx.view(-1, self.in_features)
         if any(not torch.equal(g_idx[0], row) for row in g_idx[1:]):
             log.debug("GPTQ shards with different act-orders: kept in GPTQ's layout")
             return
+        repack, names = (gptq_to_w4, W4_PARAMS) if self.bits == 4 else (gptq_to_w8, W8_PARAMS)
         try:
-            w4, perm = gptq_to_w4(self.qweight, self.qzeros, self.scales, g_idx[0], self.group_size)
+            w, perm = repack(self.qweight, self.qzeros, self.scales, g_idx[0], self.group_size)
         except ValueError as exc:
             log.debug("GPTQ layer kept in GPTQ's layout: %s", exc)
             return
         for name in ("qweight", "qzeros", "scales"):
             del self._parameters[name]
-        for name, tensor in zip(W4_PARAMS, (w4.packed, w4.scales, w4.zeros)):
-            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        for name, tensor in zip(names, w[:3]):
+            if isinstance(tensor, torch.Tensor):
+                self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+            else:
+                self.w8_zero = tensor       # one zero point for all (W8 of symmetric GPTQ)
         self.input_perm = perm
 
     def shard_view(self, tensor: torch.Tensor, shard: object, kind: str) -> torch.Tensor:
@@ -160,9 +183,11 @@ class GPTQLinear(LinearBase):
                           for i, (c0, n) in enumerate(shards)])
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """qweight, qzeros, scales, g_idx in GPTQ's layout (rebuilt from W4 once repacked), and bias if any."""
+        """qweight, qzeros, scales, g_idx in GPTQ's layout (rebuilt from W4 / W8 once repacked), and bias if any."""
         if self.repacked:
-            qweight, qzeros, scales = w4_to_gptq(self.w4, self.input_perm)
+            w4 = "packed" in self._parameters
+            qweight, qzeros, scales = (w4_to_gptq(self.w4, self.input_perm) if w4
+                                       else w8_to_gptq(self.w8, self.input_perm))
             out = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": self.g_idx.data}
         else:
             out = {name: getattr(self, name).data for name in GPTQ_PARAMS}

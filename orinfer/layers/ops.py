@@ -26,6 +26,7 @@ from orinfer.kernels.moe_w4 import fused_moe_w4_ref
 from orinfer.kernels.norm import rms_norm_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
 from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
+from orinfer.kernels.w8 import w8_gate_up_silu_ref, w8_linear_ref
 from orinfer.kernels.vision import (bias_gelu_ref, bias_residual_ref, layer_norm_ref, qkv_split_rope_ref,
                                     vision_attention_ref)
 
@@ -89,6 +90,10 @@ class Ops:
     fp8_gate_up_silu: Callable = fp8_gate_up_silu_ref
     # GPTQ weights (kernels/gptq.py): gptq_linear(x, qweight, qzeros, scales, g_idx, bits, shards, bias).
     gptq_linear: Callable = gptq_linear_ref
+    # 8-bit integer linears over the W8 layout (kernels/w8.py, GPTQ-Int8 repacked): w8_linear(x, w8, bias) and
+    # w8_gate_up_silu(x, w8) (as gate_up_silu).
+    w8_linear: Callable = w8_linear_ref
+    w8_gate_up_silu: Callable = w8_gate_up_silu_ref
     # RMSNorm (+ residual add) whose output goes to a batch-1 AWQ linear as int16 words (`kernels/w4_words.py`):
     # rms_norm's signature, a `W4Words` in place of the normed row; w4_linear and w4_gate_up_silu then take those.
     # None: the backend has no words (the torch reference).

@@ -34,6 +34,7 @@ from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_spl
 from orinfer.kernels.fp8_ops import fp8_block_linear, fp8_gate_up_silu, unfused_fp8_gate_up_silu
 from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
+from orinfer.kernels.w8_ops import unfused_w8_gate_up_silu, w8_gate_up_silu, w8_linear
 from orinfer.kernels.w4_words import W4Words, rms_norm_words
 from orinfer.layers.decode_hooks import install_decode_hooks
 from orinfer.layers.ops import GraphHooks, Ops, linear_ref, lm_head_ref
@@ -130,7 +131,8 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         varlen_attention=varlen_attention, gate_up_silu=fused_gate_up_silu if fused_ffn else unfused_gate_up_silu,
         w4_linear=w4_linear, w4_gate_up_silu=w4_gate_up_silu if fused_ffn else unfused_w4_gate_up_silu,
         fp8_block_linear=fp8_block_linear,
-        fp8_gate_up_silu=fp8_gate_up_silu if fused_ffn else unfused_fp8_gate_up_silu,
+        fp8_gate_up_silu=fp8_gate_up_silu if fused_ffn else unfused_fp8_gate_up_silu, w8_linear=w8_linear,
+        w8_gate_up_silu=w8_gate_up_silu if fused_ffn else unfused_w8_gate_up_silu,
         rms_norm_words=rms_norm_words, layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual,
         qkv_split_rope=qkv_split_rope, vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
         lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,

@@ -34,9 +34,9 @@ SETTINGS = ({}, {"ONE_ROW": "mma"}, {"SMALL_M": "w8a8"}, {"PREFILL": "w8a16"}, {
 DECODE_ROWS = (1, 2, 8, 16, 17, 32, 33, 64)
 PREFILL_ROWS = (65, 300, 2048)
 # (n, k, block, packed): partial blocks and K steps, one scale column (its row stride 1: a constexpr), the probe's
-# 256 x 256 (`fp8_ops._scaled_mm_runs`), a bk of 48 (16-wide K steps, no W8A8), and packed shards whose scale rows a
+# 384 x 512 (`fp8_ops._scaled_mm_runs`), a bk of 48 (16-wide K steps, no W8A8), and packed shards whose scale rows a
 # row_block maps.
-ODD = ((130, 200, (128, 128), False), (64, 64, (128, 128), False), (256, 256, (128, 128), False),
+ODD = ((130, 200, (128, 128), False), (64, 64, (128, 128), False), (384, 512, (128, 128), False),
        (37, 70, (16, 32), False), (96, 256, (16, 48), True), (256, 384, (128, 128), True))
 
 

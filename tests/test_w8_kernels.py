@@ -167,6 +167,24 @@ def test_w8_ops_by_row_count(rows, sym, poison):
 
 
 @needs_kernels
+def test_prefill_rows_take_the_tensor_core_kernel_when_asked(monkeypatch, poison):
+    """ORINFER_W8_PREFILL=mma: 65+ rows run `fp8_mm` on the codes with 128-row tiles (checked by recording the call)
+    and give the reference; an unknown setting is refused by name."""
+    w8, perm, w = w8_weight(48, 208, 32, True, seed=3)
+    x = randn(1, 70, 208, dtype=torch.bfloat16)
+    monkeypatch.setattr(w8_ops, "PREFILL", "mma")
+    calls = []
+    real = w8_ops.fp8_mm
+    monkeypatch.setattr(w8_ops, "fp8_mm", lambda *a, **kw: calls.append(kw.get("cfg")) or real(*a, **kw))
+    check(w8_ops.w8_linear(permuted(x, perm), w8), w8a16_ref(x, w, None, False), torch.bfloat16)
+    check(w8_ops.w8_gate_up_silu(permuted(x, perm), w8), w8a16_ref(x, w, None, True), torch.bfloat16)
+    assert calls == [w8_ops.DECODE_128] * 2
+    monkeypatch.setattr(w8_ops, "PREFILL", "dequantise")
+    with pytest.raises(ValueError, match="ORINFER_W8_PREFILL"):
+        w8_ops.w8_linear(x, w8)
+
+
+@needs_kernels
 def test_group_sizes_the_kernels_cannot_take_go_to_the_dequantised_weight(poison):
     """A whole-row group of 36 inputs (not a multiple of 16): every row count through dequantise + matmul."""
     w8, perm, w = w8_weight(24, 36, -1, False)

@@ -4,7 +4,10 @@
                             registers: decode at batch 1)
   2..MMA_MAX_ROWS rows   -> `fp8_mm` on uint8 codes (W8A16 on tensor cores, split-K: decode batches, verify steps)
   more (prefill)         -> the weight dequantised to x's dtype (`fp8_dequantize` with zero points: 1 byte read and
-                            2 written per weight, a few % of a 2048-token prefill), then cuBLAS
+                            2 written per weight, a few % of a 2048-token prefill), then cuBLAS; PREFILL = "mma"
+                            (ORINFER_W8_PREFILL, read at import): `fp8_mm` on the codes with 128-row tiles instead
+                            (no bf16 copy of the weight; for measuring against the dequantise path, run 328: 0.42x
+                            bf16 at 512 tokens)
 Both kernels are the FP8 ones with CODES = UINT8: the scales and zero points are per (output row, group), i.e. FP8
 blocks of [1, group_size]. They need groups of a multiple of 16 inputs (a 16-input chunk lies in one group; GPTQ's
 32..128 and whole rows of Qwen's shapes all are); other group sizes take the prefill path at every row count, and x in
@@ -14,6 +17,9 @@ syncs, one launch per call (decode): CUDA-graph safe.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -21,10 +27,11 @@ from orinfer.kernels.activation import silu_and_mul
 from orinfer.kernels.fp8_block import fp16_guard
 from orinfer.kernels.fp8_dequant import fp8_dequantize
 from orinfer.kernels.fp8_gemv import VEC, fp8_gemv
-from orinfer.kernels.fp8_mm import fp8_mm
+from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
 from orinfer.kernels.w8 import W8Weight, w8_gate_up_silu_ref, w8_linear_ref
 
 MMA_MAX_ROWS = 64   # as FP8's W8A16 tensor-core kernel: the same weight bytes per row of x
+PREFILL = os.environ.get("ORINFER_W8_PREFILL", "dequant")   # dequant | mma
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -35,8 +42,12 @@ def _rows(x: torch.Tensor) -> int:
 def _decode_kernel(x: torch.Tensor, w: W8Weight):
     """The kernel for x's rows (fp8_gemv or fp8_mm), or None: the dequantise + cuBLAS path."""
     rows = _rows(x)
-    if x.dtype not in _FLOAT_TYPES or w.group_size % VEC or not 1 <= rows <= MMA_MAX_ROWS:
+    if PREFILL not in ("dequant", "mma"):
+        raise ValueError(f"ORINFER_W8_PREFILL must be dequant or mma, got {PREFILL!r}")
+    if x.dtype not in _FLOAT_TYPES or w.group_size % VEC or rows < 1:
         return None
+    if rows > MMA_MAX_ROWS:
+        return functools.partial(fp8_mm, cfg=DECODE_128) if PREFILL == "mma" else None
     return fp8_gemv if rows == 1 else fp8_mm
 
 

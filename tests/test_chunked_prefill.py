@@ -42,8 +42,9 @@ def test_any_chunk_budget_gives_hf_tokens(model, budget, async_scheduling, prefi
 
 
 def test_steps_mix_decode_rows_and_prompt_chunks(model):
-    """A prompt arriving while others decode is computed in chunks beside their decode rows, also in steps launched
-    behind the one before (lookahead); every stream keeps getting a token each step, and all tokens match HF."""
+    """A prompt arriving while others decode is computed in chunks beside their decode rows, in steps launched behind
+    the one before (lookahead: the arrival joins them without a drain); every stream keeps getting a token each step,
+    and all tokens match HF."""
     hf, path, _ = model
     llm = engine(path, max_num_batched_tokens=6)
     plans: list[tuple[int, int]] = []   # per step: (decode rows, prompt tokens)
@@ -63,6 +64,7 @@ def test_steps_mix_decode_rows_and_prompt_chunks(model):
         plan = real_lookahead(batch)
         if plan is not None:
             lookahead_chunks.append(plan.num_tokens - len(batch))
+            plans.append((len(batch), plan.num_tokens - len(batch)))
         return plan
 
     llm.engine.scheduler.plan_lookahead = plan_lookahead

@@ -326,14 +326,18 @@ def test_lookahead_goes_on_when_nothing_could_be_admitted(why: str) -> None:
     assert ids(sched.waiting) == ["w"] and waiting.block_table == []
 
 
-def test_lookahead_declines_when_a_waiting_sequence_could_be_admitted() -> None:
-    sched = scheduler(8)
-    a, b, w = seq("a", 3), seq("b", 2), seq("w", 1)
+def test_lookahead_admits_a_waiting_sequence_after_the_decode_rows() -> None:
+    """A request that arrives while others decode joins the lookahead step (no drain), behind the decode rows, with
+    its blocks allocated as `schedule` would; the queue's order and the budget hold."""
+    sched = scheduler(8, max_num_batched_tokens=6)
+    a, b, w, x = seq("a", 3), seq("b", 2), seq("w", 5), seq("x", 2)
     batch = decoding(sched, a, b)
-    admit(sched, w)
-    before = state(sched, [a, b, w])
-    assert not sched.plan_lookahead(batch)
-    assert state(sched, [a, b, w]) == before
+    admit(sched, w, x)
+    look = sched.plan_lookahead(batch)
+    assert [(s.request_id, n) for s, n in zip(look.seqs, look.num_new_tokens)] == [("a", 1), ("b", 1), ("w", 4)]
+    assert look.sampled == [a, b]                    # w's chunk ends inside its prompt: it samples nothing yet
+    assert ids(sched.running) == ["a", "b", "w"] and ids(sched.waiting) == ["x"]
+    assert len(w.block_table) == 2 and w.status.name == "RUNNING"  # its whole prompt (5 tokens, blocks of 4), as `_admit`
 
 
 def test_lookahead_declines_when_blocks_do_not_suffice() -> None:

@@ -4,9 +4,10 @@
 `scheduler.py`) and returns the sequences that advanced; `abort` drops a request and frees its blocks at once.
 Callers (LLM, the server) drive `step` in a loop.
 
-Lookahead (EngineArgs.async_scheduling, see in_flight.py): `step` launches the next step (decode rows and the next
-chunks of running prompts) before it waits for the current one, so a step is usually in flight between two calls.
-Anything that needs the host to know every token first (a prompt to admit or continue, a preemption) drains it.
+Lookahead (EngineArgs.async_scheduling, see in_flight.py): `step` launches the next step (decode rows, the next
+chunks of running prompts and prompts admitted from the queue) before it waits for the current one, so a step is
+usually in flight between two calls. Anything that needs the host to know every token first (a preemption,
+speculation's drafts) drains it.
 
 Structured outputs (orinfer/structured/): a constrained sequence's mask for its next token depends on its previous
 token, which is still on the device when a lookahead step is launched. Such a step is launched in two parts: its
@@ -431,10 +432,10 @@ class LLMEngine:
 
     def _launch_lookahead(self, current: InFlightStep, older: InFlightStep | None = None) -> InFlightStep | None:
         """The next step, launched while `current` is in flight: decode rows for the running sequences whose tokens
-        it samples (their input ids are its samples, on the device) and the next chunks of running prompts; None
-        (drain) whenever the plain next step could differ: a sequence to admit or a preemption. (Penalties read the
-        pending tokens on the device: `ModelRunner.sampling_batch`.) `older`: the step before `current` when it is
-        still unprocessed (`_sample_ahead`)."""
+        it samples (their input ids are its samples, on the device), the next chunks of running prompts and waiting
+        prompts admitted (`Scheduler.plan_lookahead`); None (drain) when the plain next step could differ: a
+        preemption. (Penalties read the pending tokens on the device: `ModelRunner.sampling_batch`.) `older`: the
+        step before `current` when it is still unprocessed (`_sample_ahead`)."""
         if not self.lookahead or current.verifies or self._speculates():
             return None  # (speculation: the next step's drafts need every token on the host)
         # A sequence whose pending token is certainly its last (length) stays out: no wasted row, and the batch is

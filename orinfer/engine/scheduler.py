@@ -234,13 +234,13 @@ class Scheduler:
     def plan_lookahead(self, batch: list[Sequence]) -> StepPlan | None:
         """The step to launch while the previous one is still on the device: a decode row for each sequence of
         `batch` (their newest tokens are pending: the running decoders, in order, minus those the engine knows will
-        finish), first, then the next chunks of running prompts, within the budget. None, changing nothing, when the
-        plain next step could differ: a waiting sequence to admit, or free blocks that cannot give every decode row
-        its slot (a preemption). `running` is left as is. (A queue that cannot be admitted now does not stop the
-        lookahead: a sequence that finishes when the in-flight step resolves frees room one step later.)"""
-        if self.waiting and len(self.running) < self.config.max_num_seqs \
-                and self.block_manager.can_allocate(self.waiting[0]):
-            return None
+        finish), first, then the next chunks of running prompts and, with what is left of the budget, waiting
+        sequences admitted as `schedule` admits them (a prompt's tokens are on the host: its chunk needs nothing
+        from the step in flight). So a request that arrives while streams decode joins the next step without
+        draining the lookahead (a host round trip with the device idle, for every admission of a busy server). None,
+        changing nothing, when free blocks cannot give every decode row its slot (a preemption: the plain step
+        decides it). (A queue that cannot be admitted now does not stop the lookahead: a sequence that finishes
+        when the in-flight step resolves frees room one step later.)"""
         missing = sum(max(0, s.blocks_needed(self.block_manager.block_size) - len(s.block_table)) for s in batch)
         if missing > self.block_manager.num_free_blocks:
             return None
@@ -249,7 +249,8 @@ class Scheduler:
             self.block_manager.append_slot(seq)
             plan.add(seq, 1)
             self.block_manager.commit(seq, len(seq.token_ids))  # as `_plan` does: the known tokens, launched
-        self._continue_prompts(plan, self.config.max_num_batched_tokens - len(batch), bool(batch))
+        budget = self._continue_prompts(plan, self.config.max_num_batched_tokens - len(batch), bool(batch))
+        self._admit(plan, budget, bool(batch))
         return plan if plan else None
 
     def extend(self, seq: Sequence) -> None:

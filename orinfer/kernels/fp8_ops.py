@@ -93,8 +93,10 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     if PREFILL not in ("auto", "scaled_mm") or tuple(block_size) != (128, 128) or row_block is not None:
         return False
     n, k = weight.shape
-    # Whole blocks only (Qwen's shapes), and bf16 out: what the probe checked (fp16 takes the Triton GEMM).
-    if n % 128 or k % 128 or not scale.is_contiguous() or not x.is_cuda or x.dtype != torch.bfloat16:
+    # Whole blocks only (Qwen's shapes), and bf16 out: what the probe checked (fp16 takes the Triton GEMM). cuBLASLt
+    # reads the scales' K-block columns in 16-byte rows: K / 128 must be a multiple of 4 (Qwen's 1024 ... 25600 are),
+    # which is also why the probe's K is 512 (its first 256-wide version could only fail, run 326).
+    if n % 128 or k % 512 or not scale.is_contiguous() or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     if PREFILL == "scaled_mm":
         return True

@@ -93,9 +93,10 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     if PREFILL not in ("auto", "scaled_mm") or tuple(block_size) != (128, 128) or row_block is not None:
         return False
     n, k = weight.shape
-    # Whole blocks only (Qwen's shapes), and bf16 out: what the probe checked (fp16 takes the Triton GEMM). cuBLASLt
-    # reads the scales' K-block columns in 16-byte rows: K / 128 must be a multiple of 4 (Qwen's 1024 ... 25600 are),
-    # which is also why the probe's K is 512 (its first 256-wide version could only fail, run 326).
+    # Whole blocks only (Qwen's shapes), and bf16 out: what the probe checked (fp16 takes the Triton GEMM). K / 128 a
+    # multiple of 4 too: other callers of this cuBLASLt mode pad the scales' K-block columns to 4 (16-byte rows);
+    # Qwen's 1024 ... 25600 need no padding. The probe's K is 512 for the same reason: its first, 256-wide version
+    # declined on torch 2.11 while forced calls at K = 4096 and 12288 ran (run 326); its log now says why.
     if n % 128 or k % 512 or not scale.is_contiguous() or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     if PREFILL == "scaled_mm":

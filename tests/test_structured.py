@@ -270,3 +270,35 @@ def test_template_budget_drops_least_recently_used_constraints(compiler):
     assert matcher.consume_token(small.tokenizer.tokenize_str("1")[0])  # a dropped template's copies still work
     for _, release in held:
         release()  # harmless for a dropped constraint
+
+
+def test_draft_masks_are_the_masks_after_each_draft_prefix(compiler, qwen3):
+    """A verify step's rows: `valid_drafts` cuts a draft where the grammar refuses a token; `fill_draft_masks` gives
+    each row the mask after the drafts before it (as consuming them one by one would), for two constraints side by
+    side, and leaves every matcher where it was."""
+    from orinfer.structured.constraint import fill_draft_masks
+
+    vocab = vocab_of(qwen3)
+    spec = StructuredOutputsParams(regex=r"[a-z]{1,6}-[0-9]{2,3}")
+    a = SequenceConstraint(compiler.lease(spec)[0])
+    b = SequenceConstraint(compiler.lease(StructuredOutputsParams(choice=["Alice", "a golden key"]))[0])
+    word = qwen3.encode("ab-12")
+    assert a.valid_drafts(word) == word
+    assert a.valid_drafts(word + qwen3.encode("x")) == word     # a letter after the digits: refused, cut there
+    assert a.valid_drafts(qwen3.encode("-1")) == []             # a dash first: refused at once
+    golden = qwen3.encode("a golden")
+    rows = [(a, word[:j]) for j in range(len(word) + 1)] + [(b, golden[:j]) for j in range(len(golden) + 1)]
+    mask = torch.zeros(len(rows), bitmask_words(vocab), dtype=torch.int32)
+    fill_draft_masks(rows, mask)
+    for row, (constraint, prefix) in zip(mask, rows):
+        fresh = SequenceConstraint(compiler.lease(spec if constraint is a else
+                                                  StructuredOutputsParams(choice=["Alice", "a golden key"]))[0])
+        for token in prefix:
+            assert fresh.accept(token)
+        want = torch.zeros(bitmask_words(vocab), dtype=torch.int32)
+        fresh.fill_mask(want)
+        assert torch.equal(row, want)
+    assert a.num_consumed == 0 and b.num_consumed == 0 and allowed_ids(a, vocab) == allowed_ids(
+        SequenceConstraint(compiler.lease(spec)[0]), vocab)        # rolled back: the matchers start over
+    with pytest.raises(ValueError, match="growing prefixes"):
+        fill_draft_masks([(a, word[:2]), (a, word[:1])], mask[:2])

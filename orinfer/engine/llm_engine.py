@@ -496,15 +496,18 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Gives each decoding sequence that may speculate its draft tokens for the next step: at most k, no more than
         max_tokens and the context leave room for after the token the step samples, within the step budget.
-        Sequences under a grammar or a thinking budget do not speculate (their next tokens depend on host state that
-        each token advances)."""
+        A sequence under a grammar speculates while its output is in the answer: drafts the grammar would refuse are
+        cut off (`SequenceConstraint.valid_drafts`), and the verify step masks each row with the grammar's state
+        after the drafts before it. Sequences under a thinking budget do not speculate (the engine may have to write
+        `</think>` after any token)."""
         if not self._speculates():
             return
         decoders = self._decoders()
         budget = self.config.max_num_batched_tokens - len(decoders)
         eligible, rooms = [], []
         for seq in decoders:
-            if seq.constraint is not None or seq.thinking is not None or seq.num_pending:
+            if (seq.constraint is not None and not seq.constraint.speculates) or seq.thinking is not None \
+                    or seq.num_pending:
                 continue
             room = min(self.spec.num_speculative_tokens, budget,
                        seq.params.max_tokens - seq.num_completion_tokens - 1,
@@ -515,7 +518,7 @@ class LLMEngine:
                 budget -= room
         if eligible:
             for seq, draft in zip(eligible, self.proposer.propose_batch(eligible, rooms)):
-                seq.draft_token_ids = draft
+                seq.draft_token_ids = draft if seq.constraint is None else seq.constraint.valid_drafts(draft)
         self.proposer.keep_only(self.scheduler.running)
         if not any(seq.draft_token_ids for seq in decoders):
             self._speculation_paid(False)

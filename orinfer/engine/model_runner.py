@@ -36,7 +36,7 @@ from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.verify import DraftLayout, verify_drafts
-from orinfer.structured.constraint import bitmask_words, fill_masks
+from orinfer.structured.constraint import bitmask_words, fill_draft_masks, fill_masks
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +404,9 @@ class ModelRunner:
             num_logprobs=num_logprobs, want_logprobs=want_logprobs,
             **(self._logit_bias(params) if need_bias else {}),
             constrained_rows=self._upload(constrained, torch.int64) if constrained else None,
-            token_bitmask=self._token_bitmask([seqs[i] for i in constrained]) if constrained else None,
+            token_bitmask=self._token_bitmask([seqs[i] for i in constrained],
+                                              [drafts[i] for i in constrained] if drafts else None)
+            if constrained else None,
         )
 
     def _logit_bias(self, params: list) -> dict[str, torch.Tensor]:
@@ -415,13 +417,17 @@ class ModelRunner:
         values = [[float(v) for _, v in r] + [0.0] * (width - len(r)) for r in rows]
         return {"bias_ids": self._upload(ids, torch.int64), "bias_values": self._upload(values, torch.float32)}
 
-    def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _token_bitmask(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """The allowed next tokens of constrained sequences, [len(seqs), ceil(V/32)] int32 on the device, computed on
         the host by their matchers, which have seen every token of their sequences (`execute` defers the masks until
-        they have). One packed tensor for all rows: filled in place in a pinned buffer, uploaded by one asynchronous
-        copy."""
+        they have); `drafts` (a verify step): each row's drafts before it, which its matcher takes first
+        (`fill_draft_masks`). One packed tensor for all rows: filled in place in a pinned buffer, uploaded by one
+        asynchronous copy."""
         host = self._mask_buffer(len(seqs))
-        fill_masks([seq.constraint for seq in seqs], host)
+        if drafts is None:
+            fill_masks([seq.constraint for seq in seqs], host)
+        else:
+            fill_draft_masks([(seq.constraint, d) for seq, d in zip(seqs, drafts)], host)
         if self.device.type != "cuda":
             return host.clone()
         mask = host.to(self.device, non_blocking=True)

@@ -9,6 +9,10 @@ checks): `advance_ahead` gives the matcher that token as soon as it reaches the 
 returns the result then remembered.
 Preemption needs nothing here: a recomputed sequence keeps its output tokens, which the matcher has consumed
 already, so its next mask is the right one.
+Speculative decoding: a constrained sequence speculates while its output is in the answer (`speculates`). Its drafts
+are cut where the grammar would refuse one (`valid_drafts`), and the verify step masks each of its rows with the
+grammar's state after the drafts before that row (`fill_draft_masks`: the matcher consumes the drafts and rolls
+back); the tokens the step emits then reach `accept` in order, as any others.
 """
 
 from __future__ import annotations
@@ -77,6 +81,16 @@ class SequenceConstraint:
                 row[word] = value - (1 << 32) if value >= 1 << 31 else value
             return
 
+    @property
+    def speculates(self) -> bool:
+        """Whether drafts can be checked against the grammar: the output is in the answer (not in or before the
+        reasoning, whose `<think>` / `</think>` the matcher does not see) and no token waits in `advance_ahead`."""
+        return self.think_state is ThinkState.CONTENT and self._ahead is None and not self.matcher.is_error()
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar accepts from here (the matcher is left as it was)."""
+        return drafts[:self.matcher.validate_tokens(drafts)] if drafts else drafts
+
     def advance_ahead(self, token: int) -> None:
         """Advances with `token` now, before the engine processes it; its `accept` then returns this result. One
         token at most is ahead (the engine's lookahead is one step)."""
@@ -108,6 +122,32 @@ class SequenceConstraint:
 
 
 _executor: llguidance.LLExecutor | None = None
+
+
+def fill_draft_masks(rows: list[tuple[SequenceConstraint, list[int]]], mask: torch.Tensor) -> None:
+    """A verify step's masks: row i of `mask` ([len(rows), bitmask_words] contiguous int32, CPU) gets the tokens
+    rows[i]'s constraint allows after consuming rows[i]'s drafts (prefixes of `valid_drafts`, one row per prefix
+    length, in order, each constraint's rows together, as the verify step lays them out). Each matcher consumes its
+    drafts one by one, a mask after each, then rolls them back."""
+    start = 0
+    while start < len(rows):
+        constraint = rows[start][0]
+        end = start
+        while end < len(rows) and rows[end][0] is constraint:
+            end += 1
+        consumed: list[int] = []
+        for index in range(start, end):
+            prefix = rows[index][1]
+            if prefix[:len(consumed)] != consumed or len(prefix) < len(consumed):
+                raise ValueError("a constraint's verify rows must hold growing prefixes of one draft")
+            for token in prefix[len(consumed):]:
+                if not constraint.matcher.consume_token(token):
+                    raise ValueError(f"draft token {token} is refused by the grammar (drafts pass valid_drafts)")
+            consumed = list(prefix)
+            constraint.fill_mask(mask[index])
+        if consumed:
+            constraint.matcher.rollback(len(consumed))
+        start = end
 
 
 def fill_masks(constraints: list[SequenceConstraint], mask: torch.Tensor) -> None:

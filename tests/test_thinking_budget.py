@@ -32,7 +32,9 @@ def _closing(llm) -> list[int]:
 
 
 @pytest.mark.parametrize("settings", [{}, dict(async_scheduling=False), dict(max_num_batched_tokens=2),
-                                      dict(block_size=4, num_kv_blocks=30)])
+                                      dict(block_size=4, num_kv_blocks=30),
+                                      dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})],
+                         ids=["default", "no-lookahead", "budget-2", "small-pool", "ngram"])
 def test_reasoning_is_cut_at_the_budget_and_the_answer_follows(tiny_dir, llm, settings):
     engine = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, **settings)
     prompt, closing = _thinking_prompt(llm), _closing(llm)
@@ -55,6 +57,8 @@ def test_reasoning_is_cut_at_the_budget_and_the_answer_follows(tiny_dir, llm, se
         assert ids[b + len(closing):] == ref.token_ids
         reasoning, _, answer = out.text.partition("</think>")
         assert answer.startswith("\n\n")
+    if "speculative_config" in settings:  # drafts were verified inside the reasoning, up to each budget
+        assert sum(o.metrics.num_draft_tokens for o in outs[1:len(budgets)]) > 0
 
 
 def test_prompt_that_closed_its_reasoning_is_all_answer(llm):

@@ -498,20 +498,20 @@ class LLMEngine:
         max_tokens and the context leave room for after the token the step samples, within the step budget.
         A sequence under a grammar speculates while its output is in the answer: drafts the grammar would refuse are
         cut off (`SequenceConstraint.valid_drafts`), and the verify step masks each row with the grammar's state
-        after the drafts before it. Sequences under a thinking budget do not speculate (the engine may have to write
-        `</think>` after any token)."""
+        after the drafts before it. One under a thinking budget drafts no further than the token that could reach
+        its budget (`ThinkingBudget.draft_room`): the host writes `</think>` right after that one."""
         if not self._speculates():
             return
         decoders = self._decoders()
         budget = self.config.max_num_batched_tokens - len(decoders)
         eligible, rooms = [], []
         for seq in decoders:
-            if (seq.constraint is not None and not seq.constraint.speculates) or seq.thinking is not None \
-                    or seq.num_pending:
+            if (seq.constraint is not None and not seq.constraint.speculates) or seq.num_pending:
                 continue
             room = min(self.spec.num_speculative_tokens, budget,
                        seq.params.max_tokens - seq.num_completion_tokens - 1,
-                       self.max_model_len - len(seq.token_ids) - 1)
+                       self.max_model_len - len(seq.token_ids) - 1,
+                       seq.thinking.draft_room() if seq.thinking is not None else budget)
             if room > 0:
                 eligible.append(seq)
                 rooms.append(room)

@@ -83,5 +83,13 @@ class ThinkingBudget:
             return self.count + pending >= self.budget
         return self.state is ThinkState.START and pending > 0 and self.budget == 0
 
+    def draft_room(self) -> int:
+        """How many drafts a verify step may carry without passing the budget: it emits up to drafts + 1 tokens, and
+        the one that reaches the budget must be the step's last (the host writes the closing text right after it).
+        Unlimited (a large number) in the answer."""
+        if self.state is ThinkState.CONTENT:
+            return 1 << 30
+        return max(0, self.budget - self.count - 1)
+
     def closed(self) -> None:
         self.state = ThinkState.CONTENT

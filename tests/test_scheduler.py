@@ -35,9 +35,9 @@ def seq(name: str, num_tokens: int) -> Sequence:
 
 
 def scheduler(num_blocks: int, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024,
-              chunked: bool = True) -> Scheduler:
+              chunked: bool = True, long_prefill_token_threshold: int = 1024) -> Scheduler:
     config = EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=BLOCK,
-                        enable_chunked_prefill=chunked)
+                        enable_chunked_prefill=chunked, long_prefill_token_threshold=long_prefill_token_threshold)
     return Scheduler(config, BlockManager(num_blocks, BLOCK))
 
 
@@ -275,6 +275,31 @@ def test_a_lone_sequence_that_cannot_grow_preempts_itself() -> None:
     assert step(sched) == []
     assert ids(sched.waiting) == ["a"] and a.num_preemptions == 1 and a.block_table == []
     assert sched.block_manager.num_free_blocks == 2
+
+
+def test_a_long_prompt_beside_decoding_streams_goes_in_smaller_chunks() -> None:
+    """long_prefill_token_threshold: beside decode rows a prompt's chunk holds at most the threshold (so streams wait
+    less for the step), each prompt on its own; alone, a prompt takes the whole budget; 0 turns it off."""
+    alone = scheduler(64, max_num_batched_tokens=20, long_prefill_token_threshold=6)
+    admit(alone, seq("alone", 50))
+    assert step(alone) == [("alone", 20)]            # no stream waits: the whole budget
+    sched = scheduler(64, max_num_batched_tokens=20, long_prefill_token_threshold=6)
+    long, a, b = seq("long", 50), seq("a", 2), seq("b", 9)
+    admit(sched, a)
+    assert step(sched) == [("a", 2)]
+    admit(sched, long)
+    assert step(sched) == [("a", 1), ("long", 6)]    # beside a's decode row: at most 6
+    assert step(sched) == [("a", 1), ("long", 6)]
+    admit(sched, b)
+    assert step(sched) == [("a", 1), ("long", 6), ("b", 6)]  # each prompt on its own
+    off = scheduler(64, max_num_batched_tokens=20, long_prefill_token_threshold=0)
+    x, y = seq("x", 2), seq("y", 50)
+    admit(off, x)
+    step(off)
+    admit(off, y)
+    assert step(off) == [("x", 1), ("y", 19)]
+    with pytest.raises(Exception, match="long_prefill_token_threshold"):
+        EngineArgs(long_prefill_token_threshold=-1)
 
 
 # --- lookahead reservation -----------------------------------------------------------------------------------------

@@ -186,14 +186,15 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
         if args.synthetic:
             cfg.mtp_num_hidden_layers = 1  # the published checkpoints' one MTP layer, random like the rest
-    if getattr(args, "moe_skew", False):
+    skew = getattr(args, "moe_skew", False)
+    if skew:
         if not cfg.num_experts or args.model or args.tensor_parallel_size > 1:
             print("error: --moe-skew takes a MoE preset (--synthetic qwen3-30b-a3b, qwen3.5-35b-a3b, ...) on one GPU",
                   file=sys.stderr)
             return 2
         name = f"{name}-skew"
     plan = bench_plan(args, cfg, dtype)
-    if getattr(args, "moe_skew", False):
+    if skew:
         plan["notes"].append("--moe-skew: every token routes to experts 0..k-1; the rooflines assume the uniform "
                              "spread (a skewed batch reads fewer expert bytes)")
     prompt_lens, batch_sizes, engine_config = plan["prompt_lens"], plan["batch_sizes"], plan["engine_config"]
@@ -235,7 +236,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         llm = build_synthetic_llm(cfg, dtype, device, engine_config, tokenizer=tokenizer, draft=draft)
     llm.engine.set_speculation(None)  # (created with --speculative's config: plain decoding first)
     model = llm.engine.parts.model
-    if getattr(args, "moe_skew", False):
+    if skew:
         route_every_token_to_the_first_experts(model)  # in place: the captured graphs read the same weights
     wbytes = weight_bytes(model)
     timings = bench_engine(llm, cfg, prompt_lens, batch_sizes, args.decode_tokens, args.decode_prompt_len)

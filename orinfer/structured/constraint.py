@@ -138,7 +138,7 @@ def fill_draft_masks(rows: list[tuple[SequenceConstraint, list[int]]], mask: tor
         consumed: list[int] = []
         for index in range(start, end):
             prefix = rows[index][1]
-            if prefix[:len(consumed)] != consumed or len(prefix) < len(consumed):
+            if prefix[:len(consumed)] != consumed:
                 raise ValueError("a constraint's verify rows must hold growing prefixes of one draft")
             for token in prefix[len(consumed):]:
                 if not constraint.matcher.consume_token(token):

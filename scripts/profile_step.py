@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.quant:
         cfg.quantization = SYNTHETIC_QUANT[args.quant]
     spec = speculative_config(args, cfg)
+    # The KV budget is left to the GPU planner: the pool is capped at what max_num_seqs sequences of max_model_len can
+    # use, and a hybrid preset's state pools (over 1 GiB for Qwen3.5-27B) come out of the same budget.
     engine_args = EngineArgs(max_num_seqs=max(8, args.batch), max_model_len=args.prompt_len + 1024,
-                             kv_cache_bytes=(1 << 30) * max(1, args.batch // 4), cuda_graph=args.cuda_graph,
+                             cuda_graph=args.cuda_graph,
                              backend="triton", max_num_batched_tokens=max(2048, args.prompt_len * args.batch),
                              speculative_config=spec)
     draft = preset(args.draft_synthetic) if args.speculative == "draft_model" else None

@@ -275,19 +275,19 @@ class ModelRunner:
         tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]
         meta = AttentionMetadata(
             from_start=inputs.from_start,
-            query_start_loc=self._upload(inputs.starts, torch.int32),
-            context_lens=self._upload(inputs.context_lens, torch.int32),
+            query_start_loc=self.upload(inputs.starts, torch.int32),
+            context_lens=self.upload(inputs.context_lens, torch.int32),
             max_query_len=inputs.max_query_len,
             max_context_len=max(inputs.context_lens),
-            slot_mapping=self._upload(inputs.slots, torch.int64),
-            block_tables=self._upload(tables, torch.int32),
+            slot_mapping=self.upload(inputs.slots, torch.int64),
+            block_tables=self.upload(tables, torch.int32),
         )
         if self.state.num_slots:
-            meta.state_slots = self._upload(inputs.state_slots, torch.int64)
-            meta.has_initial_state = self._upload(inputs.has_initial_state, torch.bool)
+            meta.state_slots = self.upload(inputs.state_slots, torch.int64)
+            meta.has_initial_state = self.upload(inputs.has_initial_state, torch.bool)
             meta.keep_linear_inputs = self._keep_linear_inputs
-        return (self._upload(inputs.ids, torch.int64), self._upload(inputs.positions, torch.int64), meta,
-                self._upload(inputs.sample_rows, torch.int64))
+        return (self.upload(inputs.ids, torch.int64), self.upload(inputs.positions, torch.int64), meta,
+                self.upload(inputs.sample_rows, torch.int64))
 
     def prepare_multimodal(self, plan: StepPlan) -> MultimodalBatch | None:
         """The M-RoPE positions and visual embeddings of a step that runs prompt rows of a sequence with images; None
@@ -358,7 +358,7 @@ class ModelRunner:
         for seq in todo:
             seq.vision_seconds += elapsed * seq.mm.num_patches / patches
 
-    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list to the device without blocking the host: pinned staging + an asynchronous copy (a plain
         torch.tensor(..., device=cuda) waits for every kernel already queued, stalling the next step's launch)."""
         if self.device.type != "cuda":
@@ -383,7 +383,7 @@ class ModelRunner:
             return SamplingBatch.greedy_only()  # argmax needs no per-row settings on the device
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return self._upload([getattr(p, name) for p in params], dtype)
+            return self.upload([getattr(p, name) for p in params], dtype)
 
         num_logprobs = max((p.logprobs or 0) for p in params)
         return SamplingBatch(
@@ -403,7 +403,7 @@ class ModelRunner:
             use_repetition_penalty=need_history, use_presence_frequency=need_output,
             num_logprobs=num_logprobs, want_logprobs=want_logprobs,
             **(self._logit_bias(params) if need_bias else {}),
-            constrained_rows=self._upload(constrained, torch.int64) if constrained else None,
+            constrained_rows=self.upload(constrained, torch.int64) if constrained else None,
             token_bitmask=self._token_bitmask([seqs[i] for i in constrained],
                                               [drafts[i] for i in constrained] if drafts else None)
             if constrained else None,
@@ -415,7 +415,7 @@ class ModelRunner:
         width = max(len(r) for r in rows)
         ids = [[t for t, _ in r] + [0] * (width - len(r)) for r in rows]
         values = [[float(v) for _, v in r] + [0.0] * (width - len(r)) for r in rows]
-        return {"bias_ids": self._upload(ids, torch.int64), "bias_values": self._upload(values, torch.float32)}
+        return {"bias_ids": self.upload(ids, torch.int64), "bias_values": self.upload(values, torch.float32)}
 
     def _token_bitmask(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """The allowed next tokens of constrained sequences, [len(seqs), ceil(V/32)] int32 on the device, computed on
@@ -452,7 +452,7 @@ class ModelRunner:
 
     def _padded(self, rows: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
-        padded = self._upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
+        padded = self.upload([r + [-1] * (width - len(r)) for r in rows], torch.int64)
         if pending is None:
             return padded
         return torch.cat([padded, pending.to(torch.int64).reshape(len(rows), -1)], dim=1)
@@ -478,7 +478,7 @@ class ModelRunner:
         if prev_ids is not None and rows:
             assert all(n == 1 for n in plan.num_new_tokens[:len(rows)]), "lookahead decode rows come first"
             same = rows == list(range(len(prev_ids)))  # the steady state: the same batch again
-            device_ids = prev_ids if same else prev_ids.index_select(0, self._upload(rows, torch.int64))
+            device_ids = prev_ids if same else prev_ids.index_select(0, self.upload(rows, torch.int64))
         sampled = plan.sampled
         if plan.has_drafts:
             return self._verify(plan)
@@ -496,7 +496,7 @@ class ModelRunner:
         if older_pending is not None and device_ids is not None:
             ids, index = older_pending
             older = torch.cat([ids, torch.full((1,), -1, dtype=ids.dtype, device=ids.device)])
-            older = older.index_select(0, self._upload(index, torch.int64))
+            older = older.index_select(0, self.upload(index, torch.int64))
             older = torch.cat([older, torch.full((len(pending) - len(older),), -1, dtype=older.dtype,
                                                  device=self.device)])
             pending = torch.stack([older, pending.to(older.dtype)], dim=1)  # [B, 2]: the order does not matter
@@ -539,7 +539,7 @@ class ModelRunner:
         sampling = self.sampling_batch(row_seqs, drafts=row_drafts)
         width = max(1, self.num_speculative_tokens, max(len(d) for d in drafts))
         layout = DraftLayout([len(d) for d in drafts],
-                             self._upload([d + [0] * (width - len(d)) for d in drafts], torch.int64))
+                             self.upload([d + [0] * (width - len(d)) for d in drafts], torch.int64))
         out = verify_drafts(logits, layout, sampling, [seq.generator for seq in sampled], self.forced_acceptance)
         if self.rollback is not None:
             self.rollback.finish(out.num_accepted)
@@ -559,7 +559,7 @@ class ModelRunner:
         """`out` with the prompt log-probabilities of `spans`, from the step's hidden states (none: as is)."""
         if spans:
             assert hidden is not None, "prompt rows always run the forward that returns hidden states"
-            lps = compute_prompt_logprobs(hidden, spans, self._logits, self._upload)
+            lps = compute_prompt_logprobs(hidden, spans, self._logits, self.upload)
             out.prompt_logprobs, out.prompt_top_logprobs, out.prompt_top_ids = lps.logprobs, lps.top_logprobs, \
                 lps.top_ids
         return out
@@ -572,7 +572,7 @@ class ModelRunner:
         sampling = deferred.sampling
         constrained = [i for i, s in enumerate(deferred.seqs) if s.constraint is not None]
         if constrained:
-            sampling.constrained_rows = self._upload(constrained, torch.int64)
+            sampling.constrained_rows = self.upload(constrained, torch.int64)
             sampling.token_bitmask = self._token_bitmask([deferred.seqs[i] for i in constrained])
         return self._with_prompt_logprobs(sample(deferred.logits, sampling), deferred.hidden, deferred.spans)
 
@@ -595,7 +595,7 @@ class ModelRunner:
         from a mixed-step graph when one fits. `device_ids`: the input ids of its first rows, on the device."""
         if self.step_graphs is not None and self.step_graphs.fits(inputs):
             hidden = self.step_graphs.run(inputs, device_ids)
-            return hidden, self._upload(inputs.sample_rows, torch.int64)
+            return hidden, self.upload(inputs.sample_rows, torch.int64)
         input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)
         if device_ids is not None:
             input_ids[:len(device_ids)] = device_ids

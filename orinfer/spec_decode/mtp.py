@@ -93,7 +93,9 @@ class MTPProposer:
             offset += num_new
         if not spans:
             return
-        picked = torch.cat([torch.arange(o, o + n) for _, o, n in spans]).to(hidden.device)
+        # Uploaded without blocking: a plain .to(device) waited here for the whole verify forward, so the device
+        # then idled while the host launched the verify step's logits and sampler (Chrome trace, NOTES run 332).
+        picked = self.runner.upload([i for _, o, n in spans for i in range(o, o + n)], torch.int64)
         rows, start = hidden.index_select(0, picked), 0  # one copy of the kept rows
         for seq, _, num_new in spans:
             first = seq.num_computed_tokens

@@ -324,3 +324,26 @@ def test_draft_model_of_another_vocabulary_is_refused(tiny_dir, tmp_path):
     save_hf_model(build_hf_model("qwen3-mha-tied", vocab_size=97), tmp_path)
     with pytest.raises(ConfigError, match="vocabulary"):
         _draft(tiny_dir, tmp_path)
+
+
+def test_drafts_stay_on_the_device_unless_penalties_read_them(tiny_dir, perturbed_dir, plain):
+    """A draft model's proposal reaches the verify step on the device (the host launches it without reading the
+    drafts); under a penalty, which counts the drafts as generated, the host reads them first. Both give plain
+    decoding's tokens."""
+    llm = _draft(tiny_dir, perturbed_dir, k=4)
+    proposer, host_reads = llm.engine.proposer, []
+    propose = proposer.propose_batch
+
+    def reading(seqs, rooms):
+        host_reads.append(len(seqs))
+        return propose(seqs, rooms)
+
+    proposer.propose_batch = reading
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    got = _generate(llm, PROMPTS, params)
+    assert _seen(got) == _seen(_generate(plain, PROMPTS, params))
+    assert not host_reads and sum(o.metrics.num_accepted_tokens for o in got) > 0
+    penalised = SamplingParams(temperature=0.0, max_tokens=30, presence_penalty=0.5, ignore_eos=True)
+    got = _generate(llm, PROMPTS, penalised)
+    assert _seen(got) == _seen(_generate(plain, PROMPTS, penalised))
+    assert host_reads and sum(o.metrics.num_draft_tokens for o in got) > 0

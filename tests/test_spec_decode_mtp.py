@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from hf_models import build_hf_qwen3_5, build_hf_qwen3_5_moe, hf_greedy, qwen3_5_text_config, save_hf_model
 from orinfer import LLM, SamplingParams
 from orinfer.errors import ConfigError
+from orinfer.spec_decode.verify import host_drafts
 from test_qwen3_5 import _with_mtp
 
 PROMPTS = [[5, 17, 42, 99, 5, 17, 42, 99, 5, 17], [11, 200, 14], [7] * 9 + [1, 2, 3, 7, 7, 1, 2]]
@@ -135,14 +136,14 @@ def test_drafts_match_the_reference_from_the_math(target):
     llm = engine(path, MTP)
     proposer = llm.engine.proposer
     seen = []
-    propose = proposer.propose_batch
+    propose = proposer.propose_on_device  # (the engine leaves an MTP head's drafts on the device)
 
     def recording(seqs, rooms):
-        drafts = propose(seqs, rooms)
-        seen.extend((list(seq.token_ids), d) for seq, d in zip(seqs, drafts) if d)
-        return drafts
+        proposal = propose(seqs, rooms)
+        seen.extend((list(seq.token_ids), d) for seq, d in zip(seqs, host_drafts(proposal, seqs)) if d)
+        return proposal
 
-    proposer.propose_batch = recording
+    proposer.propose_on_device = recording
     llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert len(seen) >= 6
     for tokens, drafts in seen:

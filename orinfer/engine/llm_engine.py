@@ -500,6 +500,7 @@ class LLMEngine:
         cut off (`SequenceConstraint.valid_drafts`), and the verify step masks each row with the grammar's state
         after the drafts before it. One under a thinking budget drafts no further than the token that could reach
         its budget (`ThinkingBudget.draft_room`): the host writes `</think>` right after that one."""
+        self.runner.device_drafts = None  # (an earlier proposal's, if its verify step never ran)
         if not self._speculates():
             return
         decoders = self._decoders()
@@ -516,12 +517,29 @@ class LLMEngine:
                 eligible.append(seq)
                 rooms.append(room)
                 budget -= room
-        if eligible:
+        if eligible and self._drafts_stay_on_device():
+            proposal = self.proposer.propose_on_device(eligible, rooms)
+            for seq in proposal.seqs:
+                seq.draft_token_ids = [0] * proposal.k  # stand-ins: the verify step reads the ids on the device
+            self.runner.device_drafts = proposal if proposal.seqs else None
+        elif eligible:
             for seq, draft in zip(eligible, self.proposer.propose_batch(eligible, rooms)):
                 seq.draft_token_ids = draft if seq.constraint is None else seq.constraint.valid_drafts(draft)
         self.proposer.keep_only(self.scheduler.running)
         if not any(seq.draft_token_ids for seq in decoders):
             self._speculation_paid(False)
+
+    def _drafts_stay_on_device(self) -> bool:
+        """Whether this proposal's drafts may stay on the device until the verify step reads them there (the host
+        then launches that step without waiting for the proposal): a proposer that makes them there (draft model,
+        MTP), one process (tensor parallelism's workers take every input from the host), and no running sequence
+        whose verify rows read draft ids on the host: a grammar (its matcher cuts and masks the drafts) or a
+        repetition, presence or frequency penalty (the drafts join the counted history)."""
+        if not hasattr(self.proposer, "propose_on_device") or self.parts.executor is not None:
+            return False
+        return not any(seq.constraint is not None or seq.params.repetition_penalty != 1.0
+                       or seq.params.presence_penalty != 0 or seq.params.frequency_penalty != 0
+                       for seq in self.scheduler.running)
 
     def _speculation_paid(self, paid: bool) -> None:
         """Records whether a try at speculating paid: drafts were found and some were accepted. A try that does not

@@ -35,7 +35,7 @@ from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
 from orinfer.layers.sampler import SamplerOutput, SamplingBatch, sample
 from orinfer.spec_decode.config import SpeculativeConfig
-from orinfer.spec_decode.verify import DraftLayout, verify_drafts
+from orinfer.spec_decode.verify import DeviceDrafts, DraftLayout, verify_drafts
 from orinfer.structured.constraint import bitmask_words, fill_draft_masks, fill_masks
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,9 @@ class ModelRunner:
         # Drafts per sequence at most (0: no speculation): verify steps pad their draft table to it, so a seeded
         # request draws the same amount of randomness per step whatever else is in the batch.
         self.num_speculative_tokens = 0
+        # The next verify step's drafts when the proposer left them on the device (the engine sets it; the sequences'
+        # draft_token_ids are stand-ins then).
+        self.device_drafts: DeviceDrafts | None = None
         self.vision_warmup_patches = vision_warmup_patches
         self.device, self.kv_dtype, self.max_model_len = device, kv_dtype, max_model_len
         # What the KV pool stores: kv_dtype (the activation dtype) or fp8 (EngineArgs.kv_cache_dtype).
@@ -526,24 +529,53 @@ class ModelRunner:
         steps: every input id is on the host."""
         inputs = step_inputs(plan, self.block_size)
         sampled = plan.sampled
+        on_device, self.device_drafts = self.device_drafts, None
         if self.rollback is not None:  # hybrid models: the speculating rows run on work slots (state_rollback.py)
             sampled_index = {i: j for j, i in enumerate(i for i in range(len(plan.seqs)) if plan.samples(i))}
             for index, slot in self.rollback.begin(plan, sampled_index).items():
                 inputs.state_slots[index] = slot
-        hidden, sample_rows = self._run_forward(plan, None, inputs)
+        scatter = self._draft_rows(plan, inputs, on_device) if on_device is not None else None
+        hidden, sample_rows = self._run_forward(plan, None, inputs, scatter)
         self._sink(plan, hidden)
         logits = self._logits(hidden, sample_rows)
         drafts = [seq.draft_token_ids for seq in sampled]
         row_seqs = [seq for seq, d in zip(sampled, drafts) for _ in range(len(d) + 1)]
+        # (Drafts left on the device come only without penalties or grammars, the two readers of row_drafts' ids.)
         row_drafts = [d[:j] for d in drafts for j in range(len(d) + 1)]
         sampling = self.sampling_batch(row_seqs, drafts=row_drafts)
         width = max(1, self.num_speculative_tokens, max(len(d) for d in drafts))
-        layout = DraftLayout([len(d) for d in drafts],
-                             self.upload([d + [0] * (width - len(d)) for d in drafts], torch.int64))
+        if on_device is None:
+            draft_ids = self.upload([d + [0] * (width - len(d)) for d in drafts], torch.int64)
+        else:
+            draft_ids = self._draft_table(on_device, sampled, width)
+        layout = DraftLayout([len(d) for d in drafts], draft_ids)
         out = verify_drafts(logits, layout, sampling, [seq.generator for seq in sampled], self.forced_acceptance)
         if self.rollback is not None:
             self.rollback.finish(out.num_accepted)
         return out
+
+    def _draft_rows(self, plan: StepPlan, inputs: StepInputs, drafts: DeviceDrafts
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat-batch rows, their ids on the device): where the verify step's input ids take `drafts` (each
+        speculating sequence's last k rows, after its newest token)."""
+        rows, picks = [], []
+        for index, draft_row in enumerate(drafts.rows_for(plan.seqs)):
+            count = min(plan.num_drafts[index], drafts.k) if draft_row < len(drafts.seqs) else 0
+            end = inputs.starts[index + 1]
+            rows.extend(range(end - count, end))
+            picks.extend(draft_row * drafts.k + j for j in range(count))
+        flat = drafts.ids.reshape(-1)
+        return self.upload(rows, torch.int64), flat.index_select(0, self.upload(picks, torch.int64))
+
+    def _draft_table(self, drafts: DeviceDrafts, sampled: list[Sequence], width: int) -> torch.Tensor:
+        """[len(sampled), width] the draft ids of each sampling sequence from `drafts` (zeros for one without, and
+        past k), on the device."""
+        ids = drafts.ids
+        table = torch.cat([ids, ids.new_zeros(1, ids.shape[1])]).index_select(
+            0, self.upload(drafts.rows_for(sampled), torch.int64))
+        if width > drafts.k:
+            table = torch.cat([table, table.new_zeros(table.shape[0], width - drafts.k)], dim=1)
+        return table[:, :width]
 
     def _sink(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         if self.hidden_sink is not None:
@@ -576,29 +608,29 @@ class ModelRunner:
             sampling.token_bitmask = self._token_bitmask([deferred.seqs[i] for i in constrained])
         return self._with_prompt_logprobs(sample(deferred.logits, sampling), deferred.hidden, deferred.spans)
 
-    def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None, inputs: StepInputs | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_forward(self, plan: StepPlan, device_ids: torch.Tensor | None, inputs: StepInputs | None = None,
+                     scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a step that is not decode-only: (hidden states [T, H], the sampling rows on the device).
         Replayed from a mixed-step graph when one fits and no row needs images; else eager. `device_ids`: the input
-        ids of the first rows (lookahead decode rows), on the device. `inputs`: the plan's flat batch, if made."""
+        ids of the first rows (lookahead decode rows), on the device. `inputs`: the plan's flat batch, if made.
+        `scatter` (rows, ids): input ids of those rows, on the device (drafts left there)."""
         inputs = inputs or step_inputs(plan, self.block_size)
         if not self._needs_images(plan):
-            return self.forward_inputs(inputs, device_ids)
+            return self.forward_inputs(inputs, device_ids, scatter)
         input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)
-        if device_ids is not None:
-            input_ids[:len(device_ids)] = device_ids
+        _set_device_ids(input_ids, device_ids, scatter)
         return self.model(input_ids, positions, meta, self.prepare_multimodal(plan)), sample_rows
 
-    def forward_inputs(self, inputs: StepInputs, device_ids: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_inputs(self, inputs: StepInputs, device_ids: torch.Tensor | None = None,
+                       scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a text-only flat batch: (hidden states [T, H], its sampling rows on the device), replayed
-        from a mixed-step graph when one fits. `device_ids`: the input ids of its first rows, on the device."""
+        from a mixed-step graph when one fits. `device_ids`: the input ids of its first rows, on the device;
+        `scatter` (rows, ids): the input ids of those rows, on the device."""
         if self.step_graphs is not None and self.step_graphs.fits(inputs):
-            hidden = self.step_graphs.run(inputs, device_ids)
+            hidden = self.step_graphs.run(inputs, device_ids, scatter)
             return hidden, self.upload(inputs.sample_rows, torch.int64)
         input_ids, positions, meta, sample_rows = self._upload_inputs(inputs)
-        if device_ids is not None:
-            input_ids[:len(device_ids)] = device_ids
+        _set_device_ids(input_ids, device_ids, scatter)
         return self.model(input_ids, positions, meta), sample_rows
 
     def _needs_images(self, plan: StepPlan) -> bool:
@@ -622,3 +654,13 @@ class ModelRunner:
         """Runs the logits GEMM once at each padded row count a step can have (see `_logits`)."""
         for rows in range(LOGITS_ROW_BUCKET, self.config.max_num_seqs + LOGITS_ROW_BUCKET, LOGITS_ROW_BUCKET):
             self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.kv_dtype, device=self.device))
+
+
+def _set_device_ids(input_ids: torch.Tensor, device_ids: torch.Tensor | None,
+                    scatter: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Writes the input ids that are on the device into an uploaded batch: `device_ids` over the first rows, then
+    `scatter`'s (rows, ids). Queued after the upload, so they win."""
+    if device_ids is not None:
+        input_ids[:len(device_ids)] = device_ids
+    if scatter is not None:
+        input_ids.index_copy_(0, *scatter)

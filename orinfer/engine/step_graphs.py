@@ -112,10 +112,12 @@ class MixedStepGraphs:
     def fits(self, inputs: StepInputs) -> bool:
         return inputs.num_tokens <= self.max_tokens and len(inputs.context_lens) <= self.max_seqs
 
-    def run(self, inputs: StepInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, inputs: StepInputs, device_ids: torch.Tensor | None = None,
+            scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replays the bucket for this step; returns the hidden states [T, H] (a view of the graph's output, valid
         until the next replay of any graph in the pool: read it in stream order before then). `device_ids` [D]: the
-        ids of the first D rows, on the device (lookahead decode rows)."""
+        ids of the first D rows, on the device (lookahead decode rows); `scatter` (rows, ids): the ids of those rows,
+        on the device (a verify step's drafts)."""
         tokens, seqs = inputs.num_tokens, len(inputs.context_lens)
         bucket = next(b for b in self.buckets if b >= tokens)
         i64 = np.zeros((3, bucket), dtype=np.int64)
@@ -138,6 +140,8 @@ class MixedStepGraphs:
         self.dev_i32[:i32.size].copy_(torch.from_numpy(i32).pin_memory(), non_blocking=True)
         if device_ids is not None:
             self.input_ids[:device_ids.shape[0]].copy_(device_ids)  # queued after the upload, so it wins
+        if scatter is not None:
+            self.input_ids.index_copy_(0, *scatter)
         key = ("mixed", bucket, i32.size)
         if self.before_replay is not None:
             self.before_replay(key, self.graph_inputs(key))

@@ -25,6 +25,7 @@ from orinfer.engine.model_runner import ModelRunner
 from orinfer.engine.sequence import Sequence
 from orinfer.engine.step_inputs import StepInputs
 from orinfer.spec_decode.draft_graphs import DraftGraphs, graph_feed, needs_eager_catch_up
+from orinfer.spec_decode.verify import DeviceDrafts, host_drafts
 
 
 def flat_inputs(seqs: list[Sequence], feeds: list[list[int]], firsts: list[int], block_size: int) -> StepInputs:
@@ -59,10 +60,14 @@ class DraftModelProposer:
     def keep_only(self, running) -> None:
         """(Nothing to forget: what the draft holds lives in the sequences' blocks.)"""
 
-    @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
         """Drafts for `seqs` (all tokens known, none pending): k tokens for each whose room is k and whose blocks can
         grow by k slots (they are appended here: the verify step needs them anyway), none for the others."""
+        return host_drafts(self.propose_on_device(seqs, rooms), seqs)
+
+    @torch.inference_mode()
+    def propose_on_device(self, seqs: list[Sequence], rooms: list[int]) -> DeviceDrafts:
+        """`propose_batch`'s drafts left on the device (nothing here waits for the device)."""
         k = self.k
         picked = []
         for seq, room in zip(seqs, rooms):
@@ -70,12 +75,11 @@ class DraftModelProposer:
                 self.block_manager.append_slot(seq, k)
                 picked.append(seq)
         if not picked:
-            return [[] for _ in seqs]
-        drafts = self._draft(picked).tolist()  # the one host sync of a proposal
+            return DeviceDrafts([], torch.zeros(0, k, dtype=torch.int64))
+        drafts = self._draft(picked)
         for seq in picked:
             seq.num_draft_computed = len(seq.token_ids) + k - 1  # the newest token and the first k - 1 drafts
-        by_seq = {id(seq): row for seq, row in zip(picked, drafts)}
-        return [by_seq.get(id(seq), []) for seq in seqs]
+        return DeviceDrafts(picked, drafts)
 
     def _draft(self, seqs: list[Sequence]) -> torch.Tensor:
         """Catch-up and k greedy steps for `seqs`: drafts [B, k] on the device. Replayed from the draft graphs when a

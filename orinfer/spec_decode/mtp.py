@@ -33,6 +33,7 @@ from orinfer.errors import ConfigError
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_model import flat_inputs
 from orinfer.spec_decode.mtp_graphs import MTPGraphs
+from orinfer.spec_decode.verify import DeviceDrafts, host_drafts
 
 # Hidden-state rows kept per sequence at most (H * act bytes each: 10 KiB at Qwen3.5-27B), and chunks before they are
 # merged into one copy (each chunk is a view that holds its whole step's copy alive): older rows are dropped and the
@@ -130,10 +131,14 @@ class MTPProposer:
             for seq_id in [s for s in store if s not in ids]:
                 del store[seq_id]
 
-    @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
         """k drafts for each sequence whose room is k, whose blocks can grow by k slots (appended here, as the verify
         step needs them) and whose newest token's hidden state was kept; none for the others."""
+        return host_drafts(self.propose_on_device(seqs, rooms), seqs)
+
+    @torch.inference_mode()
+    def propose_on_device(self, seqs: list[Sequence], rooms: list[int]) -> DeviceDrafts:
+        """`propose_batch`'s drafts left on the device (nothing here waits for the device)."""
         k, picked, feeds, firsts, hiddens = self.k, [], [], [], []
         for seq, room in zip(seqs, rooms):
             newest = len(seq.token_ids) - 1
@@ -147,14 +152,13 @@ class MTPProposer:
             firsts.append(first)
             hiddens.append(rows)
         if not picked:
-            return [[] for _ in seqs]
-        drafts = self._draft(picked, feeds, firsts, hiddens).tolist()  # the one host sync
+            return DeviceDrafts([], torch.zeros(0, k, dtype=torch.int64))
+        drafts = self._draft(picked, feeds, firsts, hiddens)
         for seq in picked:
             done = self.done[seq.seq_id] = len(seq.token_ids) - 1
             self.kept[seq.seq_id] = [(p, h[max(0, done - p):]) for p, h in self.kept[seq.seq_id]
                                      if p + h.shape[0] > done]
-        by_seq = {id(seq): row for seq, row in zip(picked, drafts)}
-        return [by_seq.get(id(seq), []) for seq in seqs]
+        return DeviceDrafts(picked, drafts)
 
     def _draft(self, seqs: list[Sequence], feeds: list[list[int]], firsts: list[int], hiddens: list[torch.Tensor]
                ) -> torch.Tensor:

@@ -27,6 +27,32 @@ from orinfer.layers.sampler import (SamplerOutput, SamplingBatch, apply_logit_bi
 
 
 @dataclass
+class DeviceDrafts:
+    """A proposal whose draft ids stay on the device (draft model, MTP): row i of `ids` [len(seqs), k] int64 holds
+    the k drafts of `seqs[i]`. The verify step scatters them into its input ids and its draft table on the device, so
+    the host launches it without waiting for the proposal (whose sequences carry k stand-in ids meanwhile); the step's
+    one host sync then reads its tokens, accepted drafts included."""
+
+    seqs: list  # [P] Sequence
+    ids: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        return self.ids.shape[1]
+
+    def rows_for(self, seqs: list) -> list[int]:
+        """Each of `seqs`' row in `ids`, len(self.seqs) for one that did not draft here."""
+        row_of = {id(seq): i for i, seq in enumerate(self.seqs)}
+        return [row_of.get(id(seq), len(self.seqs)) for seq in seqs]
+
+
+def host_drafts(drafts: DeviceDrafts, seqs: list) -> list[list[int]]:
+    """Each of `seqs`' drafts as a host list ([] for one that did not draft): one host sync."""
+    rows = drafts.ids.tolist()
+    return [rows[i] if i < len(rows) else [] for i in drafts.rows_for(seqs)]
+
+
+@dataclass
 class DraftLayout:
     """Where each sequence's rows sit in the step's logits: sequence b has rows starts[b] .. starts[b] + k[b]."""
 

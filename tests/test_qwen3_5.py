@@ -199,26 +199,27 @@ def test_unsupported_moe_families_are_named_as_such():
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_the_triton_ops_give_hf_tokens(pair):
-    """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts), the fused decode step
-    (decode rows, and the one-token prompt's first step without an initial state), gated norm and partial-rotary
-    QK-norm kernels inside the whole model."""
+    """The triton op table (the interpreter without a GPU): conv, delta rule, the fused step (decode rows, the
+    one-token prompt's first step without an initial state, and prompt chunks of up to 8 rows beside decode rows:
+    its row loop), gated norm and partial-rotary QK-norm kernels inside the whole model."""
     import dataclasses
 
     from orinfer.layers.triton_ops import triton_ops
 
     _, path, want = pair
     ops = triton_ops()
-    fused, rows = ops.gated_delta_decode_step, []
+    fused, calls = ops.gated_delta_decode_step, []
 
     def counted(mixed, *args):
-        rows.append(mixed.shape[0])
+        calls.append((mixed.shape[0], args[-1]))  # rows, the most a sequence has
         return fused(mixed, *args)
 
     llm = triton_llm(path, dataclasses.replace(ops, gated_delta_decode_step=counted))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     layers = len(llm.engine.runner.model.state_layers())
-    assert len(rows) >= layers * (STEPS - 1)  # every decode step of every linear-attention layer took it
-    assert max(rows) == len(PROMPTS)  # with all four sequences decoding in one step
+    assert len(calls) >= layers * (STEPS - 1)  # every decode step of every linear-attention layer took it
+    assert (len(PROMPTS), 1) in calls  # all four sequences decoding in one step: the one-row kernel
+    assert max(rows for rows, _ in calls) == 8 and max(most for _, most in calls) > 1  # chunks: the row loop
 
 
 def triton_llm(path: Path, ops=None) -> LLM:

@@ -22,6 +22,14 @@ import torch
 import torch.nn.functional as F
 
 
+# The most rows a sequence may have for a model to take the one-launch step (`gated_delta_decode_step_ref`'s contract,
+# fused by kernels/gated_delta_decode.py) rather than the three ops: the fused kernels walk a sequence's rows one
+# after another in Hv x B programs, where the unfused recurrent kernel splits each head's columns over 8 programs and
+# the chunked kernels parallelise a prompt's rows. 16 covers speculative verify steps (1 + k rows) and the mixed-step
+# CUDA graphs of 8 and 16 rows.
+FUSED_STEP_MAX_ROWS = 16
+
+
 def _spans(query_start_loc: torch.Tensor) -> list[tuple[int, int]]:
     starts = query_start_loc.tolist()
     return list(zip(starts[:-1], starts[1:]))

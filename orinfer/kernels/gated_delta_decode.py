@@ -66,11 +66,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
 # unfused kernels (no Qwen3.5 size has them).
 MAX_STATE_TILE = 128 * 128
-# The most rows a sequence may have for the model to take the fused kernels (Ops.gated_delta_step_max_rows): the
-# row loop runs one program's rows one after another over Hv x B programs, where the unfused recurrent kernel splits
-# each head's columns over 8 programs and the chunked kernels parallelise a prompt's rows. 16 covers speculative
-# verify steps (1 + k rows) and the mixed-step CUDA graphs of 8 and 16 rows.
-FUSED_MAX_ROWS = 16
 
 
 @triton.jit
@@ -385,8 +380,8 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
     Hk from C). `max_rows_per_seq`: the most rows any sequence has (None: unknown).
 
     Kernels: `_decode_step_kernel` when every sequence has at most one row, else `_rows_kernel` (any count; the
-    caller keeps it to a few: FUSED_MAX_ROWS). Heads too large for one register tile, or more (sequence, key head)
-    pairs than counters, take the unfused kernels (the same result).
+    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS). Heads too large for one register tile, or more
+    (sequence, key head) pairs than counters, take the unfused kernels (the same result).
     """
     check_device(mixed)
     heads = _heads("gated_delta_decode_step", mixed, gates, conv_weight, A_log, dt_bias, query_start_loc,

@@ -57,6 +57,8 @@ import triton.language as tl
 
 from orinfer.kernels.gated_delta import gated_delta_advance_ref, gated_delta_decode_step_ref
 from orinfer.kernels.gated_delta_chunk import log_decay
+from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, window_conv, window_tail, with_row,
+                                                     write_histories, zero_states)
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import MAX_TILES, counters
@@ -66,112 +68,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
 # unfused kernels (no Qwen3.5 size has them).
 MAX_STATE_TILE = 128 * 128
-
-
-@triton.jit
-def _kept_history(conv, ch, mask, init, stride_cc, stride_ck, KW: tl.constexpr, BW: tl.constexpr):
-    """The last K-2 columns of channels `ch`'s conv history, in the first K-2 of [n, BW] (what stays in the new
-    history), in the state's dtype; zeros without an initial state."""
-    e = tl.arange(0, BW)
-    return tl.load(conv + ch[:, None] * stride_cc + (e + 1)[None, :] * stride_ck,
-                   mask=mask[:, None] & (e < KW - 2)[None, :] & init, other=0.0)
-
-
-@triton.jit
-def _conv_silu(x, conv, ch, mask, init, w_ptr, stride_cc, stride_ck, KW: tl.constexpr):
-    """silu of the causal conv at the new row x [n] of channels `ch`, over their history (zeros without an initial
-    state), summed in the conv kernel's order in fp32, rounded to x's dtype (as the conv kernel stores it) and
-    returned as fp32. One vector per history column: with a [n, K-1] tile here, the compiler gave q and k that
-    tile's layout and moved the whole state tile into it and back through shared memory (two 64 KiB conversions)."""
-    acc = tl.zeros_like(x.to(tl.float32))
-    for j in tl.static_range(KW - 1):
-        hist = tl.load(conv + ch * stride_cc + j * stride_ck, mask=mask & init, other=0.0).to(tl.float32)
-        acc += hist * tl.load(w_ptr + ch * KW + j, mask=mask, other=0.0).to(tl.float32)
-    acc += x.to(tl.float32) * tl.load(w_ptr + ch * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
-    return (acc / (1.0 + tl.exp(-acc))).to(x.dtype).to(tl.float32)
-
-
-@triton.jit
-def _with_row(kept, x, KW: tl.constexpr, BW: tl.constexpr):
-    """The new history after one row: the old one's last K-2 columns (`kept`), then the row's inputs x."""
-    e = tl.arange(0, BW)
-    return tl.where((e == KW - 2)[None, :], x.to(kept.dtype)[:, None], kept)
-
-
-@triton.jit
-def _window_conv(x_seq, conv, ch, mask, init, w_ptr, j, stride_xt, stride_cc, stride_ck, KW: tl.constexpr,
-                 BD: tl.constexpr):
-    """`_conv_silu` at row j of a sequence whose rows start at x_seq: window positions j .. j+K-1, those below K-1
-    from the history (zeros without an initial state), the others the rows p - (K-1), summed as the conv kernel
-    sums them (one of its two loads is masked to 0). Rounded to the rows' dtype, returned as fp32."""
-    acc = tl.zeros([BD], dtype=tl.float32)
-    for i in tl.static_range(KW):
-        p = j + i
-        in_x = p >= KW - 1
-        xv = tl.load(x_seq + (p - (KW - 1)).to(tl.int64) * stride_xt + ch, mask=mask & in_x, other=0.0)
-        hv = tl.load(conv + ch * stride_cc + p * stride_ck, mask=mask & (p < KW - 1) & init, other=0.0)
-        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * tl.load(w_ptr + ch * KW + i, mask=mask,
-                                                                 other=0.0).to(tl.float32)
-    return (acc / (1.0 + tl.exp(-acc))).to(x_seq.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _window_tail(x_seq, conv, ch, mask, init, n, stride_xt, stride_cc, stride_ck, KW: tl.constexpr,
-                 BW: tl.constexpr):
-    """The new history of channels `ch` after n rows, [n_ch, BW] in the history's dtype: the window's last K-1
-    inputs (positions n .. n+K-2: the old history's below K-1, else the rows')."""
-    e = tl.arange(0, BW)
-    p = n + e
-    in_x = (p >= KW - 1)[None, :]
-    m = mask[:, None] & (e < KW - 1)[None, :]
-    xv = tl.load(x_seq + (p - (KW - 1)).to(tl.int64)[None, :] * stride_xt + ch[:, None], mask=m & in_x, other=0.0)
-    hv = tl.load(conv + ch[:, None] * stride_cc + p[None, :] * stride_ck, mask=m & ~in_x & init, other=0.0)
-    return tl.where(in_x, xv.to(conv.dtype.element_ty), hv)
-
-
-@triton.jit
-def _store_history(conv, ch, mask, new, stride_cc, stride_ck, KW: tl.constexpr, BW: tl.constexpr):
-    """History tile `new` [n_ch, BW] (its first K-1 columns) as channels `ch`'s conv history."""
-    e = tl.arange(0, BW)
-    tl.store(conv + ch[:, None] * stride_cc + e[None, :] * stride_ck, new, mask=mask[:, None] & (e < KW - 1)[None, :])
-
-
-@triton.jit
-def _write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask, q_new, k_new, v_new, counter, stride_cc, stride_ck,
-                     GROUP: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr):
-    """The new conv histories, once every thread's reads of the old ones are done: the v history of this program's
-    head, and the key head's q/k history by its group's last reader (the module docstring's ownership)."""
-    tl.debug_barrier()
-    _store_history(conv, v_ch, v_mask, v_new, stride_cc, stride_ck, KW, BW)
-    if GROUP == 1:
-        _store_history(conv, q_ch, d_mask, q_new, stride_cc, stride_ck, KW, BW)
-        _store_history(conv, k_ch, d_mask, k_new, stride_cc, stride_ck, KW, BW)
-    else:
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == GROUP - 1:  # the key head's last reader
-            _store_history(conv, q_ch, d_mask, q_new, stride_cc, stride_ck, KW, BW)
-            _store_history(conv, k_ch, d_mask, k_new, stride_cc, stride_ck, KW, BW)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _zero_history(conv, ch, mask, stride_cc, stride_ck, KW: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr):
-    """Zeros as the history of channels `ch` [BD]."""
-    _store_history(conv, ch, mask, tl.zeros([BD, BW], dtype=conv.dtype.element_ty), stride_cc, stride_ck, KW, BW)
-
-
-@triton.jit
-def _zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, first_of_group, stride_cc, stride_ck,
-                 KW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
-    """No row and no initial state: the slot's states become zeros, as the unfused kernels leave them (nobody reads
-    the old ones, so the group's first program may write the q/k history)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    tl.store(state, tl.zeros([BK, BV], dtype=tl.float32), mask=s_mask)
-    _zero_history(conv, v_ch, v_mask, stride_cc, stride_ck, KW, BV, BW)
-    if first_of_group:
-        _zero_history(conv, q_ch, d_mask, stride_cc, stride_ck, KW, BK, BW)
-        _zero_history(conv, k_ch, d_mask, stride_cc, stride_ck, KW, BK, BW)
 
 
 @triton.jit
@@ -234,9 +130,9 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
     if end > row:
         # Before the wait: the state pools (only this kernel writes them in a step) and the step's inputs.
         S = tl.load(state, mask=s_mask & init, other=0.0)
-        q_kept = _kept_history(conv, q_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
-        k_kept = _kept_history(conv, k_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
-        v_kept = _kept_history(conv, v_ch, v_mask, init, stride_cc, stride_ck, KW, BW)
+        q_kept = kept_history(conv, q_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
+        k_kept = kept_history(conv, k_ch, d_mask, init, stride_cc, stride_ck, KW, BW)
+        v_kept = kept_history(conv, v_ch, v_mask, init, stride_cc, stride_ck, KW, BW)
         A_log = tl.load(alog_ptr + h).to(tl.float32)
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         if PDL:  # the in_proj row is the previous kernel's output
@@ -246,20 +142,20 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
         qx = tl.load(x_row + q_ch, mask=d_mask, other=0.0)
         kx = tl.load(x_row + k_ch, mask=d_mask, other=0.0)
         vx = tl.load(x_row + v_ch, mask=v_mask, other=0.0)
-        q = _conv_silu(qx, conv, q_ch, d_mask, init, convw_ptr, stride_cc, stride_ck, KW)
-        k = _conv_silu(kx, conv, k_ch, d_mask, init, convw_ptr, stride_cc, stride_ck, KW)
-        v = _conv_silu(vx, conv, v_ch, v_mask, init, convw_ptr, stride_cc, stride_ck, KW)
+        q = conv_silu(qx, conv, q_ch, d_mask, init, convw_ptr, stride_cc, stride_ck, KW)
+        k = conv_silu(kx, conv, k_ch, d_mask, init, convw_ptr, stride_cc, stride_ck, KW)
+        v = conv_silu(vx, conv, v_ch, v_mask, init, convw_ptr, stride_cc, stride_ck, KW)
         gate_row = gates_ptr + row.to(tl.int64) * stride_gt
         S = _delta_rule(S, k, v, tl.load(gate_row + h).to(tl.float32), tl.load(gate_row + HV + h).to(tl.float32),
                         A_log, dt_bias)
         tl.store(state, S, mask=s_mask)
         _norm_output(S, q, scale, z_ptr + row.to(tl.int64) * stride_zt + h * DV, normw_ptr,
                      out_ptr + row.to(tl.int64) * stride_ot + h * DV, dv, v_mask, eps, DV, PROD_TY)
-        _write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask, _with_row(q_kept, qx, KW, BW),
-                         _with_row(k_kept, kx, KW, BW), _with_row(v_kept, vx, KW, BW), cnt_ptr + seq * HK + kh,
+        write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask, with_row(q_kept, qx, KW, BW),
+                         with_row(k_kept, kx, KW, BW), with_row(v_kept, vx, KW, BW), cnt_ptr + seq * HK + kh,
                          stride_cc, stride_ck, HV // HK, KW, BW)
     elif tl.load(init_ptr + seq) == 0:
-        _zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
+        zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
                      stride_ck, KW, BK, BV, BW, PDL)
 
 
@@ -285,24 +181,24 @@ def _rows_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_pt
         x_seq = x_ptr + begin.to(tl.int64) * stride_xt
         for j in range(0, n):
             row = begin.to(tl.int64) + j
-            k = _window_conv(x_seq, conv, k_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BK)
-            v = _window_conv(x_seq, conv, v_ch, v_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BV)
+            k = window_conv(x_seq, conv, k_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BK)
+            v = window_conv(x_seq, conv, v_ch, v_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BV)
             gate_row = gates_ptr + row * stride_gt
             S = _delta_rule(S, k, v, tl.load(gate_row + h).to(tl.float32),
                             tl.load(gate_row + HV + h).to(tl.float32), A_log, dt_bias)
             if OUTPUT:
-                q = _window_conv(x_seq, conv, q_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW,
+                q = window_conv(x_seq, conv, q_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW,
                                  BK)
                 _norm_output(S, q, scale, z_ptr + row * stride_zt + h * DV, normw_ptr,
                              out_ptr + row * stride_ot + h * DV, dv, v_mask, eps, DV, PROD_TY)
         tl.store(state, S, mask=s_mask)
-        _write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask,
-                         _window_tail(x_seq, conv, q_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         _window_tail(x_seq, conv, k_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         _window_tail(x_seq, conv, v_ch, v_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
+        write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask,
+                         window_tail(x_seq, conv, q_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
+                         window_tail(x_seq, conv, k_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
+                         window_tail(x_seq, conv, v_ch, v_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
                          cnt_ptr + seq * HK + kh, stride_cc, stride_ck, HV // HK, KW, BW)
     elif tl.load(init_ptr + seq) == 0:
-        _zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
+        zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
                      stride_ck, KW, BK, BV, BW, PDL)
 
 

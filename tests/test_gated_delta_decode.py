@@ -43,26 +43,29 @@ def step_inputs(tokens: int, k_heads: int, v_heads: int, dk: int, dv: int, width
         ssm_states=torch.randn(num_slots, v_heads, dk, dv, generator=gen).to(DEVICE))
 
 
-def run_both(args: dict, layout: tuple) -> tuple:
+def run_both(args: dict, layout: tuple, max_rows: int | None = 1) -> tuple:
     """(fused out, its pools, reference out, its pools) from the same inputs and pools."""
     qsl, slots, init = layout
     got_args = dict(args, conv_states=args["conv_states"].clone(), ssm_states=args["ssm_states"].clone())
     want_args = dict(args, conv_states=args["conv_states"].clone(), ssm_states=args["ssm_states"].clone())
-    got = gated_delta_decode_step(**got_args, query_start_loc=qsl, state_slots=slots, has_initial_state=init)
+    got = gated_delta_decode_step(**got_args, query_start_loc=qsl, state_slots=slots, has_initial_state=init,
+                                  max_rows_per_seq=max_rows)
     want = gated_delta_decode_step_ref(**want_args, query_start_loc=qsl, state_slots=slots, has_initial_state=init)
     return got, got_args, want, want_args
 
 
 def check_step(num_seqs: int, *, k_heads: int = 2, v_heads: int = 4, dk: int = 16, dv: int = 16, width: int = 4,
                dtype: torch.dtype = torch.float32, weight_dtype: torch.dtype | None = None, empty: tuple = (),
-               pad_rows: int = 0, seed: int = 0) -> None:
-    """A decode batch of `num_seqs` sequences (those in `empty` with no row, `pad_rows` rows past the last one) on
-    shuffled slots, every other one without an initial state: the fused step against the unfused reference chain."""
-    lens = [0 if i in empty else 1 for i in range(num_seqs)]
+               pad_rows: int = 0, seed: int = 0, lens: list[int] | None = None,
+               max_rows: int | None = 1) -> None:
+    """A batch of `num_seqs` sequences of one row (those in `empty` with none), or of `lens` rows, with `pad_rows`
+    rows past the last one, on shuffled slots, every other one without an initial state: the fused step (told
+    `max_rows` rows a sequence at most) against the unfused reference chain."""
+    lens = lens if lens is not None else [0 if i in empty else 1 for i in range(num_seqs)]
     qsl, slots, init, num_slots = batch_layout(lens, seed)
     tokens = sum(lens)
     args = step_inputs(tokens + pad_rows, k_heads, v_heads, dk, dv, width, dtype, num_slots, seed + 1, weight_dtype)
-    got, got_args, want, want_args = run_both(args, (qsl, slots, init))
+    got, got_args, want, want_args = run_both(args, (qsl, slots, init), max_rows)
     assert got.shape == (tokens + pad_rows, v_heads * dv) and got.dtype == dtype
     torch.testing.assert_close(got[:tokens].double(), want[:tokens].double(), **tol(dtype))
     torch.testing.assert_close(got_args["conv_states"], want_args["conv_states"], atol=0, rtol=0)  # input copies

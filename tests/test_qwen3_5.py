@@ -199,26 +199,68 @@ def test_unsupported_moe_families_are_named_as_such():
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_the_triton_ops_give_hf_tokens(pair):
-    """The triton op table (the interpreter without a GPU): conv, delta rule (chunked prompts), the fused decode step
-    (decode rows, and the one-token prompt's first step without an initial state), gated norm and partial-rotary
-    QK-norm kernels inside the whole model."""
+    """The triton op table (the interpreter without a GPU): conv, delta rule, the fused step (decode rows, the
+    one-token prompt's first step without an initial state, and prompt chunks of up to 8 rows beside decode rows:
+    its row loop), gated norm and partial-rotary QK-norm kernels inside the whole model."""
     import dataclasses
 
     from orinfer.layers.triton_ops import triton_ops
 
     _, path, want = pair
     ops = triton_ops()
-    fused, rows = ops.gated_delta_decode_step, []
+    fused, calls = ops.gated_delta_decode_step, []
 
     def counted(mixed, *args):
-        rows.append(mixed.shape[0])
+        calls.append((mixed.shape[0], args[-1]))  # rows, the most a sequence has
         return fused(mixed, *args)
 
     llm = triton_llm(path, dataclasses.replace(ops, gated_delta_decode_step=counted))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     layers = len(llm.engine.runner.model.state_layers())
-    assert len(rows) >= layers * (STEPS - 1)  # every decode step of every linear-attention layer took it
-    assert max(rows) == len(PROMPTS)  # with all four sequences decoding in one step
+    assert len(calls) >= layers * (STEPS - 1)  # every decode step of every linear-attention layer took it
+    assert (len(PROMPTS), 1) in calls  # all four sequences decoding in one step: the one-row kernel
+    assert max(rows for rows, _ in calls) == 8 and max(most for _, most in calls) > 1  # chunks: the row loop
+
+
+def test_short_rows_take_the_one_op_step_and_long_prompts_the_three_ops(pair):
+    """The torch op table: steps of at most Ops.gated_delta_step_max_rows rows a sequence (decode rows, short whole
+    prompts starting their states) go through gated_delta_decode_step, longer prompt rows through the conv, the delta
+    rule and the gated norm; HF's tokens either way."""
+    import dataclasses
+
+    from orinfer.args import EngineArgs
+    from orinfer.engine.llm_engine import EngineParts
+    from orinfer.layers.ops import TORCH_OPS
+    from orinfer.loader import load_hf_model
+
+    _, path, want = pair
+    steps, norms = [], []
+
+    def step(mixed, *args):
+        steps.append(args[-1])  # the most rows a sequence has
+        return TORCH_OPS.gated_delta_decode_step(mixed, *args)
+
+    def norm(x, *args):
+        norms.append(x.shape[0])
+        return TORCH_OPS.gated_rms_norm(x, *args)
+
+    ops = dataclasses.replace(TORCH_OPS, gated_delta_decode_step=step, gated_rms_norm=norm)
+    cfg = ModelConfig.from_hf(path)
+    net = load_hf_model(path, ops, torch.float32, torch.float32, torch.device("cpu"), cfg, progress=False)
+    llm = LLM.from_parts(EngineParts(net, cfg, None, {}, torch.device("cpu"), torch.float32, ops=ops),
+                         EngineArgs(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64,
+                                    enable_prefix_caching=False))  # the second run computes its prompts whole
+    assert ops.gated_delta_step_max_rows == 16 and max(map(len, PROMPTS)) > 16
+    steps.clear()  # the engine's warm-up forwards
+    norms.clear()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want  # one prefill step of every prompt
+    layers = len(llm.engine.runner.model.state_layers())
+    assert norms and max(steps) <= 16 and len(steps) >= layers * (STEPS - 1)  # the long prompt's step: three ops
+    steps.clear()
+    norms.clear()
+    short = [i for i, prompt in enumerate(PROMPTS) if len(prompt) <= 16]
+    assert [o.token_ids for o in llm.generate([PROMPTS[i] for i in short], GREEDY)] == [want[i] for i in short]
+    assert not norms and max(steps) == max(len(PROMPTS[i]) for i in short) > 1  # whole prompts in the one op
 
 
 def triton_llm(path: Path, ops=None) -> LLM:

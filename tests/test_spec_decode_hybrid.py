@@ -178,8 +178,8 @@ def _triton_engine(path, spec: dict, **settings) -> LLM:
 
 @pytest.mark.slow
 def test_the_rollback_on_the_triton_kernels(target):
-    """The replay's recurrent delta-rule kernel over several rows a sequence and the conv kernel over runs shorter
-    than its window, through the triton op table: HF's tokens at every acceptance length."""
+    """Through the triton op table: the fused step's row loop over the verify rows and the fused advance replaying
+    1 + a accepted rows (runs shorter than the conv window among them): HF's tokens at every acceptance length."""
     path, want = target
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = _oracle(_triton_engine(path, NGRAM), want).generate(PROMPTS[:2], params)

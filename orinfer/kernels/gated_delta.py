@@ -22,6 +22,14 @@ import torch
 import torch.nn.functional as F
 
 
+# The most rows a sequence may have for a model to take the one-launch step (`gated_delta_decode_step_ref`'s contract,
+# fused by kernels/gated_delta_decode.py) rather than the three ops: the fused kernels walk a sequence's rows one
+# after another in Hv x B programs, where the unfused recurrent kernel splits each head's columns over 8 programs and
+# the chunked kernels parallelise a prompt's rows. 16 covers speculative verify steps (1 + k rows) and the mixed-step
+# CUDA graphs of 8 and 16 rows.
+FUSED_STEP_MAX_ROWS = 16
+
+
 def _spans(query_start_loc: torch.Tensor) -> list[tuple[int, int]]:
     starts = query_start_loc.tolist()
     return list(zip(starts[:-1], starts[1:]))
@@ -95,23 +103,47 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 def gated_delta_decode_step_ref(mixed: torch.Tensor, z: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor,
                                 A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                 query_start_loc: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
-                                state_slots: torch.Tensor, has_initial_state: torch.Tensor, *,
-                                conv: Callable = causal_conv1d_ref, rule: Callable = gated_delta_rule_ref,
-                                norm: Callable = gated_rms_norm_ref) -> torch.Tensor:
-    """A whole Gated DeltaNet step after in_proj, for sequences of at most one row each (decode): the conv over
-    mixed [T, C] (q | k | v channels) -> the delta rule -> the gated RMSNorm of the output with z [T, Hv Dv]; gates
-    [T, 2 Hv] are b | a; conv_weight [C, K], norm_weight [Dv]; both state pools updated in place. Returns [T, Hv Dv]
-    in mixed's dtype. Head sizes come from the shapes: Hv from gates, Dk and Dv from ssm_states [slots, Hv, Dk, Dv],
-    Hk from C = 2 Hk Dk + Hv Dv. `conv`, `rule` and `norm` are the three ops composed (the references by default:
-    this is the contract of kernels/gated_delta_decode.py's fused kernel; it passes its unfused kernels when it
-    cannot fuse)."""
+                                state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                                max_rows_per_seq: int | None = None, *, conv: Callable = causal_conv1d_ref,
+                                rule: Callable = gated_delta_rule_ref, norm: Callable = gated_rms_norm_ref
+                                ) -> torch.Tensor:
+    """A whole Gated DeltaNet step after in_proj, for sequences of a few rows each (decode: one; speculative verify:
+    1 + k): the conv over mixed [T, C] (q | k | v channels) -> the delta rule -> the gated RMSNorm of the output with
+    z [T, Hv Dv]; gates [T, 2 Hv] are b | a; conv_weight [C, K], norm_weight [Dv]; both state pools updated in place.
+    Returns [T, Hv Dv] in mixed's dtype. Head sizes come from the shapes: Hv from gates, Dk and Dv from ssm_states
+    [slots, Hv, Dk, Dv], Hk from C = 2 Hk Dk + Hv Dv. `max_rows_per_seq` (the most rows a sequence has, known on
+    the host; None: unknown) lets a kernel pick its path; the reference takes any rows. `conv`, `rule` and `norm` are
+    the three ops composed (the references by default: this is the contract of kernels/gated_delta_decode.py's fused
+    kernels; they pass their unfused kernels when they cannot fuse)."""
+    tokens, heads, dv = mixed.shape[0], ssm_states.shape[1], ssm_states.shape[3]
+    o = _conv_and_rule(mixed, gates, conv_weight, A_log, dt_bias, query_start_loc, conv_states, ssm_states,
+                       state_slots, has_initial_state, conv, rule)
+    out = norm(o.reshape(tokens * heads, dv), z.reshape(tokens * heads, dv), norm_weight, eps)
+    return out.reshape(tokens, heads * dv)
+
+
+def gated_delta_advance_ref(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+                            dt_bias: torch.Tensor, query_start_loc: torch.Tensor, conv_states: torch.Tensor,
+                            ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor, *,
+                            conv: Callable = causal_conv1d_ref, rule: Callable = gated_delta_rule_ref) -> None:
+    """`gated_delta_decode_step_ref`'s state updates without its output (no z, no norm): each sequence's conv and
+    delta-rule states advanced over its rows of conv inputs mixed [T, C] and gate inputs gates [T, 2 Hv] (b | a),
+    in place. The speculative state rollback replays a sequence's accepted rows so (engine/state_rollback.py)."""
+    _conv_and_rule(mixed, gates, conv_weight, A_log, dt_bias, query_start_loc, conv_states, ssm_states, state_slots,
+                   has_initial_state, conv, rule)
+
+
+def _conv_and_rule(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor, query_start_loc: torch.Tensor, conv_states: torch.Tensor,
+                   ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                   conv: Callable, rule: Callable) -> torch.Tensor:
+    """The conv, then the delta rule's token loop (`decode=True`: the recurrent kernel, as decode and verify rows
+    run it) -> o [T, Hv, Dv]; both pools updated."""
     tokens = mixed.shape[0]
     heads, dk, dv = ssm_states.shape[1], ssm_states.shape[2], ssm_states.shape[3]
     key_dim = (mixed.shape[1] - heads * dv) // 2
     b, a = gates.split([heads, heads], dim=-1)
     x = conv(mixed, conv_weight, query_start_loc, conv_states, state_slots, has_initial_state)
     q, k, v = x.split([key_dim, key_dim, heads * dv], dim=-1)
-    o = rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk), v.reshape(tokens, heads, dv), a, b, A_log,
-             dt_bias, query_start_loc, ssm_states, state_slots, has_initial_state, decode=True, max_rows_per_seq=1)
-    out = norm(o.reshape(tokens * heads, dv), z.reshape(tokens * heads, dv), norm_weight, eps)
-    return out.reshape(tokens, heads * dv)
+    return rule(q.reshape(tokens, -1, dk), k.reshape(tokens, -1, dk), v.reshape(tokens, heads, dv), a, b, A_log,
+                dt_bias, query_start_loc, ssm_states, state_slots, has_initial_state, decode=True)

@@ -17,8 +17,8 @@ from orinfer.errors import ConfigError
 from orinfer.kernels.activation import fused_gate_up_silu_ref, silu_and_mul_ref
 from orinfer.kernels.attention import paged_attention_ref, store_kv_ref, varlen_causal_attention_ref
 from orinfer.kernels.fp8_block import fp8_block_linear_ref, fp8_gate_up_silu_ref
-from orinfer.kernels.gated_delta import (causal_conv1d_ref, gated_delta_decode_step_ref, gated_delta_rule_ref,
-                                        gated_rms_norm_ref)
+from orinfer.kernels.gated_delta import (FUSED_STEP_MAX_ROWS, causal_conv1d_ref, gated_delta_advance_ref,
+                                        gated_delta_decode_step_ref, gated_delta_rule_ref, gated_rms_norm_ref)
 from orinfer.kernels.gptq import gptq_linear_ref
 from orinfer.kernels.moe import fused_moe_ref, moe_route_ref, moe_router_ref, shared_expert_combine_ref
 from orinfer.kernels.moe_fp8 import fused_moe_fp8_ref
@@ -126,9 +126,15 @@ class Ops:
     gated_delta_rule: Callable = gated_delta_rule_ref
     gated_rms_norm: Callable = gated_rms_norm_ref
     # gated_delta_decode_step(mixed, z, gates, conv_weight, A_log, dt_bias, norm_weight, eps, query_start_loc,
-    # conv_states, ssm_states, state_slots, has_initial_state) -> the normed output [T, Hv Dv]: the three above in
-    # one step, for batches of at most one row a sequence (the triton backend fuses them into one kernel).
+    # conv_states, ssm_states, state_slots, has_initial_state, max_rows_per_seq) -> the normed output [T, Hv Dv]:
+    # the three above in one step, for batches of at most max_rows_per_seq rows a sequence (the triton backend fuses
+    # them into one kernel). gated_delta_advance(mixed, gates, conv_weight, A_log, dt_bias, query_start_loc,
+    # conv_states, ssm_states, state_slots, has_initial_state): its state updates alone (no output), as the
+    # speculative state rollback replays accepted rows. Models take both for batches of at most
+    # gated_delta_step_max_rows rows a sequence (decode, verify steps), the three ops above for longer rows.
     gated_delta_decode_step: Callable = gated_delta_decode_step_ref
+    gated_delta_advance: Callable = gated_delta_advance_ref
+    gated_delta_step_max_rows: int = FUSED_STEP_MAX_ROWS
     # Mixture of experts (kernels/moe.py documents both): moe_route(router_logits, top_k, renormalize) -> (weights,
     # ids); fused_moe(x, w13, w2, weights, ids) -> the routed experts' weighted sum.
     moe_route: Callable = moe_route_ref

@@ -19,7 +19,7 @@ from orinfer.kernels.attention import store_kv, varlen_attention
 from orinfer.kernels.causal_conv import causal_conv1d
 from orinfer.kernels.decode_attention import paged_attention
 from orinfer.kernels.decode_inputs import advance_decode_inputs
-from orinfer.kernels.gated_delta_decode import gated_delta_decode_step
+from orinfer.kernels.gated_delta_decode import gated_delta_advance, gated_delta_decode_step
 from orinfer.kernels.gated_delta_fla import gated_delta_rule
 from orinfer.kernels.gated_norm import gated_rms_norm
 from orinfer.kernels.gemv import gemv, supported
@@ -138,7 +138,7 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,
         graph_hooks=GRAPH_HOOKS, materializes_attention=False, causal_conv1d=causal_conv1d,
         gated_delta_rule=gated_delta_rule, gated_rms_norm=gated_rms_norm,
-        gated_delta_decode_step=gated_delta_decode_step, moe_route=moe_route, fused_moe=fused_moe,
-        fused_moe_fp8=fused_moe_fp8, fused_moe_w4=fused_moe_w4, moe_router=triton_moe_router,
-        shared_expert_combine=shared_expert_combine,
+        gated_delta_decode_step=gated_delta_decode_step, gated_delta_advance=gated_delta_advance,
+        moe_route=moe_route, fused_moe=fused_moe, fused_moe_fp8=fused_moe_fp8, fused_moe_w4=fused_moe_w4,
+        moe_router=triton_moe_router, shared_expert_combine=shared_expert_combine,
     )

@@ -134,13 +134,14 @@ class GatedDeltaNetBlock(nn.Module):
             # Speculative verify steps: the state-changing inputs are kept, so that the state can be rebuilt after
             # the last accepted token (`advance_state`).
             meta.keep_linear_inputs(self, mixed, gates)
-        if meta.max_query_len == 1:
-            # Decode rows (at most one a sequence): conv, delta rule and gated norm as one op, which a backend may
-            # fuse so that each state is read once in one launch.
+        if meta.max_query_len <= self.ops.gated_delta_step_max_rows:
+            # A few rows a sequence (decode: one; speculative verify steps: 1 + k; short prompts and the mixed-step
+            # graphs' small buckets): conv, delta rule and gated norm as one op, which a backend may fuse so that
+            # each state is read once in one launch.
             out = self.ops.gated_delta_decode_step(
                 mixed, z, gates, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight,
                 self.norm.eps, meta.query_start_loc, self.conv_states, self.ssm_states, meta.state_slots,
-                meta.has_initial_state)
+                meta.has_initial_state, meta.max_query_len)
         else:
             out = self._mix(mixed, gates, meta)
             out = self.ops.gated_rms_norm(out.reshape(tokens * heads, -1), z.reshape(tokens * heads, -1),
@@ -149,9 +150,15 @@ class GatedDeltaNetBlock(nn.Module):
 
     def advance_state(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata) -> None:
         """Advances each sequence's state slot over rows of conv inputs `mixed` [T, C] and gate inputs `gates`
-        [T, 2 Hv] (b | a) that `forward` kept, as `forward` would over the same tokens; no output. One row a sequence
-        at a time is what decode does: the recurrent path (any number of rows)."""
-        self._mix(mixed, gates, meta, decode=True)
+        [T, 2 Hv] (b | a) that `forward` kept, as `forward` would over the same tokens; no output. A few rows a
+        sequence (the rollback's 1 + a accepted rows): one op, which a backend may fuse into one launch; more: the
+        conv and the recurrent path, as decode runs them one row at a time."""
+        if meta.max_query_len <= self.ops.gated_delta_step_max_rows:
+            self.ops.gated_delta_advance(mixed, gates, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
+                                         meta.query_start_loc, self.conv_states, self.ssm_states, meta.state_slots,
+                                         meta.has_initial_state)
+        else:
+            self._mix(mixed, gates, meta, decode=True)
 
     def _mix(self, mixed: torch.Tensor, gates: torch.Tensor, meta: AttentionMetadata, decode: bool | None = None
              ) -> torch.Tensor:

@@ -132,3 +132,24 @@ def test_serving_bench_reports_ttft_by_wave_of_requests(monkeypatch):
     assert level.ttft_ms_by_wave[0]["p50"] == pytest.approx(1000.0)
     assert level.ttft_ms_by_wave[1]["p50"] == pytest.approx(100.0)   # request 3 failed: request 2 alone
     assert level.ttft_ms_by_wave[2]["p50"] == pytest.approx(200.0)
+
+
+def test_serving_bench_warms_up_with_a_few_requests_not_the_measured_count(monkeypatch):
+    """The warm-up runs WARMUP_REQUESTS requests one at a time whatever --requests says (512 of them at batch 1 once
+    took minutes, so runs were cut before the measured level), then the level runs --requests."""
+    pytest.importorskip("httpx")
+    import asyncio
+
+    bench_serve = load_script(SCRIPTS / "bench_serve.py", monkeypatch)
+    seen = []
+
+    async def fake_request(client, args, model, i):
+        seen.append(i)
+        return bench_serve.Result(True, ttft=0.1, tpot=0.01, e2e=1.0, tokens=4)
+
+    monkeypatch.setattr(bench_serve, "one_request", fake_request)
+    args = bench_serve.parse_args(["--requests", "40", "--concurrency", "8", "--model", "m"])
+    report = asyncio.run(bench_serve.main_async(args))
+    warmup = [i for i in seen if i >= 10_000_000]
+    assert len(warmup) == bench_serve.WARMUP_REQUESTS < 40
+    assert len(seen) - len(warmup) == 40 and report["levels"][0]["requests"] == 40

@@ -16,6 +16,8 @@ is fp32 in the log2 domain; 16-bit inputs use tensor-core dots with fp32 accumul
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -213,6 +215,33 @@ def tile_values(p, v, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(p, v.to(tl.float32), input_precision="ieee")
     return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def merge_splits(part_o_ptr, part_lse_ptr, base, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Split-KV merge of one row and head: the normalised partial outputs part_o[base + s, :D] (fp32, rows of D) of
+    splits s < num_splits, weighted by 2^lse_s with their log2-domain log-sum-exps part_lse[base + s] (-inf: a split
+    with no key for this row) -> [BLOCK_D] fp32; zeros when every split is empty."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom > 0, denom, 1.0)
+    o = tl.load(part_o_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
+    return tl.sum(o * w[:, None], axis=0) / denom
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA: the interpreter), which split-KV kernels size their grids by."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.kv_fp8 import check_kv_scales
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, small_kernel_prologue, use_pdl
+from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_attention
 
 
 @triton.jit
@@ -204,11 +205,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int | None = None, fixed_launch: bool = False, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s signature. When there are as many query rows as sequences (decode: one new token
-    each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel;
-    otherwise (new tokens over a cached prefix: prompt chunks, prefix-cache hits), and for the padded batches of
-    mixed-step graphs (`fixed_launch`), the extend kernel (`kernels/extend_attention.py`)."""
-    if q.shape[0] == context_lens.shape[0] and not fixed_launch:
+    each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel.
+    Otherwise, when no sequence can have more than VERIFY_MAX_ROWS rows (at most min(T, max_query_len); with
+    `fixed_launch` max_query_len is the graph's token bucket), the split-KV verify kernel
+    (`kernels/verify_attention.py`: speculative verify steps, short chunks over a cached prefix); beyond, the extend
+    kernel (`kernels/extend_attention.py`: prompt chunks, prefix-cache hits). Both take padded mixed-step batches
+    (`fixed_launch`)."""
+    tokens = q.shape[0]
+    if tokens == context_lens.shape[0] and not fixed_launch:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale)
+    if min(tokens, tokens if max_query_len is None else max_query_len) <= VERIFY_MAX_ROWS:
+        return verify_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale,
+                                v_scale=v_scale)
     return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                             max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale)

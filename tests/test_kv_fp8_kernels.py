@@ -1,13 +1,13 @@
 """The fp8 KV cache's kernels against torch references that dequantize: the quantizing stores (`store_kv`, the store
-fused into `qk_norm_rope`) bit for bit, and the decode, extend and verify attention kernels reading fp8 blocks (odd lengths,
-block offsets, shuffled tables, GQA, splits, padded graph batches). CPU interpreter or GPU."""
+fused into `qk_norm_rope`) bit for bit, and the decode, extend and verify attention kernels reading fp8 blocks (odd
+lengths, block offsets, shuffled tables, GQA, splits, padded graph batches). CPU interpreter or GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_checks import DEVICE, poison_allocations, randn, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, poison_allocations, randn, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels import attention, decode_attention, rotary
 from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.verify_attention import verify_attention
@@ -127,14 +127,7 @@ def fp8_batch(queries: list[int], contexts: list[int], block_size: int, kv_heads
     """Shuffled fp8 caches holding each sequence's context (spare blocks: NaN bytes, never read), per-head scales
     for K/V of different magnitudes per head, and query_start_loc."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(widths) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(contexts), max(widths) + 1, dtype=torch.int32)
-    used = 0
-    for b, width in enumerate(widths):
-        tables[b, :width] = torch.tensor(order[used:used + width], dtype=torch.int32)
-        used += width
+    tables, num_blocks, spare = shuffled_block_tables(contexts, block_size, gen)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     head_gain = torch.logspace(-1, 1, kv_heads)[:, None]             # 0.1 .. 10: per-head scales matter
     k = torch.randn(shape, generator=gen) * head_gain
@@ -143,7 +136,7 @@ def fp8_batch(queries: list[int], contexts: list[int], block_size: int, kv_heads
     v_scale = kv_scale_from_amax(v.abs().amax(dim=(0, 1, 3)))
     k_cache, v_cache = quantize_kv_ref(k, k_scale), quantize_kv_ref(v, v_scale)
     for cache in (k_cache, v_cache):
-        cache.view(torch.uint8)[order[used:]] = FP8_NAN
+        cache.view(torch.uint8)[spare] = FP8_NAN
     starts = torch.tensor([0] + queries, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return dict(k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE), block_tables=tables.to(DEVICE),
                 context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),

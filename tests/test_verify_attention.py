@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, gpu, poison_allocations, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, gpu, poison_allocations, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels import decode_attention
 from orinfer.kernels.attention import paged_attention_ref
 from orinfer.kernels.verify_attention import verify_attention
@@ -27,19 +27,12 @@ def make_batch(queries: list[int], contexts: list[int], block_size: int, kv_head
     """Caches holding each sequence's contexts[b] tokens in shuffled blocks (spare blocks: NaN, never to be read),
     tables one block wider than needed, context lengths and query_start_loc. Empty sequences: context 0."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(widths) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(contexts), max(widths) + 1, dtype=torch.int32)
-    used = 0
-    for b, width in enumerate(widths):
-        tables[b, :width] = torch.tensor(order[used:used + width], dtype=torch.int32)
-        used += width
+    tables, num_blocks, spare = shuffled_block_tables(contexts, block_size, gen)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen)
     v_cache = torch.randn(shape, generator=gen)
     for cache in (k_cache, v_cache):
-        cache[order[used:]] = float("nan")
+        cache[spare] = float("nan")
     starts = torch.tensor([0] + queries, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return (k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE), tables.to(DEVICE),
             torch.tensor(contexts, dtype=torch.int32, device=DEVICE), starts.to(DEVICE))

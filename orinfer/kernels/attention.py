@@ -200,6 +200,19 @@ def fp16_dot_operand(q):
 
 
 @triton.jit
+def query_operand(q, ks_ptr, kvh, scale_log2, DOT_F32: tl.constexpr, FP8: tl.constexpr):
+    """(q as the score dots take it, the log2-domain score scale): fp32 for exact dots; against an fp8 cache the fp16
+    operand (`fp16_dot_operand`), and K's per-head scale joined to the softmax scale (kernels/kv_fp8.py)."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
+        if not DOT_F32:
+            q = fp16_dot_operand(q)
+    return q, scale_log2
+
+
+@triton.jit
 def online_softmax(s, m_i, l_i):
     """One tile of the online softmax: the new row maxima, the rescale of what was accumulated, the tile's
     probabilities p = 2^(s - max) and the new row sums."""

@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import (LOG2E, exact_fp32_dots, fp16_dot_operand, online_softmax, tile_scores,
-                                       tile_values)
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots, online_softmax, query_operand, tile_scores, tile_values
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.kv_fp8 import check_kv_scales
 
@@ -69,12 +68,7 @@ def _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr
         rows = (start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
                     mask=m_mask[:, None] & (d < D)[None, :], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        if FP8:  # an fp8 cache: K's per-head scale joins the softmax scale, V's scales the output (kernels/kv_fp8.py)
-            scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
-            if not DOT_F32:
-                q = fp16_dot_operand(q)
+        q, scale_log2 = query_operand(q, ks_ptr, kvh, scale_log2, DOT_F32, FP8)  # fp8: V's scale goes on the output
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

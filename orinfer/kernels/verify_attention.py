@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import LOG2E, exact_fp32_dots, fp16_dot_operand, merge_splits, num_sms, tile_scores, \
-    tile_values
+from orinfer.kernels.attention import (LOG2E, exact_fp32_dots, merge_splits, num_sms, query_operand, tile_scores,
+                                       tile_values)
 from orinfer.kernels.extend_attention import paged_inputs
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.kv_fp8 import check_kv_scales
@@ -162,12 +162,7 @@ def _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, par
     rows = (start + r).to(tl.int64)
     qd_mask = row_ok[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    if FP8:
-        scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
-        if not DOT_F32:
-            q = fp16_dot_operand(q)
+    q, scale_log2 = query_operand(q, ks_ptr, kvh, scale_log2, DOT_F32, FP8)  # fp8: V's scale goes on the output
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

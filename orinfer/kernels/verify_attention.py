@@ -239,20 +239,24 @@ def _verify_combine_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, qsl_ptr, out_ptr, 
                  mask=d < D)
 
 
-def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bool) -> dict:
+def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bool, fp8: bool) -> dict:
     """Tile sizes for a step of `tokens` rows and at most `rows` per sequence: QB (rows per work item), BLOCK_M (QB *
     GROUP packed, >= 16), BLOCK_N (keys per tile), BLOCK_D, warps and stages. From the other attention kernels'
-    tiles: 64 x 32 for head_dim 256, up to 128 x 64 below; exact fp32 dots (FMA loops) and the interpreter smaller."""
+    tiles (64 x 32 for head_dim 256, up to 128 x 64 below) and ptxas reports for sm_90 without spills
+    (tests/test_verify_attention_codegen.py): fp8 tiles at head_dim 256 take 16 keys (with 32, widening them to
+    fp16 spilled), exact fp32 dots (FMA loops) 32 rows; the interpreter small tiles (short tests cross many)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if interpreting() or dot_f32:
-        max_m, block_n = 32, 16 if (interpreting() or block_d > 128) else 32
+    if interpreting():
+        max_m, block_n = 32, 16
+    elif dot_f32:
+        max_m, block_n = 32, 16 if block_d > 128 else 32
     elif block_d > 128:
-        max_m, block_n = 64, 32
+        max_m, block_n = 64, 16 if fp8 else 32
     else:
         max_m, block_n = 128, 64
     qb = max(1, min(rows, tokens, max_m // group))
     block_m = max(16, triton.next_power_of_2(qb * group))
-    warps = 8 if block_m * block_d >= 128 * 128 else 4
+    warps = 8 if block_m * block_d >= 128 * 128 or (dot_f32 and block_d > 128) else 4
     return dict(QB=qb, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=2)
 
 
@@ -282,7 +286,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = heads // kv_heads
     dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
     rows = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
-    cfg = verify_config(tokens, rows, group, head_dim, dot_f32)
+    cfg = verify_config(tokens, rows, group, head_dim, dot_f32, fp8)
     qb = cfg["QB"]
     max_items = min(tokens, triton.cdiv(tokens, qb) + num_seqs)
     programs = num_programs or triton.cdiv(2 * num_sms(q.device), kv_heads)

@@ -231,21 +231,22 @@ def tile_values(p, v, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def merge_splits(part_o_ptr, part_lse_ptr, base, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+def merge_splits(part_o_ptr, part_lse_ptr, base, split_stride, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
                  BLOCK_D: tl.constexpr):
-    """Split-KV merge of one row and head: the normalised partial outputs part_o[base + s, :D] (fp32, rows of D) of
-    splits s < num_splits, weighted by 2^lse_s with their log2-domain log-sum-exps part_lse[base + s] (-inf: a split
-    with no key for this row) -> [BLOCK_D] fp32; zeros when every split is empty."""
+    """Split-KV merge of one row and head: the normalised partial outputs of splits s < num_splits, rows i = base +
+    s * split_stride of part_o (fp32, rows of D), weighted by 2^lse with their log2-domain log-sum-exps part_lse[i]
+    (-inf: a split with no key for this row) -> [BLOCK_D] fp32; zeros when every split is empty."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
-    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
+    rows = base + s * split_stride
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     denom = tl.sum(w, axis=0)
     denom = tl.where(denom > 0, denom, 1.0)
-    o = tl.load(part_o_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
+    o = tl.load(part_o_ptr + rows[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
     return tl.sum(o * w[:, None], axis=0) / denom
 
 

@@ -115,7 +115,7 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, st
         small_kernel_prologue()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    out = merge_splits(part_o_ptr, part_lse_ptr, (b * HQ + h).to(tl.int64) * num_splits, num_splits, D, BLOCK_S,
+    out = merge_splits(part_o_ptr, part_lse_ptr, (b * HQ + h).to(tl.int64) * num_splits, 1, num_splits, D, BLOCK_S,
                        BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)

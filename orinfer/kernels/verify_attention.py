@@ -8,7 +8,8 @@ gives each (query block, query head) its own program streaming the whole context
 long context then reads each K/V tile once per query head, from a handful of programs. Here, as in flash-decoding
 (kernels/decode_attention.py), the context is split over many programs and each K/V tile is read once per kv head.
 
-Work items. A sequence's rows are cut into query blocks of QB rows (in a verify step QB >= n_b: one block); a work
+Work items. A sequence's rows are cut into query blocks of QB rows, QB = min(max_query_len or T, M_cap // GROUP)
+with M_cap = 64 at head_dim 256 and 128 below (`verify_config`), so in a verify step QB >= n_b: one block; a work
 item is one (sequence, query block), with rows r0..r1-1 that together see the keys [0, E), E = c_b - n_b + r1. A
 program packs the item's QB rows x the GROUP = Hq/Hk query heads of one kv head into the M = next_pow2(QB * GROUP)
 (>= 16) rows of the tensor-core dots (tile row m: query row r0 + m // GROUP, head kvh * GROUP + m % GROUP).
@@ -27,8 +28,10 @@ scale and its V scale the output (kernels/kv_fp8.py).
 
 Fixed launch (CUDA-graph capture): nothing above depends on host-side lengths. P = max(cdiv(2 * SMs, Hk), a bound
 on W: min(T, cdiv(T, QB) + B)) gives batch 1 about two programs per SM, like decode, whatever the number of padding
-sequences; S_MAX = the largest power of two <= min(P, 64). Partials are sized by shapes alone, [T, Hq, S_MAX] rows
-of D fp32. Rows past query_start_loc[B] (padding) are left unwritten, as by the extend kernel.
+sequences; S_MAX = the largest power of two <= min(P, 64). Each program writes its packed rows' partials to rows of
+its own, [P, Hk, QB * GROUP] rows of D fp32 (+ the LSEs) in all: sized by shapes alone, and QB * Hq rows per program
+index whatever the batch (a [T, Hq, S_MAX] layout would take 64 splits' room for every row of a large eager batch).
+Rows past query_start_loc[B] (padding) are left unwritten, as by the extend kernel.
 
 Traffic: each item's K/V keys [0, E) once per kv head (2 * E * Hk * D cache elements; 1 byte each in fp8), q and
 out once, and the partials written and read back (2 * rows * Hq * (D + 1) fp32 per split, mostly from L2).
@@ -89,14 +92,20 @@ def _find_item(qsl_ptr, num_seqs, item, QB: tl.constexpr, BLOCK_B: tl.constexpr)
 
 
 @triton.jit
-def _find_row(qsl_ptr, num_seqs, t, BLOCK_B: tl.constexpr):
-    """The sequence holding query row t (num_seqs for a padding row past query_start_loc[B])."""
+def _find_row(qsl_ptr, num_seqs, t, QB: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(the sequence holding query row t, the number of its first work item); the sequence is num_seqs for a
+    padding row past query_start_loc[B]."""
     seq = tl.full((), 0, tl.int32)
+    first = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
         s = c + tl.arange(0, BLOCK_B)
-        hi = tl.load(qsl_ptr + s + 1, mask=s < num_seqs, other=0)
-        seq += tl.sum(((s < num_seqs) & (hi <= t)).to(tl.int32), 0)
-    return seq
+        ok = s < num_seqs
+        lo = tl.load(qsl_ptr + s, mask=ok, other=0)
+        hi = tl.load(qsl_ptr + s + 1, mask=ok, other=0)
+        done = ok & (hi <= t)  # the sequences before row t's (a prefix: query_start_loc never decreases)
+        seq += tl.sum(done.to(tl.int32), 0)
+        first += tl.sum(tl.where(done, (hi - lo + QB - 1) // QB, 0), 0)
+    return seq, first
 
 
 @triton.jit
@@ -148,10 +157,10 @@ def _verify_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, key_end, pos, k
 
 @triton.jit
 def _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, part_lse_ptr, seq, start, n_new, ctx,
-                  q_block, kvh, split, key_end, per_split, HQ, scale_log2, stride_qt, stride_qh, stride_bt,
+                  q_block, kvh, p, split, key_end, per_split, scale_log2, stride_qt, stride_qh, stride_bt,
                   HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, S_MAX: tl.constexpr,
-                  DOT_F32: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+                  FP8: tl.constexpr, PDL: tl.constexpr):
     """One split of one work item and kv head: the packed rows' partial output and log-sum-exp."""
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -184,7 +193,7 @@ def _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, par
     o = acc / l_safe[:, None]
     if FP8:
         o = o * tl.load(vs_ptr + kvh)
-    idx = (rows * HQ + heads) * S_MAX + split
+    idx = (p.to(tl.int64) * HK + kvh) * (QB * GROUP) + m  # the program's own partial rows
     tl.store(part_o_ptr + idx[:, None] * D + d[None, :], o, mask=qd_mask)
     tl.store(part_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
@@ -192,7 +201,7 @@ def _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, par
 # Integer arguments that vary per step or batch are not specialised on (Triton compiles a variant per class of value).
 @triton.jit(do_not_specialize=["num_seqs", "programs"])
 def _verify_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, part_o_ptr, part_lse_ptr, num_seqs,
-                   programs, HQ, scale_log2, stride_qt, stride_qh, stride_bt,
+                   programs, scale_log2, stride_qt, stride_qh, stride_bt,
                    HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
                    S_MAX: tl.constexpr, MIN_TILES: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
@@ -213,27 +222,32 @@ def _verify_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_p
         key_end, per_split, active = _item_splits(ctx, n_new, q_block, splits, QB, BLOCK_N, MIN_TILES)
         if split < active:
             _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, part_lse_ptr, seq, start, n_new,
-                          ctx, q_block, kvh, split, key_end, per_split, HQ, scale_log2, stride_qt, stride_qh,
-                          stride_bt, HK, D, BS, GROUP, QB, BLOCK_M, BLOCK_N, BLOCK_D, S_MAX, DOT_F32, FP8, PDL)
+                          ctx, q_block, kvh, p, split, key_end, per_split, scale_log2, stride_qt, stride_qh,
+                          stride_bt, HK, D, BS, GROUP, QB, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8, PDL)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "programs"])
-def _verify_combine_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, programs, HQ, stride_ot,
-                           stride_oh, D: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_B: tl.constexpr, S_MAX: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr):
+def _verify_combine_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, programs, stride_ot,
+                           stride_oh, HK: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, S_MAX: tl.constexpr,
+                           MIN_TILES: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         small_kernel_prologue()
     t = tl.program_id(0)
     h = tl.program_id(1)
-    seq = _find_row(qsl_ptr, num_seqs, t, BLOCK_B)
+    seq, first = _find_row(qsl_ptr, num_seqs, t, QB, BLOCK_B)
     if seq < num_seqs:
         n_items = _count_items(qsl_ptr, num_seqs, QB, BLOCK_B)
         start = tl.load(qsl_ptr + seq)
         n_new = tl.load(qsl_ptr + seq + 1) - start
         ctx = tl.load(ctx_ptr + seq)
+        q_block = (t - start) // QB
         splits = _splits_per_item(n_items, programs, S_MAX)
-        _, _, active = _item_splits(ctx, n_new, (t - start) // QB, splits, QB, BLOCK_N, MIN_TILES)
-        out = merge_splits(part_o_ptr, part_lse_ptr, (t * HQ + h).to(tl.int64) * S_MAX, active, D, S_MAX, BLOCK_D)
+        _, _, active = _item_splits(ctx, n_new, q_block, splits, QB, BLOCK_N, MIN_TILES)
+        # Split s of the item ran as program (first + q_block) * splits + s; its partial rows are packed as there.
+        m = (t - start - q_block * QB) * GROUP + h % GROUP
+        base = (((first + q_block) * splits).to(tl.int64) * HK + h // GROUP) * (QB * GROUP) + m
+        out = merge_splits(part_o_ptr, part_lse_ptr, base, HK * QB * GROUP, active, D, S_MAX, BLOCK_D)
         d = tl.arange(0, BLOCK_D)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
                  mask=d < D)
@@ -293,16 +307,17 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     programs = max(programs, max_items)  # every work item needs a program when each gets one split
     s_max = min(programs, MAX_SPLITS)
     s_max = 1 << (s_max.bit_length() - 1)  # a power of two: the combine's tile
-    part_o = torch.empty(tokens * heads * s_max, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(tokens * heads * s_max, dtype=torch.float32, device=q.device)
+    part_rows = programs * kv_heads * qb * group  # each program's packed rows (bounded by shapes; few used)
+    part_o = torch.empty(part_rows, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part_rows, dtype=torch.float32, device=q.device)
     pdl = use_pdl(q)
     _verify_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, context_lens,
-        query_start_loc, part_o, part_lse, num_seqs, programs, heads, scale * LOG2E, q.stride(0), q.stride(1),
+        query_start_loc, part_o, part_lse, num_seqs, programs, scale * LOG2E, q.stride(0), q.stride(1),
         block_tables.stride(0), HK=kv_heads, D=head_dim, BS=block_size, GROUP=group, BLOCK_B=SEQ_CHUNK, S_MAX=s_max,
         MIN_TILES=max(1, int(min_split_tiles)), DOT_F32=dot_f32, FP8=fp8, PDL=pdl, launch_pdl=pdl, **cfg)
     _verify_combine_kernel[(tokens, heads)](
-        part_o, part_lse, context_lens, query_start_loc, out, num_seqs, programs, heads, out.stride(0), out.stride(1),
-        D=head_dim, QB=qb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_B=SEQ_CHUNK, S_MAX=s_max,
-        MIN_TILES=max(1, int(min_split_tiles)), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        part_o, part_lse, context_lens, query_start_loc, out, num_seqs, programs, out.stride(0), out.stride(1),
+        HK=kv_heads, D=head_dim, GROUP=group, QB=qb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_B=SEQ_CHUNK,
+        S_MAX=s_max, MIN_TILES=max(1, int(min_split_tiles)), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

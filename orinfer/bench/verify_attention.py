@@ -18,11 +18,14 @@ this module does not).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from typing import Callable
 
 import torch
+
+from orinfer.bench.fp8_kernels import replay_us
 
 SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # (q heads, kv heads, head_dim)
 BUCKETS = (8, 16, 32, 64, 128)
@@ -32,23 +35,7 @@ ROTATE_BYTES = 128 << 20
 
 def graph_us(fn: Callable[[int], object], copies: int, reps: int, iters: int) -> float:
     """Median microseconds of one fn(copy) call: reps calls (copy i % copies) captured in a CUDA graph, replayed."""
-    for c in range(copies):
-        fn(c)  # compiles, and touches every copy once
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i % copies)
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / reps)
-    return sorted(times)[len(times) // 2]
+    return replay_us([functools.partial(fn, i % copies) for i in range(max(reps, copies))], iters)
 
 
 def bench_case(model: str, batch: int, rows: int, ctx: int, split_tiles: list[int], *, max_seqs: int, reps: int,

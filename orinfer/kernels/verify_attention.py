@@ -59,15 +59,22 @@ SEQ_CHUNK = 64  # sequences read per step of the device-side scans of query_star
 
 
 @triton.jit
+def _seq_chunk(qsl_ptr, num_seqs, c, QB: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Sequences c..c+BLOCK_B-1: (in the batch, query_start_loc[s+1], query blocks of QB rows; 0 past the batch)."""
+    s = c + tl.arange(0, BLOCK_B)
+    ok = s < num_seqs
+    lo = tl.load(qsl_ptr + s, mask=ok, other=0)
+    hi = tl.load(qsl_ptr + s + 1, mask=ok, other=0)
+    return ok, hi, (hi - lo + QB - 1) // QB
+
+
+@triton.jit
 def _count_items(qsl_ptr, num_seqs, QB: tl.constexpr, BLOCK_B: tl.constexpr):
     """W: the batch's work items (query blocks of QB rows; an empty sequence has none)."""
     total = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
-        s = c + tl.arange(0, BLOCK_B)
-        ok = s < num_seqs
-        lo = tl.load(qsl_ptr + s, mask=ok, other=0)
-        hi = tl.load(qsl_ptr + s + 1, mask=ok, other=0)
-        total += tl.sum((hi - lo + QB - 1) // QB, 0)
+        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, QB, BLOCK_B)
+        total += tl.sum(blocks, 0)
     return total
 
 
@@ -78,11 +85,7 @@ def _find_item(qsl_ptr, num_seqs, item, QB: tl.constexpr, BLOCK_B: tl.constexpr)
     first = tl.full((), 0, tl.int32)  # the item number of that sequence's first block
     before = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
-        s = c + tl.arange(0, BLOCK_B)
-        ok = s < num_seqs
-        lo = tl.load(qsl_ptr + s, mask=ok, other=0)
-        hi = tl.load(qsl_ptr + s + 1, mask=ok, other=0)
-        blocks = (hi - lo + QB - 1) // QB
+        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, QB, BLOCK_B)
         ends = before + tl.cumsum(blocks, 0)
         done = ok & (ends <= item)  # sequences whose items all come before `item` (a prefix: ends never decrease)
         seq += tl.sum(done.to(tl.int32), 0)
@@ -98,13 +101,10 @@ def _find_row(qsl_ptr, num_seqs, t, QB: tl.constexpr, BLOCK_B: tl.constexpr):
     seq = tl.full((), 0, tl.int32)
     first = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
-        s = c + tl.arange(0, BLOCK_B)
-        ok = s < num_seqs
-        lo = tl.load(qsl_ptr + s, mask=ok, other=0)
-        hi = tl.load(qsl_ptr + s + 1, mask=ok, other=0)
+        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, QB, BLOCK_B)
         done = ok & (hi <= t)  # the sequences before row t's (a prefix: query_start_loc never decreases)
         seq += tl.sum(done.to(tl.int32), 0)
-        first += tl.sum(tl.where(done, (hi - lo + QB - 1) // QB, 0), 0)
+        first += tl.sum(tl.where(done, blocks, 0), 0)
     return seq, first
 
 

@@ -66,6 +66,22 @@ def poison_allocations(monkeypatch: pytest.MonkeyPatch, ints: bool = False) -> N
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
 
 
+def shuffled_block_tables(contexts: list[int], block_size: int, gen: torch.Generator, spare: int = 2
+                          ) -> tuple[torch.Tensor, int, list[int]]:
+    """Block tables [B, widest + 1] int32 (CPU) giving each sequence the blocks for contexts[b] tokens, drawn in a
+    shuffled order from sum(widths) + `spare` blocks, as a cache looks after churn; also the block count and the ids
+    of the spare blocks (no sequence's: what they hold must never be read)."""
+    widths = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(widths) + spare
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(contexts), max(widths) + 1, dtype=torch.int32)
+    used = 0
+    for b, width in enumerate(widths):
+        tables[b, :width] = torch.tensor(order[used:used + width], dtype=torch.int32)
+        used += width
+    return tables, num_blocks, order[used:]
+
+
 def _child_env() -> dict[str, str]:
     """The environment of a compile script: without the CPU interpreter (conftest.py turns it on, and interpreted
     @triton.jit functions cannot be compiled), the repository on the path."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, poison_allocations, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, poison_allocations, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels.attention import paged_attention_ref
 from orinfer.kernels.extend_attention import extend_attention
 
@@ -24,14 +24,7 @@ def make_batch(queries: list[int], contexts: list[int], block_size: int, kv_head
     """Random caches holding every sequence's `contexts[b]` tokens in shuffled blocks (the new ones included, as the
     KV store writes them before attention), and `queries[b]` new query rows per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(widths) + 3  # spare blocks hold garbage that must never be read
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(contexts), max(widths) + 2, dtype=torch.int32)
-    used = 0
-    for b, width in enumerate(widths):
-        tables[b, :width] = torch.tensor(order[used:used + width], dtype=torch.int32)
-        used += width
+    tables, num_blocks, _ = shuffled_block_tables(contexts, block_size, gen, spare=3)  # spare blocks: garbage
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)

@@ -56,8 +56,8 @@ def moe_model(request, tmp_path_factory):
 @pytest.fixture
 def nan_padding(monkeypatch):
     """Attention outputs are NaN-filled when allocated (inside the graphs: a fill recorded before the kernel), so every
-    row the extend kernel leaves unwritten (a mixed-step graph's padding rows) is NaN."""
-    from orinfer.kernels import extend_attention
+    row the extend and verify kernels leave unwritten (a mixed-step graph's padding rows) is NaN."""
+    from orinfer.kernels import extend_attention, verify_attention
 
     class NanEmpty:
         def __getattr__(self, name):
@@ -69,6 +69,7 @@ def nan_padding(monkeypatch):
             return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(extend_attention, "torch", NanEmpty())
+    monkeypatch.setattr(verify_attention, "torch", NanEmpty())
 
 
 @pytest.fixture

@@ -259,7 +259,8 @@ def test_tensor_parallel_ranks_calibrate_their_own_heads(model):
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter; the GPU tests run it compiled
 def test_triton_ops_give_the_fake_quantized_hf_tokens(model):
     """The triton op table (the interpreter without a GPU): the quantizing store fused into QK-norm + RoPE, whole
-    prompts and chunks through the extend kernel and decode rows through the decode kernel, all over fp8 blocks."""
+    prompts and chunks (of at most 8 rows here: the verify kernel) and decode rows through the decode kernel, all
+    over fp8 blocks."""
     from orinfer.args import EngineArgs
     from orinfer.config import ModelConfig
     from orinfer.engine.llm_engine import EngineParts

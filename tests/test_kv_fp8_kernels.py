@@ -1,15 +1,16 @@
 """The fp8 KV cache's kernels against torch references that dequantize: the quantizing stores (`store_kv`, the store
-fused into `qk_norm_rope`) bit for bit, and the decode and extend attention kernels reading fp8 blocks (odd lengths,
-block offsets, shuffled tables, GQA, splits, padded graph batches). CPU interpreter or GPU."""
+fused into `qk_norm_rope`) bit for bit, and the decode, extend and verify attention kernels reading fp8 blocks (odd
+lengths, block offsets, shuffled tables, GQA, splits, padded graph batches). CPU interpreter or GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_checks import DEVICE, poison_allocations, randn, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, poison_allocations, randn, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels import attention, decode_attention, rotary
 from orinfer.kernels.extend_attention import extend_attention
+from orinfer.kernels.verify_attention import verify_attention
 from orinfer.kernels.kv_fp8 import (FP8_MAX, KV_FP8_DTYPE, dequantize_kv_ref, fake_quantize_kv, kv_scale_from_amax,
                                     quantize_kv_ref)
 
@@ -126,14 +127,7 @@ def fp8_batch(queries: list[int], contexts: list[int], block_size: int, kv_heads
     """Shuffled fp8 caches holding each sequence's context (spare blocks: NaN bytes, never read), per-head scales
     for K/V of different magnitudes per head, and query_start_loc."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(widths) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(contexts), max(widths) + 1, dtype=torch.int32)
-    used = 0
-    for b, width in enumerate(widths):
-        tables[b, :width] = torch.tensor(order[used:used + width], dtype=torch.int32)
-        used += width
+    tables, num_blocks, spare = shuffled_block_tables(contexts, block_size, gen)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     head_gain = torch.logspace(-1, 1, kv_heads)[:, None]             # 0.1 .. 10: per-head scales matter
     k = torch.randn(shape, generator=gen) * head_gain
@@ -142,7 +136,7 @@ def fp8_batch(queries: list[int], contexts: list[int], block_size: int, kv_heads
     v_scale = kv_scale_from_amax(v.abs().amax(dim=(0, 1, 3)))
     k_cache, v_cache = quantize_kv_ref(k, k_scale), quantize_kv_ref(v, v_scale)
     for cache in (k_cache, v_cache):
-        cache.view(torch.uint8)[order[used:]] = FP8_NAN
+        cache.view(torch.uint8)[spare] = FP8_NAN
     starts = torch.tensor([0] + queries, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return dict(k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE), block_tables=tables.to(DEVICE),
                 context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
@@ -216,6 +210,25 @@ def test_extend_attention_fixed_launch_reads_fp8():
                            fixed_launch=True, k_scale=b["k_scale"], v_scale=b["v_scale"])
     torch.testing.assert_close(got[:total].double(), dequantized_reference(q[:total], b, 0.25),
                                **tol(torch.float32))
+
+
+@pytest.mark.parametrize("queries, contexts, block_size, kv_heads, group, dtype", [
+    ([5], [37], 16, 2, 2, torch.float32),                       # a verify step of 1 + 4 rows
+    ([1, 4, 0, 3], [50, 12, 0, 19], 8, 2, 3, torch.float32),    # verify steps beside an empty sequence
+    ([4, 2], [29, 70], 16, 1, 6, torch.bfloat16),               # one KV head for six q heads, fp16 dots
+])
+def test_verify_attention_reads_fp8(queries, contexts, block_size, kv_heads, group, dtype):
+    """Padding rows after the batch (as a graph bucket pads it) stay unwritten; contexts split over many programs."""
+    head_dim, pad_rows = 24, 3
+    b = fp8_batch(queries, [max(c, 1) for c in contexts], block_size, kv_heads, head_dim, seed=5)
+    b["context_lens"] = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    total = sum(queries)
+    q = randn(total + pad_rows, kv_heads * group, head_dim, dtype=dtype)
+    got = verify_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["context_lens"],
+                           b["query_start_loc"], 0.3, max_query_len=total + pad_rows, fixed_launch=True,
+                           k_scale=b["k_scale"], v_scale=b["v_scale"], num_programs=8, min_split_tiles=1)
+    torch.testing.assert_close(got[:total].double(), dequantized_reference(q[:total], b, 0.3), **tol(dtype))
+    assert got[total:].isnan().all()
 
 
 def test_fake_quantize_matches_the_cache_round_trip():

@@ -217,7 +217,8 @@ def test_abort_keeps_the_computed_prefix_cached(model):
 
 @pytest.mark.slow  # the whole model through Triton's CPU interpreter (30-80 s); CI's slow tier and the GPU run it
 def test_triton_backend_reads_a_cached_prefix_like_the_torch_backend(model):
-    """The triton op table (the interpreter without a GPU) on a hit: its prefill attends through the extend kernel."""
+    """The triton op table (the interpreter without a GPU) on a hit: its prefill of the few new rows attends through
+    the verify kernel (kernels/verify_attention.py), as a longer one would through the extend kernel."""
     from orinfer.engine.llm_engine import EngineParts
     from orinfer.layers.triton_ops import triton_ops
     from orinfer.loader import load_hf_model

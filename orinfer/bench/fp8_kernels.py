@@ -39,11 +39,10 @@ LAYER = ("qkv", "o", "gate_up", "down")
 BLOCK = (128, 128)
 
 
-def graph_us(make_calls: Callable[[int], list[Callable[[], object]]], weight_bytes: int, iters: int) -> float:
-    """Median microseconds per call: make_calls(copies) gives one call per weight copy; captured once, replayed."""
-    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    calls = make_calls(max(1, math.ceil(4 * l2 / max(weight_bytes, 1))))
-    for fn in calls:                              # compile, probe and tune outside the capture
+def replay_us(calls: list[Callable[[], object]], iters: int) -> float:
+    """Median microseconds per call: the calls, run once eagerly (compile, probe and tune outside the capture), then
+    captured back to back in one CUDA graph and replayed `iters` times."""
+    for fn in calls:
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -61,6 +60,12 @@ def graph_us(make_calls: Callable[[int], list[Callable[[], object]]], weight_byt
         times.append(start.elapsed_time(end) * 1000.0 / len(calls))
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def graph_us(make_calls: Callable[[int], list[Callable[[], object]]], weight_bytes: int, iters: int) -> float:
+    """Median microseconds per call: make_calls(copies) gives one call per weight copy; captured once, replayed."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return replay_us(make_calls(max(1, math.ceil(4 * l2 / max(weight_bytes, 1)))), iters)
 
 
 W8_GROUP = 128   # GPTQ-Int8's usual group size

@@ -16,6 +16,8 @@ is fp32 in the log2 domain; 16-bit inputs use tensor-core dots with fp32 accumul
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -198,6 +200,19 @@ def fp16_dot_operand(q):
 
 
 @triton.jit
+def query_operand(q, ks_ptr, kvh, scale_log2, DOT_F32: tl.constexpr, FP8: tl.constexpr):
+    """(q as the score dots take it, the log2-domain score scale): fp32 for exact dots; against an fp8 cache the fp16
+    operand (`fp16_dot_operand`), and K's per-head scale joined to the softmax scale (kernels/kv_fp8.py)."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
+        if not DOT_F32:
+            q = fp16_dot_operand(q)
+    return q, scale_log2
+
+
+@triton.jit
 def online_softmax(s, m_i, l_i):
     """One tile of the online softmax: the new row maxima, the rescale of what was accumulated, the tile's
     probabilities p = 2^(s - max) and the new row sums."""
@@ -213,6 +228,34 @@ def tile_values(p, v, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(p, v.to(tl.float32), input_precision="ieee")
     return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def merge_splits(part_o_ptr, part_lse_ptr, base, split_stride, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Split-KV merge of one row and head: the normalised partial outputs of splits s < num_splits, rows i = base +
+    s * split_stride of part_o (fp32, rows of D), weighted by 2^lse with their log2-domain log-sum-exps part_lse[i]
+    (-inf: a split with no key for this row) -> [BLOCK_D] fp32; zeros when every split is empty."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    rows = base + s * split_stride
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom > 0, denom, 1.0)
+    o = tl.load(part_o_ptr + rows[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
+    return tl.sum(o * w[:, None], axis=0) / denom
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA: the interpreter), which split-KV kernels size their grids by."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

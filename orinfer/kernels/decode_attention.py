@@ -9,17 +9,16 @@ fp32 dots. The cache layout and the reference (`paged_attention_ref`) are in `ke
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import LOG2E, exact_fp32_dots, fp16_dot_operand
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots, fp16_dot_operand, merge_splits, num_sms
 from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.kv_fp8 import check_kv_scales
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, small_kernel_prologue, use_pdl
+from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_attention
 
 
 @triton.jit
@@ -116,26 +115,10 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, st
         small_kernel_prologue()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
+    out = merge_splits(part_o_ptr, part_lse_ptr, (b * HQ + h).to(tl.int64) * num_splits, 1, num_splits, D, BLOCK_S,
+                       BLOCK_D)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    base = (b * HQ + h).to(tl.int64) * num_splits
-    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # log2 domain
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, axis=0)
-    denom = tl.where(denom > 0, denom, 1.0)
-    o = tl.load(part_o_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / denom
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -188,7 +171,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_n = 16 if dot_f32 else 32
     max_tiles = max(1, triton.cdiv(block_tables.shape[1] * block_size, block_n))
     if num_splits is None:
-        num_splits = min(triton.cdiv(2 * _num_sms(q.device), batch * kv_heads), max_tiles, 64)
+        num_splits = min(triton.cdiv(2 * num_sms(q.device), batch * kv_heads), max_tiles, 64)
         if num_splits > 16:
             # The combine pads the splits to a power of two: 33 splits (batch 1, 8 kv heads, 132 SMs) cost it a
             # 64-wide tile and the batch-1 step 0.02 ms more than 32; 32 splits also measured faster than 33 at every
@@ -222,11 +205,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int | None = None, fixed_launch: bool = False, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s signature. When there are as many query rows as sequences (decode: one new token
-    each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel;
-    otherwise (new tokens over a cached prefix: prompt chunks, prefix-cache hits), and for the padded batches of
-    mixed-step graphs (`fixed_launch`), the extend kernel (`kernels/extend_attention.py`)."""
-    if q.shape[0] == context_lens.shape[0] and not fixed_launch:
+    each; query_start_loc is then taken to be arange(B+1) and is not read, so no sync), the flash-decoding kernel.
+    Otherwise, when no sequence can have more than VERIFY_MAX_ROWS rows (at most min(T, max_query_len); with
+    `fixed_launch` max_query_len is the graph's token bucket), the split-KV verify kernel
+    (`kernels/verify_attention.py`: speculative verify steps, short chunks over a cached prefix); beyond, the extend
+    kernel (`kernels/extend_attention.py`: prompt chunks, prefix-cache hits). Both take padded mixed-step batches
+    (`fixed_launch`)."""
+    tokens = q.shape[0]
+    if tokens == context_lens.shape[0] and not fixed_launch:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale)
+    if min(tokens, tokens if max_query_len is None else max_query_len) <= VERIFY_MAX_ROWS:
+        return verify_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale,
+                                v_scale=v_scale)
     return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                             max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale)

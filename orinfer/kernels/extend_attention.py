@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.attention import (LOG2E, exact_fp32_dots, fp16_dot_operand, online_softmax, tile_scores,
-                                       tile_values)
+from orinfer.kernels.attention import LOG2E, exact_fp32_dots, online_softmax, query_operand, tile_scores, tile_values
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.kv_fp8 import check_kv_scales
 
@@ -69,12 +68,7 @@ def _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr
         rows = (start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
                     mask=m_mask[:, None] & (d < D)[None, :], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        if FP8:  # an fp8 cache: K's per-head scale joins the softmax scale, V's scales the output (kernels/kv_fp8.py)
-            scale_log2 = scale_log2 * tl.load(ks_ptr + kvh)
-            if not DOT_F32:
-                q = fp16_dot_operand(q)
+        q, scale_log2 = query_operand(q, ks_ptr, kvh, scale_log2, DOT_F32, FP8)  # fp8: V's scale goes on the output
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -131,6 +125,25 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_p
                      stride_ot, stride_oh, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
 
 
+def paged_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ValueError (naming `op`) unless q [T, Hq, D], the contiguous caches [blocks, block_size, Hk, D] (Hk dividing
+    Hq), block_tables [B, W], context_lens [B] and query_start_loc [B+1] agree; q and block_tables with a unit last
+    stride (copied if not)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"{op}: q {tuple(q.shape)} against contiguous caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)} of matching head_dim and a kv-head count dividing q's heads")
+    num_seqs = context_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"{op}: {num_seqs} context lengths, query_start_loc {tuple(query_start_loc.shape)}, "
+                         f"block tables {tuple(block_tables.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return q, block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                      max_query_len: int | None = None, fixed_launch: bool = False, k_scale: torch.Tensor | None = None,
@@ -152,18 +165,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     check_device(q)
     fp8 = check_kv_scales("extend_attention", k_cache, k_scale, v_scale)
+    q, block_tables = paged_inputs("extend_attention", q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     tokens, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        raise ValueError(f"extend_attention: q {tuple(q.shape)} against contiguous caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)} of matching head_dim and a kv-head count dividing q's heads")
-    num_seqs = context_lens.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"extend_attention: {num_seqs} context lengths, query_start_loc {tuple(query_start_loc.shape)}"
-                         f", block tables {tuple(block_tables.shape)}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    kv_heads, num_seqs = k_cache.shape[2], context_lens.shape[0]
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0:
         return out

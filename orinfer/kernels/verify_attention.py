@@ -52,8 +52,10 @@ from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, small_kernel_pr
 
 # paged_attention (kernels/decode_attention.py) sends steps of at most this many rows per sequence here.
 VERIFY_MAX_ROWS = 16
-# A split reads at least this many key tiles (fewer splits on short contexts: less partial traffic to merge).
-MIN_SPLIT_TILES = 2
+# A split reads at least this many key tiles. 1 measured best or equal at every shape of run 335 (H200, graphs over
+# padded buckets): at a 512-token context, batch 1, 11.0 us against 12.9 for 2 (Qwen3.5-27B heads) and 10.1 against
+# 12.1 (Qwen3-8B); equal at 4k and 32k, except 27B at 4k, where 4 gave 19.8 against 22.4.
+MIN_SPLIT_TILES = 1
 MAX_SPLITS = 64
 SEQ_CHUNK = 64  # sequences read per step of the device-side scans of query_start_loc (a constant: no recompiles)
 

@@ -30,6 +30,7 @@ from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
 from orinfer.errors import ConfigError
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
+from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
@@ -219,21 +220,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup_cached_prefix(self) -> None:
-        """Prompt rows over a cached context (two query rows over block 0, writing nothing), so that the kernels of
+        """Prompt rows over a cached context (query rows over block 0, writing nothing), so that the kernels of
         prompt chunks and prefix-cache hits compile at start-up rather than stalling the first request that needs them
         (0.8-1.4 s on the H200).
         Triton compiles a kernel once per class of each integer argument (1, a multiple of 16, other): block tables
-        of width 16 and of width 2 cover the widths a batch's table can have (never 1 in a hit: two blocks at least)."""
+        of width 16 and of width 2 cover the widths a batch's table can have (never 1 in a hit: two blocks at least).
+        Two row counts: a few rows a sequence take the verify kernels (attention, the fused Gated DeltaNet step), more
+        the extend and chunked ones (kernels/verify_attention.py's VERIFY_MAX_ROWS); with only the first, run 336's
+        serving bench stalled twice for ~0.9 s on a chunk's first extend."""
         i32 = dict(dtype=torch.int32, device=self.device)
-        for width in (2, 16):
-            meta = AttentionMetadata(
-                from_start=False, query_start_loc=torch.tensor([0, 2], **i32), context_lens=torch.tensor([2], **i32),
-                max_query_len=2, max_context_len=2,
-                slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=self.device),
-                block_tables=torch.zeros(1, width, **i32))
-            with self.state.scratch(meta):
-                self.model(torch.zeros(2, dtype=torch.int64, device=self.device), torch.arange(2, device=self.device),
-                           meta)
+        for rows in (2, 2 * VERIFY_MAX_ROWS):
+            for width in (2, 16):
+                meta = AttentionMetadata(
+                    from_start=False, query_start_loc=torch.tensor([0, rows], **i32),
+                    context_lens=torch.tensor([rows], **i32), max_query_len=rows, max_context_len=rows,
+                    slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=self.device),
+                    block_tables=torch.zeros(1, width, **i32))
+                with self.state.scratch(meta):
+                    self.model(torch.zeros(rows, dtype=torch.int64, device=self.device),
+                               torch.arange(rows, device=self.device), meta)
 
     def allocate_extra_kv(self, layers: list[nn.Module]) -> None:
         """Binds KV pools on this runner's block ids to more attention layers (an MTP head's: their bytes were planned

@@ -67,9 +67,45 @@ class Level:
     # (every prompt queued at once), the later ones as earlier requests finish, so the two show apart what a burst
     # and the steady state cost.
     ttft_ms_by_wave: list = field(default_factory=list)
+    # The server's own view of the level's requests, from its /metrics histograms (bucket bounds, so p50 / p99 are
+    # "at most"): time to first token and time waiting for admission, both from the engine's arrival. A client TTFT
+    # far above the server's points outside the engine (HTTP, the engine process's pipe, the load generator).
+    server_ms: dict = field(default_factory=dict)
 
 
 WARMUP_REQUESTS = 4
+SERVER_HISTOGRAMS = {"ttft": "orinfer_time_to_first_token_seconds", "queue": "orinfer_request_queue_time_seconds"}
+
+
+def histogram_buckets(metrics_text: str, name: str) -> dict[float, float]:
+    """{upper bound: cumulative count} of histogram `name` in a Prometheus text page (empty if absent)."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            bound, count = line.split('le="', 1)[1].split('"', 1)[0], line.rsplit(" ", 1)[1]
+            out[float(bound)] = float(count)
+    return out
+
+
+def bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> dict:
+    """p50 / p99 (ms, as the upper bound of the bucket holding them) and the count of the observations made between
+    two snapshots of one histogram."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    out: dict = {"count": int(total)}
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        out[name] = next((round(b * 1e3, 1) for b, c in zip(bounds, counts) if total and c >= q * total), None)
+    return out
+
+
+async def server_histograms(client: httpx.AsyncClient) -> dict[str, dict[float, float]]:
+    """The SERVER_HISTOGRAMS' buckets now ({} each when /metrics is unavailable: another server)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        text = ""
+    return {key: histogram_buckets(text, name) for key, name in SERVER_HISTOGRAMS.items()}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -263,9 +299,11 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int, offs
             async with sem:
                 return await one_request(client, args, model, offset + i)
 
+        before = await server_histograms(client)
         start = time.perf_counter()
         results = await asyncio.gather(*[bounded(i) for i in range(n)])
         wall = time.perf_counter() - start
+        after = await server_histograms(client)
     ok = [r for r in results if r.ok]
     for r in results:
         if not r.ok:
@@ -275,7 +313,8 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int, offs
     waves = [[r.ttft for r in results[start:start + concurrency] if r.ok] for start in range(0, n, concurrency)]
     return Level(concurrency, n, len(results) - len(ok), round(wall, 3), round(tokens / wall, 2),
                  round(len(ok) / wall, 3), summary([r.ttft for r in ok]), summary([r.tpot for r in ok]),
-                 summary([r.e2e for r in ok]), [summary(wave) for wave in waves if wave])
+                 summary([r.e2e for r in ok]), [summary(wave) for wave in waves if wave],
+                 {key: bucket_quantiles(before[key], after[key]) for key in after if after[key]})
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -300,6 +339,9 @@ async def main_async(args: argparse.Namespace) -> dict:
               f"p99 {level.tpot_ms['p99']:.2f} ms  ({level.requests} requests, {level.failed} failed)")
         print("  TTFT p50 / p99 ms by wave of requests: "
               + ", ".join(f"{w['p50']:.0f} / {w['p99']:.0f}" for w in level.ttft_ms_by_wave))
+        if level.server_ms:
+            print("  server (bucket bounds, from its arrival): "
+                  + ", ".join(f"{key} p50 <= {v['p50']} ms p99 <= {v['p99']} ms" for key, v in level.server_ms.items()))
         levels.append(level)
     return {"url": args.url, "model": model, "endpoint": args.endpoint, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "temperature": args.temperature, "host": platform.node(),

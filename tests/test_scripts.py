@@ -153,3 +153,18 @@ def test_serving_bench_warms_up_with_a_few_requests_not_the_measured_count(monke
     warmup = [i for i in seen if i >= 10_000_000]
     assert len(warmup) == bench_serve.WARMUP_REQUESTS < 40
     assert len(seen) - len(warmup) == 40 and report["levels"][0]["requests"] == 40
+
+
+def test_serving_bench_reads_the_servers_latency_histograms(monkeypatch):
+    """The server's TTFT quantiles over a level come from the difference of two /metrics pages: p50 / p99 are the
+    upper bounds of the buckets that hold them."""
+    bench_serve = load_script(SCRIPTS / "bench_serve.py", monkeypatch)
+    name = "orinfer_time_to_first_token_seconds"
+
+    def page(counts):
+        return "\n".join(f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(("0.05", "0.1", "1.0", "+Inf"), counts))
+
+    before = bench_serve.histogram_buckets(page((5, 5, 5, 5)), name)
+    after = bench_serve.histogram_buckets(page((5, 55, 104, 105)) + "\nother_bucket{le=\"1\"} 9", name)
+    assert bench_serve.bucket_quantiles(before, after) == {"count": 100, "p50": 100.0, "p99": 1000.0}
+    assert bench_serve.bucket_quantiles({}, {}) == {"count": 0, "p50": None, "p99": None}

@@ -205,6 +205,11 @@ def test_metrics_page(server, client):
     assert after["orinfer_generation_tokens_total"] - before.get("orinfer_generation_tokens_total", 0) == 4
     assert after["orinfer_time_to_first_token_seconds_count"] > before.get(
         "orinfer_time_to_first_token_seconds_count", 0)
+    def grew(name: str) -> float:
+        return after[f"orinfer_{name}"] - before.get(f"orinfer_{name}", 0)
+
+    queue_sum, ttft_sum = grew("request_queue_time_seconds_sum"), grew("time_to_first_token_seconds_sum")
+    assert grew("request_queue_time_seconds_count") == 1 and 0 <= queue_sum <= ttft_sum  # admission, then a token
     for name in ("orinfer_num_requests_running", "orinfer_num_requests_waiting", "orinfer_kv_cache_usage_perc",
                  "orinfer_time_per_output_token_seconds_count", "orinfer_prompt_tokens_total"):
         assert name in after

@@ -272,7 +272,8 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.observe_sequence(reason, seq.num_completion_tokens, seq.arrival_time, seq.first_token_time,
                                           seq.finish_time or time.perf_counter(),
-                                          (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps))
+                                          (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps),
+                                          seq.first_scheduled_time)
 
     @staticmethod
     def _to_loop(group: RequestGroup, fn: Any, arg: Any) -> None:

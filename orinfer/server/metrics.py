@@ -150,6 +150,9 @@ class ServerMetrics:
                               "Mean time between output tokens of a sequence (after the first).", lock, TPOT_BUCKETS)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish of a sequence.", lock,
                              LATENCY_BUCKETS)
+        # (vLLM's name: the wait for admission, apart from the first step's own time in time_to_first_token.)
+        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to the first step that runs the sequence.",
+                               lock, LATENCY_BUCKETS)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens_total",
                                     "Speculative decoding: draft tokens verified.", lock)
         self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens_total",
@@ -159,7 +162,7 @@ class ServerMetrics:
                                     lock)
         self._metrics: list[_Metric] = [
             self.http_requests, self.requests_finished, self.prompt_tokens, self.generation_tokens, self.ttft,
-            self.tpot, self.e2e, self.draft_tokens, self.accepted_tokens, self.verify_steps,
+            self.tpot, self.e2e, self.queue, self.draft_tokens, self.accepted_tokens, self.verify_steps,
             Gauge(p + "num_requests_running", "Sequences in the running batch.", lock, lambda: self._stat("running")),
             Gauge(p + "num_requests_waiting", "Sequences waiting for a prefill (new or preempted).", lock,
                   lambda: self._stat("waiting")),
@@ -184,9 +187,9 @@ class ServerMetrics:
 
     def observe_sequence(self, finish_reason: str, num_completion_tokens: int, arrival: float | None,
                          first_token: float | None, finish: float | None,
-                         speculation: tuple[int, int, int] = (0, 0, 0)) -> None:
+                         speculation: tuple[int, int, int] = (0, 0, 0), first_scheduled: float | None = None) -> None:
         """Called once per sequence when it finishes or is aborted (perf_counter timestamps). `speculation`: its draft
-        tokens, accepted draft tokens and verify steps."""
+        tokens, accepted draft tokens and verify steps; `first_scheduled`: when a step first ran it."""
         self.requests_finished.inc(finish_reason=finish_reason)
         self.generation_tokens.inc(num_completion_tokens)
         drafted, accepted, steps = speculation
@@ -198,6 +201,8 @@ class ServerMetrics:
             return  # a cancelled request's latencies would only describe the client
         if arrival is not None and first_token is not None:
             self.ttft.observe(first_token - arrival)
+        if arrival is not None and first_scheduled is not None:
+            self.queue.observe(first_scheduled - arrival)
         if first_token is not None and finish is not None and num_completion_tokens > 1:
             self.tpot.observe((finish - first_token) / (num_completion_tokens - 1))
         if arrival is not None and finish is not None:

@@ -11,7 +11,8 @@ fold every row into the state, but only the first 1 + a (a: accepted drafts) may
    keep_linear_inputs`; inside the mixed-step CUDA graphs too, with a fixed row count, so every mixed step gathers).
 3. finish, right after the verify sampler, on the device (no host sync): each layer advances the sequence's own slot
    over its first 1 + a kept rows (`GatedDeltaNetBlock.advance_state`: the conv, which rebuilds the conv window from
-   the inputs, then the recurrent delta rule as decode runs it). The work slot's state is dropped.
+   the inputs, then the recurrent delta rule, in one fused launch a layer on the triton backend:
+   `Ops.gated_delta_advance`). The work slot's state is dropped.
 
 Tensor parallelism: every rank holds its shard of the state (its value heads) and of the kept rows (its heads' conv
 and gate inputs), and does 1 and 3 on them: rank 0 decides what `begin` copies and keeps (`start`, then the

@@ -15,6 +15,7 @@ import pytest
 from hf_models import build_hf_model, build_hf_qwen3_5, build_hf_qwen3_5_moe, save_hf_model
 from orinfer import LLM, SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
+from orinfer.spec_decode.verify import host_drafts
 from test_qwen3_5 import _with_mtp
 from test_spec_decode_hybrid import NGRAM, PROMPTS, OracleProposer
 
@@ -48,16 +49,28 @@ def _counts(outs) -> tuple[int, int]:
 
 
 def _recording(llm: LLM) -> list[list[list[int]]]:
-    """The drafts of each proposal that `llm`'s proposer makes from now on (a list it fills)."""
+    """The drafts of each proposal that `llm`'s proposer makes from now on (a list it fills). A proposer that can
+    leave its drafts on the device makes every proposal there (one process leaves them there; tensor parallelism reads
+    them through `propose_batch`, which calls it): its drafts are read back for the record."""
     proposer, made = llm.engine.proposer, []
-    propose = proposer.propose_batch
+    if not hasattr(proposer, "propose_on_device"):
+        propose = proposer.propose_batch
 
-    def recorded(seqs, rooms):
-        drafts = propose(seqs, rooms)
-        made.append(drafts)
-        return drafts
+        def recorded(seqs, rooms):
+            drafts = propose(seqs, rooms)
+            made.append(drafts)
+            return drafts
 
-    proposer.propose_batch = recorded
+        proposer.propose_batch = recorded
+        return made
+    propose_on_device = proposer.propose_on_device
+
+    def recorded_on_device(seqs, rooms):
+        proposal = propose_on_device(seqs, rooms)
+        made.append(host_drafts(proposal, seqs))
+        return proposal
+
+    proposer.propose_on_device = recorded_on_device
     return made
 
 

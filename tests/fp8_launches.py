@@ -12,14 +12,17 @@ met `int.to` in its split-K reduction. So the launches here come from the host f
   - the same kernels on uint8 codes (W8, GPTQ-Int8: `w8_ops`) over Qwen3-8B's shapes in groups of 128, odd shapes and
     groups, every dtype and row count, and tests/test_w8_kernels.py's explicit tiles.
 Launches the launcher would compile to the same kernel are kept once (`sm90.launch_key`).
+`dispatch_paths` records the same way, call by call, what the dispatch runs beside the path `fp8_ops.linear_path`
+names for it, over every combination of the settings (tests/test_fp8_kernels.py checks that they agree).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from functools import cache, partial
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -54,14 +57,38 @@ def _x(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(rows, k, dtype=dtype)
 
 
-def _no_reference(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Stands in for the dispatch's torch references (fp32 prefill), which launch no Triton kernel."""
-    return torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+@contextlib.contextmanager
+def _host_stand_ins(events: list, probe: bool = False) -> Iterator[None]:
+    """Within: the dispatch's torch references (fp32 prefill), cuBLAS behind the dequantised prefill and
+    torch._scaled_mm (none of them a Triton launch; the CPU would multiply for real) return empty results and append
+    their names ("linear_ref", "gate_up_ref", "linear", "scaled_mm") to `events`. probe: `_use_scaled_mm` answers as
+    on an H100 whose probe passed (bf16 x, 128 x 128 blocks, no row_block, PREFILL "auto" or "scaled_mm"), which
+    CPU tensors never get from it."""
+    def stand_in(name: str, weight_at: int = 1):
+        def call(*args, **kwargs):
+            events.append(name)
+            dtype = next((a for a in args if isinstance(a, torch.dtype)), args[0].dtype)
+            return torch.empty(*args[0].shape[:-1], args[weight_at].shape[0], dtype=dtype)
+        return call
 
+    def use_scaled_mm(x, weight, scale, block_size, row_block) -> bool:
+        return (fp8_ops.PREFILL in ("auto", "scaled_mm") and x.dtype == torch.bfloat16
+                and tuple(block_size) == (128, 128) and row_block is None)
 
-def _no_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Stands in for cuBLAS behind the dequantised prefill (no Triton launch; the CPU would multiply for real)."""
-    return torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    linear = SimpleNamespace(linear=stand_in("linear"))
+    stand_ins = [(fp8_ops, "fp8_block_linear_ref", stand_in("linear_ref")),
+                 (fp8_ops, "fp8_gate_up_silu_ref", stand_in("gate_up_ref")), (fp8_ops, "F", linear),
+                 (w8_ops, "F", linear), (fp8_ops, "fp8_scaled_mm", stand_in("scaled_mm", weight_at=2))]
+    if probe:
+        stand_ins.append((fp8_ops, "_use_scaled_mm", use_scaled_mm))
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in stand_ins]
+    for mod, name, value in stand_ins:
+        setattr(mod, name, value)
+    try:
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
 
 
 def _dispatch(x, w, s, block, rb, bias, gate_up: bool) -> None:
@@ -175,40 +202,84 @@ def _w8_calls():
                       gated=c["gated"], cfg=c["cfg"], zeros=w.zeros)
 
 
+_RECORDED = (activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant, gemv)
+
+
 def _record(calls) -> list[sm90.Launch]:
-    with sm90.recorded_launches(activation, fp8_dequant, fp8_gemm, fp8_gemv, fp8_mm, fp8_ops, fp8_quant,
-                                gemv) as launches:
+    with sm90.recorded_launches(*_RECORDED) as launches:
         for call in calls:
             call()
     return launches
 
 
+@contextlib.contextmanager
+def _settings(setting: dict) -> Iterator[None]:
+    """Within: fp8_ops' module attributes as `setting` says."""
+    saved = {name: getattr(fp8_ops, name) for name in setting}
+    for name, value in setting.items():
+        setattr(fp8_ops, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(fp8_ops, name, value)
+
+
 def _dispatch_with(setting: dict, args: tuple) -> Callable[[], None]:
     def call():
-        saved = {name: getattr(fp8_ops, name) for name in setting}
-        for name, value in setting.items():
-            setattr(fp8_ops, name, value)
-        try:
+        with _settings(setting):
             _dispatch(*args)
-        finally:
-            for name, value in saved.items():
-                setattr(fp8_ops, name, value)
     return call
+
+
+PATH_SETTINGS = [dict(zip(("ONE_ROW", "SMALL_M", "PREFILL"), values))
+                 for values in itertools.product(("fma", "mma"), ("w8a16", "w8a8"),
+                                                 ("auto", "scaled_mm", "triton", "w8a16", "dequant"))]
+# (n, k, block, packed): Qwen3-8B's o, partial blocks, a bk of 32 (the smallest W8A8 takes), a bk of 48 (no W8A8), a
+# bk of 24 (no kernel), packed shards.
+PATH_SHAPES = ((4096, 4096, (128, 128), False), (130, 200, (128, 128), False), (38, 70, (16, 32), False),
+               (96, 256, (16, 48), True), (40, 72, (16, 24), False), (256, 384, (128, 128), True))
+
+
+def _event(launch: sm90.Launch | str) -> str:
+    """A recorded launch as its kernel's name (less the underscores and "_kernel"), " gated" for fused gate/up and
+    fp8_mm's BLOCK_M; a stand-in's event as it is."""
+    if isinstance(launch, str):
+        return launch
+    name = launch.kernel.fn.__name__.strip("_").removesuffix("_kernel")
+    if launch.kwargs.get("GATED"):
+        name += " gated"
+    return f"{name} BLOCK_M={launch.kwargs['BLOCK_M']}" if name.startswith("fp8_mm") else name
+
+
+def dispatch_paths() -> list[dict]:
+    """For each combination of fp8_ops' settings (ONE_ROW x SMALL_M x PREFILL), the device probe passing or not,
+    x's dtype (float64: none the kernels take), PATH_SHAPES and row counts from 0 to prefill: `linear_path` (gated
+    for fp8_gate_up_silu) and the events of the call (`_event`: Triton launches and host stand-ins, in order)."""
+    cases = []
+    for setting, probe, dtype in itertools.product(PATH_SETTINGS, (False, True), DTYPES + (torch.float64,)):
+        for (n, k, block, packed), rows in itertools.product(PATH_SHAPES, (0, 1, 2, 8, 64, 65, 300)):
+            w, s, rb = weight(n, k, block, packed)
+            x = _x(rows, k, dtype)
+            for gated in (False, True) if n % 2 == 0 else (False,):
+                with (_settings(setting), sm90.recorded_launches(*_RECORDED) as events,
+                      _host_stand_ins(events, probe)):
+                    path = fp8_ops.linear_path(x, w, s, block, rb, gated)
+                    (fp8_ops.fp8_gate_up_silu if gated else fp8_ops.fp8_block_linear)(x, w, s, block, rb)
+                cases.append({"setting": setting, "probe": probe, "dtype": str(dtype), "block": block, "n": n,
+                              "packed": packed, "rows": rows, "gated": gated, "path": path,
+                              "events": [_event(e) for e in events]})
+    return cases
 
 
 def fp8_launches() -> list[tuple[sm90.Launch, bool]]:
     """The distinct launches (one per `sm90.launch_key`) in a fixed order, each with whether the engine makes it for
     Qwen3-8B in bf16 as configured by default (the dispatch's default settings on its shapes)."""
-    saved = fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F, w8_ops.F
-    fp8_ops.fp8_block_linear_ref = fp8_ops.fp8_gate_up_silu_ref = _no_reference
-    fp8_ops.F = w8_ops.F = SimpleNamespace(linear=_no_linear)
-    try:
+    with _host_stand_ins([]):
         calls = [(_dispatch_with(setting, args), default) for setting, default, args in _dispatch_calls()]
         production = _record(call for call, default in calls if default)
         others = _record(itertools.chain((call for call, default in calls if not default), _candidate_calls(),
                                          _test_file_calls(), _w8_calls()))
-    finally:
-        fp8_ops.fp8_block_linear_ref, fp8_ops.fp8_gate_up_silu_ref, fp8_ops.F, w8_ops.F = saved
     unique: dict[str, tuple[sm90.Launch, bool]] = {}
     for launch, default in [(launch, True) for launch in production] + [(launch, False) for launch in others]:
         unique.setdefault(sm90.launch_key(launch), (launch, default))

@@ -9,10 +9,14 @@ torch._scaled_mm are GPU-only; their arithmetic is checked on the CPU (`test_e4m
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from kernel_checks import DEVICE, INTERPRET, assert_stored_as_kernels_round, gpu, poison_allocations, randn, tol
+from kernel_checks import (DEVICE, INTERPRET, assert_stored_as_kernels_round, compile_in_child, gpu,
+                           poison_allocations, randn, tol)
 from quant_packers import fp8_pack
 from orinfer.fp8_config import FP8Config
 from orinfer.kernels import fp8_ops, splitk
@@ -25,7 +29,7 @@ from orinfer.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
 from orinfer.kernels.fp8_gemv import CANDIDATES as GEMV_CANDIDATES
 from orinfer.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
 from orinfer.kernels.fp8_mm import CANDIDATES as MM_CANDIDATES
-from orinfer.kernels.fp8_mm import Fp8MmConfig, fp8_mm
+from orinfer.kernels.fp8_mm import DECODE_128, Fp8MmConfig, decode_config, fp8_mm
 from orinfer.kernels.fp8_quant import fp8_quantize_act
 from orinfer.layers.linear_types import make_linear
 from orinfer.layers.ops import TORCH_OPS
@@ -67,6 +71,17 @@ def w8a16_ref(x: torch.Tensor, deq: torch.Tensor, bias: torch.Tensor | None, gat
     if gated:
         y = silu_and_mul_ref(y.to(x.dtype)).double()
     return y
+
+
+def dispatch_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, deq: torch.Tensor,
+                 block: tuple[int, int], gated: bool = False) -> torch.Tensor:
+    """The fp64 reference of the path `fp8_ops.linear_path` names for this call (no row_block, no bias): x quantized
+    (W8A8) on "scaled_mm" / "w8a8", else `w8a16_ref`; gated, the linear rounded to x's dtype, then SwiGLU, as the
+    dispatch applies `silu_and_mul` after it."""
+    if fp8_ops.linear_path(x, weight, scale, block, None, gated).removesuffix("+silu") not in ("scaled_mm", "w8a8"):
+        return w8a16_ref(x, deq, None, gated)
+    y = fp8_block_linear_a8_ref(x.double(), weight, scale, block)
+    return silu_and_mul_ref(y.to(x.dtype)).double() if gated else y
 
 
 def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
@@ -186,24 +201,91 @@ def test_fp8_dequantize_matches_the_reference_bit_for_bit(n, k, block, shards, d
 
 # --- the dispatch by row count --------------------------------------------------------------------------------------
 
+_PATHS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from fp8_launches import dispatch_paths
+print(json.dumps(dispatch_paths()))
+"""
+
+
+def _path_events(path: str, rows: int, gated: bool) -> list[str]:
+    """What the dispatch runs on `path` (`fp8_launches._event`'s names): gated "ref" / "gemv" / "mma" are the fused
+    reference and kernels, a "+silu" path its linear then `silu_and_mul`."""
+    linear, unfused = path.removesuffix("+silu"), path.endswith("+silu")
+    fused = " gated" if gated and not unfused else ""
+    events = {"ref": ["gate_up_ref" if fused else "linear_ref"], "gemv": [f"fp8_gemv{fused}"],
+              "mma": [f"fp8_mm{fused} BLOCK_M={decode_config(rows).block_m}"],
+              "mma128": [f"fp8_mm BLOCK_M={DECODE_128.block_m}"], "w8a8": ["quant", "fp8_gemm"],
+              "scaled_mm": ["quant", "scaled_mm"], "dequant": ["dequant", "linear"]}[linear]
+    return events + ["silu_and_mul"] * unfused
+
+
+@pytest.fixture(scope="module")
+def dispatch_paths() -> list[dict]:
+    """`fp8_launches.dispatch_paths`: recorded with empty CPU tensors in a child process without the interpreter."""
+    return compile_in_child(_PATHS, str(Path(__file__).parent))
+
+
+def test_linear_path_names_what_the_dispatch_runs(dispatch_paths):
+    """`fp8_ops.linear_path` against the Triton launches and host calls that fp8_block_linear / fp8_gate_up_silu make,
+    over every combination of ONE_ROW, SMALL_M and PREFILL, the device probe passing or not, four dtypes, block shapes
+    and row counts 0..300; every path is taken somewhere."""
+    cases = dispatch_paths
+    wrong = [c for c in cases if c["events"] != _path_events(c["path"], c["rows"], c["gated"])]
+    assert not wrong, f"{len(wrong)} of {len(cases)} calls run another path than linear_path names: {wrong[:3]}"
+    paths = {"ref", "gemv", "mma", "mma128", "w8a8", "scaled_mm", "dequant"}
+    assert {c["path"] for c in cases} == paths | {f"{p}+silu" for p in paths - {"gemv"}}
+
+
+# (settings other than the defaults, probe passes, dtype, block, rows, gated, path): the module docstring's rules.
+_DOCUMENTED_PATHS = [
+    ({}, True, "bfloat16", (128, 128), 1, True, "gemv"),
+    ({"ONE_ROW": "mma"}, True, "bfloat16", (128, 128), 1, True, "mma"),
+    ({"ONE_ROW": "mma", "SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 1, False, "mma"),
+    ({"ONE_ROW": "mma", "SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 1, True, "mma+silu"),
+    ({}, True, "bfloat16", (128, 128), 64, True, "mma"),
+    ({"SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 8, False, "scaled_mm"),
+    ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 8, True, "dequant+silu"),
+    ({"SMALL_M": "w8a8"}, False, "bfloat16", (128, 128), 64, False, "dequant"),
+    ({"SMALL_M": "w8a8", "PREFILL": "triton"}, True, "float16", (128, 128), 2, True, "w8a8+silu"),
+    ({"SMALL_M": "w8a8", "PREFILL": "w8a16"}, True, "bfloat16", (128, 128), 8, False, "mma"),
+    ({"SMALL_M": "w8a8"}, True, "float32", (128, 128), 8, True, "mma"),
+    ({"SMALL_M": "w8a8"}, True, "bfloat16", (16, 48), 8, False, "mma"),
+    ({}, True, "bfloat16", (128, 128), 300, True, "scaled_mm+silu"),
+    ({}, False, "bfloat16", (128, 128), 65, False, "dequant"),
+    ({"PREFILL": "scaled_mm"}, False, "float16", (128, 128), 300, False, "w8a8"),
+    ({"PREFILL": "triton"}, True, "bfloat16", (16, 32), 300, False, "w8a8"),
+    ({"PREFILL": "triton"}, True, "bfloat16", (16, 48), 300, False, "mma128"),
+    ({"PREFILL": "w8a16"}, True, "float16", (128, 128), 300, True, "mma128+silu"),
+    ({"PREFILL": "dequant"}, True, "bfloat16", (128, 128), 300, False, "dequant"),
+    ({"PREFILL": "dequant"}, True, "float32", (128, 128), 300, True, "ref+silu"),
+    ({}, True, "float64", (128, 128), 8, True, "ref"),
+    ({}, True, "bfloat16", (16, 24), 8, False, "ref"),
+    ({}, True, "bfloat16", (128, 128), 0, True, "ref"),
+]
+
+
+def test_linear_path_follows_the_documented_rules(dispatch_paths):
+    """Representative calls take the paths the module docstring gives (128 x 128 blocks: Qwen3-8B's o)."""
+    by_call = {(json.dumps(c["setting"], sort_keys=True), c["probe"], c["dtype"], tuple(c["block"]), c["rows"],
+                c["gated"]): c["path"] for c in dispatch_paths if c["n"] in (4096, 38, 96, 40)}   # one shape per block
+    for changed, probe, dtype, block, rows, gated, path in _DOCUMENTED_PATHS:
+        setting = json.dumps({"ONE_ROW": "fma", "SMALL_M": "w8a16", "PREFILL": "auto"} | changed, sort_keys=True)
+        key = (setting, probe, f"torch.{dtype}", block, rows, gated)
+        assert by_call[key] == path, key
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])
 def test_fp8_ops_by_row_count(rows, poison):
-    """fp8_block_linear / fp8_gate_up_silu: W8A16 kernels up to MMA_MAX_ROWS rows; beyond, _scaled_mm (W8A8) where it
-    runs, else the dequantised weight (x as it is)."""
+    """fp8_block_linear / fp8_gate_up_silu against the reference of the path they take: W8A16 kernels up to
+    MMA_MAX_ROWS rows; beyond, _scaled_mm (W8A8) where it runs, else the dequantised weight (x as it is)."""
     k, n, block, dtype = 256, 64, (128, 128), torch.bfloat16
     weight, scale, _, deq = fp8_weight(n, k, block)
     x = randn(1, rows, k, dtype=dtype)
-    got = fp8_ops.fp8_block_linear(x, weight, scale, block)
-    if rows <= fp8_ops.MMA_MAX_ROWS:
-        check(got, w8a16_ref(x, deq, None, False), dtype)
-        check(fp8_ops.fp8_gate_up_silu(x, weight, scale, block), w8a16_ref(x, deq, None, True), dtype)
-    else:   # prefill's gate/up is this linear + silu_and_mul (tested in test_kernels.py)
-        if fp8_ops._use_scaled_mm(x.view(rows, k), weight, scale, block, None):
-            want = fp8_block_linear_a8_ref(x.double().cpu(), weight.cpu(), scale.cpu(), block).to(DEVICE)
-        else:  # "auto" without _scaled_mm: the weight dequantised, x as it is
-            want = w8a16_ref(x, deq, None, False)
-        check(got, want, dtype)
+    check(fp8_ops.fp8_block_linear(x, weight, scale, block), dispatch_ref(x, weight, scale, deq, block), dtype)
+    check(fp8_ops.fp8_gate_up_silu(x, weight, scale, block), dispatch_ref(x, weight, scale, deq, block, True), dtype)
 
 
 @needs_kernels
@@ -263,25 +345,33 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288)}
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("small_m", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 8, 17, 64])
 @pytest.mark.parametrize("shape", sorted(QWEN3_8B))
-def test_gpu_fp8_decode_qwen3_8b_shapes(dtype, rows, shape):
+def test_gpu_fp8_decode_qwen3_8b_shapes(dtype, rows, shape, small_m, monkeypatch):
+    """The dispatch against the reference of its path under each SMALL_M (bf16 under "w8a8": W8A8, _scaled_mm where
+    it runs), and the W8A16 MMA itself."""
+    monkeypatch.setattr(fp8_ops, "SMALL_M", small_m)
     n, k = QWEN3_8B[shape]
     weight, scale, _, deq = fp8_weight(n, k, (128, 128))
     x = randn(rows, k, dtype=dtype)
-    check(fp8_ops.fp8_block_linear(x, weight, scale, (128, 128)), w8a16_ref(x, deq, None, False), dtype, 2)
+    check(fp8_ops.fp8_block_linear(x, weight, scale, (128, 128)), dispatch_ref(x, weight, scale, deq, (128, 128)),
+          dtype, 2)
     check(fp8_mm(x, weight, scale, (128, 128)), w8a16_ref(x, deq, None, False), dtype, 2)
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("small_m", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_gpu_fp8_gate_up_qwen3_8b(dtype, rows):
+def test_gpu_fp8_gate_up_qwen3_8b(dtype, rows, small_m, monkeypatch):
+    monkeypatch.setattr(fp8_ops, "SMALL_M", small_m)
     weight, scale, _, deq = fp8_weight(2 * 12288, 4096, (128, 128))
     x = randn(rows, 4096, dtype=dtype)
-    check(fp8_ops.fp8_gate_up_silu(x, weight, scale, (128, 128)), w8a16_ref(x, deq, None, True), dtype, 2)
+    check(fp8_ops.fp8_gate_up_silu(x, weight, scale, (128, 128)),
+          dispatch_ref(x, weight, scale, deq, (128, 128), gated=True), dtype, 2)
 
 
 @gpu
@@ -323,9 +413,12 @@ def test_gpu_every_fp8_config_is_correct(dtype):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("small_m", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_gpu_fp8_kernels_replay_in_cuda_graphs(rows):
-    """Captured once, replayed with new inputs: the split-K counters reset, the results equal eager calls."""
+def test_gpu_fp8_kernels_replay_in_cuda_graphs(rows, small_m, monkeypatch):
+    """Captured once, replayed with new inputs: the split-K counters reset, the results equal eager calls (SMALL_M
+    "w8a8": the W8A8 decode path, quantization and _scaled_mm or the Triton GEMM, in the graph)."""
+    monkeypatch.setattr(fp8_ops, "SMALL_M", small_m)
     weight, scale, _, _ = fp8_weight(4096, 4096, (128, 128))
     gu_weight, gu_scale, _, _ = fp8_weight(2 * 1536, 4096, (128, 128), seed=1)
     x = randn(rows, 4096, dtype=torch.bfloat16)

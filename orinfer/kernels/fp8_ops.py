@@ -5,14 +5,16 @@
   2..MMA_MAX_ROWS rows   -> `fp8_mm` (W8A16 on tensor cores, split-K: decode batches; SMALL_M = "w8a8":
                             quantize x + `fp8_gemm` instead: run 338 measured it faster on an H200, Qwen3-8B
                             decode batch 8 / 64 at 1875 / 11936 tok/s against 1585 / 7981; the default waits for the
-                            GPU tests, which failed under it in run 339 for reasons not yet read)
+                            GPU tests, which failed under it in run 339: they held its bf16 W8A8 results to the W8A16
+                            reference, and now take the reference of the path `linear_path` names)
   more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
                             with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
                             this torch and GPU run it: sm_90, 128 x 128 blocks, bf16, probed once per device outside
                             graph capture, and otherwise "dequant"); PREFILL = "w8a16": `fp8_mm` with 128-row tiles
                             (x not quantized); PREFILL = "dequant": the weight dequantised to x's dtype
                             (`fp8_dequantize`), then cuBLAS
-Both entry points take the same kernels, fused gate/up + SwiGLU in one pass for decode rows (`fp8_gate_up_silu`).
+Both entry points take the same kernels, fused gate/up + SwiGLU in one pass for decode rows (`fp8_gate_up_silu`);
+`linear_path` names the path a call takes (the dispatch runs what it names; tests pick their reference by it).
 The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL at import (benchmarks
 may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows and the reference (dequantise +
 matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores otherwise), the kernels bk % 16 == 0
@@ -108,55 +110,88 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     return _scaled_mm_runs(x.device)
 
 
+def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                row_block: torch.Tensor | None = None, gated: bool = False) -> str:
+    """The path `fp8_block_linear` (gated: `fp8_gate_up_silu`) takes for these arguments under the module's settings:
+    "ref" (the torch reference), "gemv" (`fp8_gemv`), "mma" (`fp8_mm`, tiles by row count), "mma128" (`fp8_mm`,
+    128-row tiles), "scaled_mm" (quantize x + torch._scaled_mm), "w8a8" (quantize x + `fp8_gemm`) or "dequant" (the
+    weight dequantised, cuBLAS). Gated, "gemv" and "mma" are the fused kernels; the linear then `silu_and_mul` is
+    that linear's path + "+silu". W8A8 numerics (x quantized): "scaled_mm" and "w8a8"; the others are W8A16."""
+    rows = _rows(x)
+    if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
+        return "ref"
+    if rows == 1 and ONE_ROW == "fma":
+        return "gemv"
+    a8 = _a8_fits(block_size) and x.dtype != torch.float32
+    small_m_a8 = SMALL_M == "w8a8" and a8
+    if rows <= MMA_MAX_ROWS and not (small_m_a8 and rows > 1):
+        # Gated, SMALL_M = "w8a8" leaves the fused kernel at one row too (ONE_ROW = "mma"): the unfused W8A16 MMA.
+        return "mma+silu" if gated and small_m_a8 else "mma"
+    path = _wide_path(x, weight, scale, block_size, row_block, a8)
+    return f"{path}+silu" if gated else path
+
+
+def _wide_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+               row_block: torch.Tensor | None, a8: bool) -> str:
+    """`linear_path` beyond MMA_MAX_ROWS rows (and for 2..MMA_MAX_ROWS under SMALL_M = "w8a8"): PREFILL's choice."""
+    scaled_mm = a8 and _use_scaled_mm(x, weight, scale, block_size, row_block)
+    # "auto" without _scaled_mm: dequantise + cuBLAS prefilled Qwen3-8B 14% faster than the Triton W8A8 GEMM on an
+    # H100 (run 295: 35.7k against 31.3k tok/s at 2048 tokens; bf16 40.3k).
+    if x.dtype != torch.float32 and (PREFILL == "dequant" or (PREFILL == "auto" and not scaled_mm)):
+        return "dequant"
+    if a8 and PREFILL != "w8a16":
+        return "scaled_mm" if scaled_mm else "w8a8"
+    if x.dtype == torch.float32:
+        return "ref"
+    return "mma128" if _rows(x) > MMA_MAX_ROWS else "mma"
+
+
 def _w8a8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-          row_block: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+          row_block: torch.Tensor | None, bias: torch.Tensor | None, scaled_mm: bool) -> torch.Tensor:
     m = x2.shape[0]
     xq, xs = fp8_quantize_act(x2, block_size[1])
-    if _use_scaled_mm(x2, weight, scale, block_size, row_block):
+    if scaled_mm:
         return fp8_scaled_mm(xq, xs, weight, scale, x2.dtype, bias)[:m]
     return fp8_gemm(xq, xs[:m], weight, scale, block_size, x2.dtype, row_block, bias)
+
+
+def _linear(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+            row_block: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ b) through an ungated `linear_path`."""
+    if path == "ref":
+        return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
+    if path == "gemv":
+        return fp8_gemv(x, weight, scale, block_size, row_block, bias)
+    if path == "mma":
+        return fp8_mm(x, weight, scale, block_size, row_block, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if path == "dequant":
+        y = fp16_guard(F.linear(x2, fp8_dequantize(weight, scale, block_size, row_block, x.dtype), bias))
+    elif path == "mma128":
+        y = fp8_mm(x2, weight, scale, block_size, row_block, bias, cfg=DECODE_128)
+    else:
+        y = _w8a8(x2, weight, scale, block_size, row_block, bias, scaled_mm=path == "scaled_mm")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                      row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_block_linear_ref`'s contract (y = x W^T + b in x's dtype) through the kernel for x's row count."""
-    rows = _rows(x)
-    if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
-        return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
-    if rows == 1 and ONE_ROW == "fma":
-        return fp8_gemv(x, weight, scale, block_size, row_block, bias)
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    a8 = _a8_fits(block_size) and x.dtype != torch.float32
-    if rows <= MMA_MAX_ROWS and not (SMALL_M == "w8a8" and a8 and rows > 1):
-        return fp8_mm(x, weight, scale, block_size, row_block, bias)
-    # "auto" without _scaled_mm: dequantise + cuBLAS prefilled Qwen3-8B 14% faster than the Triton W8A8 GEMM on an
-    # H100 (run 295: 35.7k against 31.3k tok/s at 2048 tokens; bf16 40.3k).
-    dequant = PREFILL == "dequant" or (PREFILL == "auto" and not (a8 and _use_scaled_mm(x2, weight, scale, block_size,
-                                                                                         row_block)))
-    if dequant and x.dtype != torch.float32:
-        y = fp16_guard(F.linear(x2, fp8_dequantize(weight, scale, block_size, row_block, x.dtype), bias))
-    elif a8 and PREFILL != "w8a16":
-        y = _w8a8(x2, weight, scale, block_size, row_block, bias)
-    elif x.dtype == torch.float32:
-        return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
-    else:
-        y = fp8_mm(x2, weight, scale, block_size, row_block, bias, cfg=DECODE_128 if rows > MMA_MAX_ROWS else None)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _linear(linear_path(x, weight, scale, block_size, row_block), x, weight, scale, block_size, row_block, bias)
 
 
 def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                      row_block: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_gate_up_silu_ref`'s contract: decode rows in one pass over the weight (gate and up rows of a tile
     together, SwiGLU in the epilogue, no [rows, 2I] intermediate); prefill: the linear, then `silu_and_mul`."""
-    rows = _rows(x)
-    if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
+    path = linear_path(x, weight, scale, block_size, row_block, gated=True)
+    if path == "ref":
         return fp8_gate_up_silu_ref(x, weight, scale, block_size, row_block)
-    if rows == 1 and ONE_ROW == "fma":
+    if path == "gemv":
         return fp8_gemv(x, weight, scale, block_size, row_block, gated=True)
-    if rows <= MMA_MAX_ROWS and not (SMALL_M == "w8a8" and _a8_fits(block_size) and x.dtype != torch.float32):
+    if path == "mma":
         return fp8_mm(x, weight, scale, block_size, row_block, gated=True)
-    return silu_and_mul(fp8_block_linear(x, weight, scale, block_size, row_block))
+    return silu_and_mul(_linear(path.removesuffix("+silu"), x, weight, scale, block_size, row_block, None))
 
 
 def unfused_fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],

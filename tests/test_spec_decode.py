@@ -347,3 +347,17 @@ def test_drafts_stay_on_the_device_unless_penalties_read_them(tiny_dir, perturbe
     got = _generate(llm, PROMPTS, penalised)
     assert _seen(got) == _seen(_generate(plain, PROMPTS, penalised))
     assert host_reads and sum(o.metrics.num_draft_tokens for o in got) > 0
+
+
+def test_a_penalised_prompt_admitted_beside_device_drafts_keeps_plain_tokens(tiny_dir, perturbed_dir, plain):
+    """Two slots: the third prompt, under a penalty, waits while the first two draft on the device, and is admitted
+    into a verify step of the second (the sampler then builds every row's history, stand-in drafts included; only
+    rows with a penalty read it, and those never carry device drafts). From then on proposals go through the host."""
+    fast = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    slow = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True)
+    params = [fast, slow, penalised]
+    llm = _draft(tiny_dir, perturbed_dir, k=4, max_num_seqs=2)
+    got = _generate(llm, PROMPTS, params)
+    assert _seen(got) == _seen(_generate(plain, PROMPTS, params))
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0

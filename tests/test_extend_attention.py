@@ -10,6 +10,7 @@ import torch
 from kernel_checks import DEVICE, poison_allocations, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels.attention import paged_attention_ref
 from orinfer.kernels.extend_attention import extend_attention
+from orinfer.kernels.verify_attention import verify_attention
 
 skip_module_without_kernels()
 
@@ -84,12 +85,15 @@ def test_max_query_len_read_from_the_batch_when_not_given():
     torch.testing.assert_close(got, paged_attention_ref(q, k_cache, v_cache, tables, lens, starts, 0.25))
 
 
-def test_bad_shapes_are_named():
+@pytest.mark.parametrize("attention", [extend_attention, verify_attention])
+def test_bad_shapes_are_named(attention):
+    """Both kernels over a cached context check their inputs alike (`extend_attention.paged_inputs`) and name
+    themselves."""
     k_cache, v_cache, tables, lens, starts = make_batch([2], [9], 4, 2, 16, torch.float32)
-    with pytest.raises(ValueError, match="extend_attention"):
-        extend_attention(torch.randn(2, 3, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts, 0.25)  # 3 % 2
-    with pytest.raises(ValueError, match="extend_attention"):
-        extend_attention(torch.randn(2, 2, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts[:1], 0.25)
+    with pytest.raises(ValueError, match=attention.__name__):
+        attention(torch.randn(2, 3, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts, 0.25)  # 3 % 2
+    with pytest.raises(ValueError, match=attention.__name__):
+        attention(torch.randn(2, 2, 16).to(DEVICE), k_cache, v_cache, tables, lens, starts[:1], 0.25)
 
 
 @pytest.mark.parametrize("queries, contexts, pad_rows, pad_seqs", [

@@ -71,10 +71,16 @@ class Level:
     # "at most"): time to first token and time waiting for admission, both from the engine's arrival. A client TTFT
     # far above the server's points outside the engine (HTTP, the engine process's pipe, the load generator).
     server_ms: dict = field(default_factory=dict)
+    # Where the level's time went, from counters read before and after it: the engine's busy share of the wall time
+    # and its mean step, and the CPU share used by the engine's process, the HTTP server's and this load generator
+    # (1.0 = one core). A process near 1.0 with the engine far from busy is the bottleneck.
+    load: dict = field(default_factory=dict)
 
 
 WARMUP_REQUESTS = 4
 SERVER_HISTOGRAMS = {"ttft": "orinfer_time_to_first_token_seconds", "queue": "orinfer_request_queue_time_seconds"}
+SERVER_COUNTERS = {"steps": "orinfer_engine_steps_total", "step_s": "orinfer_engine_step_seconds_total",
+                   "engine_cpu_s": "orinfer_engine_cpu_seconds_total", "server_cpu_s": "process_cpu_seconds_total"}
 
 
 def histogram_buckets(metrics_text: str, name: str) -> dict[float, float]:
@@ -84,6 +90,29 @@ def histogram_buckets(metrics_text: str, name: str) -> dict[float, float]:
         if line.startswith(name + "_bucket{"):
             bound, count = line.split('le="', 1)[1].split('"', 1)[0], line.rsplit(" ", 1)[1]
             out[float(bound)] = float(count)
+    return out
+
+
+def counter_value(metrics_text: str, name: str) -> float | None:
+    """The value of unlabelled counter `name` in a Prometheus text page (None if absent)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def load_shares(before: dict[str, float | None], after: dict[str, float | None], wall: float) -> dict:
+    """`Level.load` from two snapshots of SERVER_COUNTERS (+ "client_cpu_s") taken `wall` seconds apart; the keys
+    whose counters the server lacks are left out."""
+    delta = {k: after[k] - before[k] for k in after if after.get(k) is not None and before.get(k) is not None}
+    out: dict = {}
+    if "step_s" in delta:
+        out["engine_busy"] = round(delta["step_s"] / wall, 3)
+        if delta.get("steps"):
+            out["step_ms"] = round(delta["step_s"] / delta["steps"] * 1e3, 3)
+    for key in ("engine_cpu_s", "server_cpu_s", "client_cpu_s"):
+        if key in delta:
+            out[key.replace("_s", "")] = round(delta[key] / wall, 3)
     return out
 
 
@@ -99,13 +128,16 @@ def bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> d
     return out
 
 
-async def server_histograms(client: httpx.AsyncClient) -> dict[str, dict[float, float]]:
-    """The SERVER_HISTOGRAMS' buckets now ({} each when /metrics is unavailable: another server)."""
+async def server_snapshot(client: httpx.AsyncClient) -> tuple[dict[str, dict[float, float]], dict[str, float | None]]:
+    """The SERVER_HISTOGRAMS' buckets ({} each when /metrics is unavailable: another server) and the SERVER_COUNTERS
+    (None when absent) now, with this process's CPU time as "client_cpu_s"."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
         text = ""
-    return {key: histogram_buckets(text, name) for key, name in SERVER_HISTOGRAMS.items()}
+    counters = {key: counter_value(text, name) for key, name in SERVER_COUNTERS.items()}
+    counters["client_cpu_s"] = time.process_time()
+    return {key: histogram_buckets(text, name) for key, name in SERVER_HISTOGRAMS.items()}, counters
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -299,11 +331,11 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int, offs
             async with sem:
                 return await one_request(client, args, model, offset + i)
 
-        before = await server_histograms(client)
+        before, counters_before = await server_snapshot(client)
         start = time.perf_counter()
         results = await asyncio.gather(*[bounded(i) for i in range(n)])
         wall = time.perf_counter() - start
-        after = await server_histograms(client)
+        after, counters_after = await server_snapshot(client)
     ok = [r for r in results if r.ok]
     for r in results:
         if not r.ok:
@@ -314,7 +346,8 @@ async def run_level(args: argparse.Namespace, model: str, concurrency: int, offs
     return Level(concurrency, n, len(results) - len(ok), round(wall, 3), round(tokens / wall, 2),
                  round(len(ok) / wall, 3), summary([r.ttft for r in ok]), summary([r.tpot for r in ok]),
                  summary([r.e2e for r in ok]), [summary(wave) for wave in waves if wave],
-                 {key: bucket_quantiles(before[key], after[key]) for key in after if after[key]})
+                 {key: bucket_quantiles(before[key], after[key]) for key in after if after[key]},
+                 load_shares(counters_before, counters_after, wall))
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -342,6 +375,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         if level.server_ms:
             print("  server (bucket bounds, from its arrival): "
                   + ", ".join(f"{key} p50 <= {v['p50']} ms p99 <= {v['p99']} ms" for key, v in level.server_ms.items()))
+        if level.load:
+            print("  load (busy share of the wall time; CPU in cores): "
+                  + ", ".join(f"{key} {value}" for key, value in level.load.items()))
         levels.append(level)
     return {"url": args.url, "model": model, "endpoint": args.endpoint, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "temperature": args.temperature, "host": platform.node(),

@@ -168,3 +168,16 @@ def test_serving_bench_reads_the_servers_latency_histograms(monkeypatch):
     after = bench_serve.histogram_buckets(page((5, 55, 104, 105)) + "\nother_bucket{le=\"1\"} 9", name)
     assert bench_serve.bucket_quantiles(before, after) == {"count": 100, "p50": 100.0, "p99": 1000.0}
     assert bench_serve.bucket_quantiles({}, {}) == {"count": 0, "p50": None, "p99": None}
+
+
+def test_serving_bench_places_the_load_from_the_servers_counters(monkeypatch):
+    """Engine busy share, mean step and each process's CPU share come from two /metrics pages taken a wall time
+    apart; counters a server lacks are left out."""
+    bench_serve = load_script(SCRIPTS / "bench_serve.py", monkeypatch)
+    page = ("orinfer_engine_steps_total 100\norinfer_engine_step_seconds_total 1.5\n"
+            "process_cpu_seconds_total 3\n")
+    before = {k: bench_serve.counter_value(page, n) for k, n in bench_serve.SERVER_COUNTERS.items()}
+    assert before == {"steps": 100.0, "step_s": 1.5, "engine_cpu_s": None, "server_cpu_s": 3.0}
+    after = {"steps": 300.0, "step_s": 3.5, "engine_cpu_s": None, "server_cpu_s": 5.0, "client_cpu_s": 11.0}
+    shares = bench_serve.load_shares({**before, "client_cpu_s": 9.0}, after, wall=4.0)
+    assert shares == {"engine_busy": 0.5, "step_ms": 10.0, "server_cpu": 0.5, "client_cpu": 0.5}

@@ -210,6 +210,9 @@ def test_metrics_page(server, client):
 
     queue_sum, ttft_sum = grew("request_queue_time_seconds_sum"), grew("time_to_first_token_seconds_sum")
     assert grew("request_queue_time_seconds_count") == 1 and 0 <= queue_sum <= ttft_sum  # admission, then a token
+    # The engine's step totals and the processes' CPU time (what the serving bench reads to place a bottleneck).
+    assert grew("engine_steps_total") >= 4 and 0 < grew("engine_step_seconds_total")
+    assert after["orinfer_engine_cpu_seconds_total"] > 0 and after["process_cpu_seconds_total"] > 0
     for name in ("orinfer_num_requests_running", "orinfer_num_requests_waiting", "orinfer_kv_cache_usage_perc",
                  "orinfer_time_per_output_token_seconds_count", "orinfer_prompt_tokens_total"):
         assert name in after

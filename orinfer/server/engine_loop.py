@@ -64,6 +64,10 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._stats: dict[str, float] = {}
         self._last_step_end = 0.0           # (SLOW_STEP_MS) when the last step ended, 0 when it left no work
+        # Totals for /metrics: steps run and their wall time (the engine's busy time; with the process's CPU time they
+        # tell a serving run whose engine waits on HTTP from one whose engine is the bottleneck).
+        self._steps = 0
+        self._step_seconds = 0.0
         self._publish_stats()
 
     # --- event-loop side --------------------------------------------------------------------------------------------
@@ -229,21 +233,28 @@ class EngineLoop:
                 pass
 
     def _timed_step(self) -> list[Sequence]:
-        """`engine.step()`, timed when SLOW_STEP_MS is set (see there)."""
-        if not SLOW_STEP_MS:
-            return self.engine.step()
+        """`engine.step()`, counted in the step totals; logged too when SLOW_STEP_MS is set (see there)."""
         start = time.perf_counter()
+        if not SLOW_STEP_MS:
+            advanced = self.engine.step()
+            self._count_step(start, time.perf_counter())
+            return advanced
         gap_ms = (start - self._last_step_end) * 1e3 if self._last_step_end else 0.0
         sched = self.engine.scheduler
         running, waiting = len(sched.running), len(sched.waiting)
         advanced = self.engine.step()
         end = time.perf_counter()
+        self._count_step(start, end)
         self._last_step_end = end if self.engine.has_unfinished() else 0.0  # (an idle wait is no gap)
         took_ms = (end - start) * 1e3
         if took_ms > SLOW_STEP_MS or gap_ms > SLOW_STEP_MS:
             log.warning("slow step at %.3f: %.1f ms (%.1f ms since the last one), %d running and %d waiting before "
                         "it, %d advanced", time.time(), took_ms, gap_ms, running, waiting, len(advanced))
         return advanced
+
+    def _count_step(self, start: float, end: float) -> None:
+        self._steps += 1
+        self._step_seconds += end - start
 
     def _fail_all(self, error: BaseException) -> None:
         """Aborts every in-flight sequence and tells each group (once) why."""
@@ -287,4 +298,5 @@ class EngineLoop:
         self._stats = {"running": float(len(sched.running)), "waiting": float(len(sched.waiting)),
                        "free_blocks": float(bm.num_free_blocks), "num_blocks": float(bm.num_blocks),
                        "tracked": float(len(self._tracked)), "prefix_cache_queries": float(bm.num_queried_tokens),
-                       "prefix_cache_hits": float(bm.num_hit_tokens)}
+                       "prefix_cache_hits": float(bm.num_hit_tokens), "steps": float(self._steps),
+                       "step_seconds": self._step_seconds, "cpu_seconds": time.process_time()}

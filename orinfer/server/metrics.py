@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Callable, Iterable
 
 Labels = tuple[tuple[str, str], ...]
@@ -175,6 +176,15 @@ class ServerMetrics:
                             lambda: self._stat("prefix_cache_hits")),
             Gauge(p + "engine_alive", "1 while the engine loop runs, 0 once it died.", lock,
                   lambda: self._stat("alive")),
+            CounterSnapshot(p + "engine_steps_total", "Engine steps run.", lock, lambda: self._stat("steps")),
+            CounterSnapshot(p + "engine_step_seconds_total", "Wall time spent in engine steps (the engine's busy time).",
+                            lock, lambda: self._stat("step_seconds")),
+            CounterSnapshot(p + "engine_cpu_seconds_total",
+                            "CPU time of the process that runs the engine (the server's own, without an engine process).",
+                            lock, lambda: self._stat("cpu_seconds")),
+            # Prometheus' standard name: this process's (the HTTP server's) user + system CPU time.
+            CounterSnapshot("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.", lock,
+                            time.process_time),
         ]
 
     def _stat(self, key: str) -> float:

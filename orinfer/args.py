@@ -73,10 +73,10 @@ class EngineArgs:
         "tokens in one step at most (decode rows and prompt chunks); with chunked prefill, also the longest pause a "
         "prompt can put between two tokens of running streams"))
     long_prefill_token_threshold: int = field(default=1024, metadata=_cli(
-        "with chunked prefill, a prompt's chunk in a step beside decoding streams holds at most this many tokens, so "
-        "a long prompt pauses them less (H200, Qwen3-8B: a 16k prompt beside 32 streams, the longest gap 42 ms at "
-        "1024-token chunks against 95-103 at 2048, NOTES runs 263, 269, 317); alone it takes the whole step budget. "
-        "0: no limit"))
+        "with chunked prefill, a prompt's chunk in a step beside decoding streams costs at most this many tokens, its "
+        "attention to the context before it counted in token equivalents, so a long prompt pauses them less (H200, "
+        "Qwen3-8B: a 16k prompt beside 32 streams, the longest gap 47 ms against 92 counting tokens only, NOTES runs "
+        "342-343); alone it takes the whole step budget. 0: no limit"))
     enable_chunked_prefill: bool = field(default=True, metadata=_cli(
         "split long prompts into chunks of the step budget that run alongside decoding streams; "
         "--no-chunked-prefill runs each prompt whole", flag="--chunked-prefill"))

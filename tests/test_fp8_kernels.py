@@ -246,8 +246,11 @@ _DOCUMENTED_PATHS = [
     ({"ONE_ROW": "mma", "SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 1, True, "mma+silu"),
     ({}, True, "bfloat16", (128, 128), 64, True, "mma"),
     ({"SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 8, False, "scaled_mm"),
-    ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 8, True, "dequant+silu"),
-    ({"SMALL_M": "w8a8"}, False, "bfloat16", (128, 128), 64, False, "dequant"),
+    # W8A8 decode rows without a block-scaled _scaled_mm (fp16 x, or the probe failing) keep the W8A16 kernel
+    # rather than dequantising whole weights every step; more rows than a decode batch do dequantise.
+    ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 8, True, "mma"),
+    ({"SMALL_M": "w8a8"}, False, "bfloat16", (128, 128), 64, False, "mma"),
+    ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 65, True, "dequant+silu"),
     ({"SMALL_M": "w8a8", "PREFILL": "triton"}, True, "float16", (128, 128), 2, True, "w8a8+silu"),
     ({"SMALL_M": "w8a8", "PREFILL": "w8a16"}, True, "bfloat16", (128, 128), 8, False, "mma"),
     ({"SMALL_M": "w8a8"}, True, "float32", (128, 128), 8, True, "mma"),

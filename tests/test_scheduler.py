@@ -302,6 +302,26 @@ def test_a_long_prompt_beside_decoding_streams_goes_in_smaller_chunks() -> None:
         EngineArgs(long_prefill_token_threshold=-1)
 
 
+def test_a_chunk_beside_decoding_streams_costs_at_most_the_threshold_with_its_attention() -> None:
+    """Deep into a long prompt, the chunk's attention to its context counts against long_prefill_token_threshold
+    too, not only against the step budget: beside a decode row a chunk's cost (tokens + attention in token
+    equivalents) stays within the threshold, so the streams' pause does not grow with the context."""
+    config = EngineArgs(max_num_seqs=8, max_num_batched_tokens=2048, block_size=BLOCK, long_prefill_token_threshold=512)
+    sched = Scheduler(config, BlockManager(4096, BLOCK), keys_per_token=1000.0)
+    stream, long = seq("stream", 2), seq("long", 6000)
+    admit(sched, stream)
+    step(sched)
+    admit(sched, long)
+    chunks = []
+    while long.num_uncomputed_tokens > 1:
+        context = long.num_computed_tokens
+        chunk = dict(step(sched))["long"]
+        chunks.append(chunk)
+        assert sched._cost(chunk, context, True) <= 512
+    assert chunks[0] < 512 <= sched._cost(chunks[0] + 1, 0, True)    # the first chunk pays its self-attention too
+    assert chunks[-2] < chunks[0] / 3                                  # deep in the prompt, chunks shrink
+
+
 # --- lookahead reservation -----------------------------------------------------------------------------------------
 
 def decoding(sched: Scheduler, *seqs: Sequence) -> list[Sequence]:

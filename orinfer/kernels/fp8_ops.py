@@ -2,11 +2,10 @@
 
   1 row                  -> `fp8_gemv` (CUDA cores, one 16-byte load per thread per row chunk, thousands of programs:
                             decode at batch 1; ONE_ROW = "mma": `fp8_mm` instead)
-  2..MMA_MAX_ROWS rows   -> `fp8_mm` (W8A16 on tensor cores, split-K: decode batches; SMALL_M = "w8a8":
-                            quantize x + `fp8_gemm` instead: run 338 measured it faster on an H200, Qwen3-8B
-                            decode batch 8 / 64 at 1875 / 11936 tok/s against 1585 / 7981; the default waits for the
-                            GPU tests, which failed under it in run 339: they held its bf16 W8A8 results to the W8A16
-                            reference, and now take the reference of the path `linear_path` names)
+  2..MMA_MAX_ROWS rows   -> W8A8 as prefill (SMALL_M = "w8a8", the default: runs 338 and 341 measured Qwen3-8B
+                            decode batch 8 / 64 at 1859-1875 / 11894-11936 tok/s on an H200 against 1585 / 7981
+                            for the W8A16 kernel); SMALL_M = "w8a16": `fp8_mm` (W8A16 on tensor cores, split-K,
+                            x exact)
   more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
                             with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
                             this torch and GPU run it: sm_90, 128 x 128 blocks, bf16, probed once per device outside
@@ -40,7 +39,7 @@ from orinfer.kernels.fp8_quant import fp8_quantize_act
 
 MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
 ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
-SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a16")        # w8a16 | w8a8
+SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a8")         # w8a8 | w8a16
 PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 log = logging.getLogger(__name__)
@@ -128,6 +127,10 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
         # Gated, SMALL_M = "w8a8" leaves the fused kernel at one row too (ONE_ROW = "mma"): the unfused W8A16 MMA.
         return "mma+silu" if gated and small_m_a8 else "mma"
     path = _wide_path(x, weight, scale, block_size, row_block, a8)
+    if path == "dequant" and rows <= MMA_MAX_ROWS and PREFILL == "auto":
+        # No block-scaled _scaled_mm here: a decode batch keeps the W8A16 kernel (fused when gated) rather than
+        # dequantising whole weights every step.
+        return "mma"
     return f"{path}+silu" if gated else path
 
 

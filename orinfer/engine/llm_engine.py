@@ -170,12 +170,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, images: Seq[Any] | None = None,
-                    max_pixels: int | None = None) -> Sequence:
+                    max_pixels: int | None = None, arrival_time: float | None = None) -> Sequence:
         """Validates and queues one request; raises RequestError with the reason when it cannot be served.
 
         `images` (vision-language models): one source per <|image_pad|> placeholder of the prompt, in order -
         a path, data: URL, bytes or PIL image. Each placeholder is expanded to the image's visual tokens before the
         length checks. `max_pixels` caps the resized image size for this request (default: preprocessor config).
+        `arrival_time` (time.perf_counter's clock): when the request arrived, if before this call (a server's
+        handler); its latency metrics count from there.
         """
         params = (params or SamplingParams()).with_defaults(self.generation_config)
         if not self.has_unfinished():
@@ -217,6 +219,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.parts.device).manual_seed(params.seed)
         constraint = self._constraint(params) if params.structured_outputs is not None else None
         seq = Sequence(request_id, ids, params, prompt=text, generator=generator, mm=mm)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         seq.constraint = constraint
         if self.tokenizer is not None:
             seq.detokenizer = self.tokenizer.new_detokenizer(ids, skip_special_tokens=params.skip_special_tokens)

@@ -180,7 +180,7 @@ class EngineLoop:
         try:
             for seq_id, ids, params in zip(group.seq_ids, group.prompts, group.params):
                 added.append(self.engine.add_request(ids, params, seq_id, images=group.images,
-                                                     max_pixels=group.max_pixels))
+                                                     max_pixels=group.max_pixels, arrival_time=group.arrival))
         except Exception as exc:  # noqa: BLE001 - RequestError (-> 400) or anything else (-> 500), never fatal
             for seq in added:
                 self.engine.abort(seq.request_id)

@@ -6,7 +6,7 @@ tens of milliseconds, and the loop's queue of chunks and new requests waits. `En
 `EngineLoop` in a child process (spawned: CUDA is never initialised in the server process) and offers the server the
 same surface (`submit`, `load`, `stats`, `alive`, ...). One pipe each way carries pickled messages:
 
-  server -> engine   ("add", group id, prompts, params, images, max_pixels) | ("abort", group id, sequences)
+  server -> engine   ("add", group id, prompts, params, images, max_pixels, arrival) | ("abort", group id, sequences)
                      | ("stop",)
   engine -> server   ("info", EngineInfo) once ready | ("resolve", group id, prompt lengths or an error)
                      | ("updates", [(group id, SeqUpdate), ...]) one per engine step | ("fail", group id, error)
@@ -83,9 +83,10 @@ class _RemoteGroup:
     """Child side: what `EngineLoop` needs of a `RequestGroup`; its event-loop callbacks become messages."""
 
     def __init__(self, loop: _RelayLoop, gid: int, prompts: list, params: list | None = None, images: Any = None,
-                 max_pixels: Any = None) -> None:
+                 max_pixels: Any = None, arrival: float | None = None) -> None:
         self.relay, self.gid, self.loop = loop.relay, gid, loop
         self.prompts, self.params, self.images, self.max_pixels = prompts, params, images, max_pixels
+        self.arrival = arrival    # the server's RequestGroup.arrival (perf_counter's clock is the host's)
         self.seq_ids = [f"g{gid}-{i}" for i in range(len(prompts))]
         self.queue = self         # `queue.put_nowait(error)`: a failure of the group
 
@@ -155,8 +156,8 @@ def _engine_main(factory: Callable[[], Any], inbox: Any, outbox: Any, log_level:
         if kind == "stop":
             break
         if kind == "add":
-            _, gid, prompts, params, images, max_pixels = message
-            loop._inbox.put(("add", _RemoteGroup(relay_loop, gid, prompts, params, images, max_pixels)))
+            _, gid, prompts, params, images, max_pixels, arrival = message
+            loop._inbox.put(("add", _RemoteGroup(relay_loop, gid, prompts, params, images, max_pixels, arrival)))
         elif kind == "abort":  # (gid, number of sequences): aborting needs only the sequence ids
             loop._inbox.put(("abort", _RemoteGroup(relay_loop, message[1], [None] * message[2])))
     loop.stop()
@@ -234,7 +235,7 @@ class EngineProcess:
             self._next_gid += 1
             self._groups[gid] = (group, len(group.prompts))
         group._remote_id = gid
-        self._send(("add", gid, group.prompts, group.params, group.images, group.max_pixels))
+        self._send(("add", gid, group.prompts, group.params, group.images, group.max_pixels, group.arrival))
 
     def load(self) -> int:
         with self._lock:

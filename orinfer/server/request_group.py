@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -59,6 +60,10 @@ class RequestGroup:
         if len(prompts) != len(params) or not prompts:
             raise ValueError("one SamplingParams per prompt, at least one")
         self.request_id = request_id
+        # (perf_counter: CLOCK_MONOTONIC, one clock for the server's and the engine's processes) The engine's latency
+        # metrics count from here, the hand-off, as vLLM's count from its frontend: the wait for the engine thread
+        # (a step in progress) and the engine process's pipe are in them.
+        self.arrival = time.perf_counter()
         self.prompts, self.params = prompts, params
         self.images, self.max_pixels = images or None, max_pixels
         self.seq_ids = [f"{request_id}-{i}" for i in range(len(prompts))]

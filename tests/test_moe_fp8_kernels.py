@@ -183,13 +183,14 @@ def test_gpu_fused_moe_fp8_cuda_graph(tokens):
 @gpu
 @pytest.mark.gpu
 def test_gpu_every_fp8_tuning_candidate_is_correct():
-    """Whatever FP8 tile the tuner can write into a table (its 128-wide FMA tiles, the tensor-core tiles fitted to the
-    scale columns) computes the reference at Qwen3.5-35B-A3B's expert shape; splits cycle over the tiles."""
-    from orinfer.kernels import moe_tune as t
+    """Whatever FP8 tile the tuner can write into a table (the gemv path's tiles at T = 1, the tensor-core tiles fitted
+    to the scale columns) computes the reference at Qwen3.5-35B-A3B's expert shape; splits cycle over the tiles."""
+    from orinfer.kernels import moe_fp8_decode as gemv, moe_tune as t
 
     n_experts, hidden, inter, top_k = QWEN3_5_35B
-    cases = [(1, MoeConfig("decode", 1, tile, tile, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
-             for i, tile in enumerate(t.FMA_FP8)]
+    ups, downs = gemv.UP_CANDIDATES, gemv.DOWN_CANDIDATES
+    cases = [(1, MoeConfig("gemv", 1, ups[i % len(ups)], downs[i % len(downs)]))
+             for i in range(max(len(ups), len(downs)))]
     cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
               for i, tile in enumerate(t._fp8_tiles(t.DOT_DECODE))]
     cases += [(256, MoeConfig("grouped", 16 << (i % 3), tile, tile)) for i, tile in enumerate(t._fp8_tiles(t.GROUPED))]

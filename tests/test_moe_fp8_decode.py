@@ -214,3 +214,22 @@ def test_gpu_gemv_path_cuda_graph(shape):
         bad[0, replay] = replay == 2                         # the third replay: one pair of padding
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+
+def test_kernel_bench_rows_time_the_gemv_and_the_old_path_on_the_same_work(monkeypatch):
+    """bench/moe_fp8_gemv_rows.py (run on the GPU by `python -m orinfer.bench.kernels --sections moe`), at a small
+    shape: each row's two callables are the gemv path and the old decode path, and they compute the same values."""
+    from orinfer.bench import moe_fp8_gemv_rows as rows
+
+    monkeypatch.setattr(rows, "SHAPES", {"small": (6, 72, 40, 3)})
+    got = []
+
+    def add(op, shape, nbytes, new, old, flops=None, config=""):
+        got.append((op, nbytes, new(), old(), config))
+
+    rows.moe_fp8_gemv_rows(add, lambda *shape: randn(*shape, dtype=torch.bfloat16), 2)
+    assert [op.split(" T=1")[0] for op, *_ in got] == ["fused_moe_fp8", "moe fp8 up (gate/up+SwiGLU)", "moe fp8 down"]
+    assert got[0][1] == got[1][1] + got[2][1] and "new up=(2, 2048, 2)" in got[0][4]
+    for op, _, new, old, _ in got:
+        assert new.shape == old.shape and new.dtype == old.dtype == torch.bfloat16
+        torch.testing.assert_close(new.double(), old.double(), **tol(torch.bfloat16, 2), msg=lambda m: f"{op}: {m}")

@@ -6,24 +6,23 @@ blocks that do not divide H or I), E from 4 to 300, k = 1, 2, 3, 8, 9, explicit 
 I steps and pair groups with empty slots, bf16 and fp16 x, and ids outside 0..E-1 (a CUDA graph's padding): such a
 pair reads nothing (its h row stays NaN-poisoned) and adds nothing. On the GPU (marked gpu): the real expert shapes
 of Qwen3.5-35B-A3B FP8 and Qwen3-30B-A3B-FP8 in 128 x 128 blocks (and the former with a shared expert folded in as a
-ninth pair), every tuning candidate, and CUDA-graph replay. Tolerances are those of the FP8 decode tests
-(test_moe_fp8_kernels.py: `tol(dtype, 2)`).
+ninth pair); test_moe_fp8_kernels.py runs every gemv tuning candidate and replays the path in a CUDA graph (with a
+padding id). Tolerances are those of the FP8 decode tests (test_moe_fp8_kernels.py: `tol(dtype, 2)`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
 
 from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
 from test_moe_fp8_kernels import fp8_experts
 from test_moe_kernels import DECODE_FMA, QWEN3_30B, QWEN3_5_35B, poison, routing  # noqa: F401 (poison: autouse)
-from orinfer.kernels import moe_fp8_decode, moe_ops
+from orinfer.kernels import moe_ops
 from orinfer.kernels.moe_config import MoeConfig, Tile
 from orinfer.kernels.moe_fp8 import fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_fp8_decode import default_gemv_config, down_steps
-from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, moe_route
+from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8
 
 skip_module_without_kernels()
 slow = pytest.mark.slow
@@ -150,72 +149,6 @@ def test_gemv_configs_are_refused_elsewhere():
         fused_moe(randn(1, 72), w13.float(), w2.float(), weights[:1], ids[:1], config=STEPS)
 
 
-# --- GPU: real shapes, every candidate, CUDA graphs -----------------------------------------------------------------
-
-QWEN3_5_35B_SHARED = (257, 2048, 512, 9)     # the shared expert folded in as a ninth pair
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [QWEN3_5_35B, QWEN3_30B, QWEN3_5_35B_SHARED],
-                         ids=["qwen3.5-35b-a3b", "qwen3-30b-a3b", "qwen3.5-35b-a3b-shared"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_gemv_path_real_shapes(shape, dtype):
-    n_experts, hidden, inter, top_k = shape
-    check(n_experts, hidden, inter, top_k, (128, 128), dtype)
-    check(n_experts, hidden, inter, top_k, (128, 128), dtype, bad={2: -1, top_k - 1: n_experts})
-
-
-@gpu
-@pytest.mark.gpu
-def test_gpu_every_gemv_candidate_is_correct():
-    """Whatever gemv tiles the tuner can write into a table compute the reference at Qwen3.5-35B-A3B's shape."""
-    n_experts, hidden, inter, top_k = QWEN3_5_35B
-    block = (128, 128)
-    (w13, s13, w2, s2), _ = fp8_experts(n_experts, hidden, inter, block)
-    x = randn(1, hidden, dtype=torch.bfloat16)
-    weights, ids = routing(1, n_experts, top_k)
-    want = fused_moe_fp8_ref(x.double(), w13, s13, w2, s2, block, weights, ids)
-    ups, downs = moe_fp8_decode.UP_CANDIDATES, moe_fp8_decode.DOWN_CANDIDATES
-    for i in range(max(len(ups), len(downs))):
-        cfg = MoeConfig("gemv", 1, ups[i % len(ups)], downs[i % len(downs)])
-        try:
-            got = fused_moe_fp8(x, w13, s13, w2, s2, block, weights, ids, config=cfg)
-        except OutOfResources:
-            continue
-        torch.testing.assert_close(got.double(), want, **tol(torch.bfloat16, 2), msg=lambda m: f"{cfg}: {m}")
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [QWEN3_5_35B, QWEN3_30B], ids=["qwen3.5-35b-a3b", "qwen3-30b-a3b"])
-def test_gpu_gemv_path_cuda_graph(shape):
-    """Route + experts of one token captured (no host sync), replayed on new x, routing and a padding id: the eager
-    results, bit for bit."""
-    n_experts, hidden, inter, top_k = shape
-    block = (128, 128)
-    (w13, s13, w2, s2), _ = fp8_experts(n_experts, hidden, inter, block)
-    x, logits = randn(1, hidden, dtype=torch.bfloat16), randn(1, n_experts)
-    bad = torch.zeros(1, top_k, dtype=torch.bool, device=DEVICE)
-
-    def step():
-        weights, ids = moe_route(logits, top_k, True)
-        return fused_moe_fp8(x, w13, s13, w2, s2, block, weights, torch.where(bad, -1, ids))
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for replay in range(3):
-        x.copy_(randn(1, hidden, dtype=torch.bfloat16))
-        logits.copy_(randn(1, n_experts))
-        bad.fill_(False)
-        bad[0, replay] = replay == 2                         # the third replay: one pair of padding
-        graph.replay()
-        torch.testing.assert_close(out, step(), atol=0, rtol=0)
-
-
 def test_kernel_bench_rows_time_the_gemv_and_the_old_path_on_the_same_work(monkeypatch):
     """bench/moe_fp8_gemv_rows.py (run on the GPU by `python -m orinfer.bench.kernels --sections moe`), at a small
     shape: each row's two callables are the gemv path and the old decode path, and they compute the same values."""
@@ -233,3 +166,19 @@ def test_kernel_bench_rows_time_the_gemv_and_the_old_path_on_the_same_work(monke
     for op, _, new, old, _ in got:
         assert new.shape == old.shape and new.dtype == old.dtype == torch.bfloat16
         torch.testing.assert_close(new.double(), old.double(), **tol(torch.bfloat16, 2), msg=lambda m: f"{op}: {m}")
+
+
+# --- GPU: real shapes (every tuning candidate and CUDA-graph replay: test_moe_fp8_kernels.py) ----------------------
+
+QWEN3_5_35B_SHARED = (257, 2048, 512, 9)     # the shared expert folded in as a ninth pair
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3_5_35B, QWEN3_30B, QWEN3_5_35B_SHARED],
+                         ids=["qwen3.5-35b-a3b", "qwen3-30b-a3b", "qwen3.5-35b-a3b-shared"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_gemv_path_real_shapes(shape, dtype):
+    n_experts, hidden, inter, top_k = shape
+    check(n_experts, hidden, inter, top_k, (128, 128), dtype)
+    check(n_experts, hidden, inter, top_k, (128, 128), dtype, bad={2: -1, top_k - 1: n_experts})

@@ -159,23 +159,29 @@ def test_gpu_fused_moe_fp8_explicit_tiles_bf16(tokens, cfg):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_gpu_fused_moe_fp8_cuda_graph(tokens):
-    n_experts, hidden, inter, top_k = QWEN3_30B
+@pytest.mark.parametrize("tokens,shape", [(1, QWEN3_30B), (1, QWEN3_5_35B), (8, QWEN3_30B), (64, QWEN3_30B)],
+                         ids=["b1-qwen3-30b-a3b", "b1-qwen3.5-35b-a3b", "b8", "b64"])
+def test_gpu_fused_moe_fp8_cuda_graph(tokens, shape):
+    """Route + experts captured (no host sync), replayed on new x and routing, the last replay with one pair of
+    padding (id -1, as a graph's padding rows may route): the eager results, bit for bit. One token: the gemv path."""
+    n_experts, hidden, inter, top_k = shape
     (w13, s13, w2, s2), _ = fp8_experts(n_experts, hidden, inter, (128, 128))
     x, logits = randn(tokens, hidden, dtype=torch.bfloat16), randn(tokens, n_experts)
+    bad = torch.zeros(tokens, top_k, dtype=torch.bool, device=DEVICE)
 
     def step():
-        return fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), *moe_route(logits, top_k, True))
+        weights, ids = moe_route(logits, top_k, True)
+        return fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), weights, torch.where(bad, -1, ids))
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for _ in range(2):
+    for replay in range(3):
         x.copy_(randn(tokens, hidden, dtype=torch.bfloat16))
         logits.copy_(randn(tokens, n_experts))
+        bad[0, 1] = replay == 2
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
 

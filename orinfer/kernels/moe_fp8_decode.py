@@ -23,7 +23,8 @@ once. Two launches, no host sync, grids and buffers fixed by (k, E, H, I) and th
     in the matching layout; `fp8_gemv._load_x_chunks`), so one program has all of its k * I * BLOCK_N bytes in flight
     at once instead of k short loops, and sums the pairs in its registers: no partial sums in memory, no third
     launch, deterministic. Per pair: the chunk sums reduced to y [BLOCK_N], rounded to x's dtype, times w[j], added
-    in pair order.
+    in pair order. k and I are constexprs (one pair per model): the steps over pair groups (k > PAIRS) and over I
+    (I > BLOCK_I) are unrolled, and pair slots past k (k = 9 in 16 slots) are masked, mostly at compile time.
 
 An id outside 0..E-1 (a CUDA graph's padding rows route garbage) selects no expert: its up programs return at once,
 its down chunks are masked (no byte of w2, s2 or h is read) and it adds nothing. Any k works (top-k + 1 with a shared
@@ -56,7 +57,7 @@ VEC = 16        # FP8 weights per chunk: one 16-byte load (the kernels write it 
 # program, 512 programs for H = 2048; wider pair sets (k = 9, I = 768) take 8192 on 2 rows (`default_gemv_config`).
 UP = Tile(2, 2048, 2, 1)
 DOWN = Tile(4, 4096, 4, 1)
-DOWN_BYTES = DOWN.block_n * DOWN.block_k          # weight bytes a down program loads per step
+DOWN_BYTES = DOWN.block_n * DOWN.block_k          # the weight bytes a default down program aims at
 # Candidates of `moe_tune` (FP8 tables, T = 1).
 UP_CANDIDATES = [Tile(*t) for t in [(2, 2048, 2, 1), (4, 2048, 4, 1), (4, 1024, 2, 1), (2, 1024, 1, 1),
                                     (4, 2048, 2, 1), (1, 2048, 2, 1), (1, 2048, 1, 1), (8, 2048, 8, 1)]]
@@ -65,12 +66,13 @@ DOWN_CANDIDATES = [Tile(*t) for t in [(4, 4096, 4, 1), (2, 4096, 2, 1), (1, 4096
 
 
 def default_gemv_config(top_k: int, inter: int) -> MoeConfig:
-    """The gemv path's config for k pairs of width I: `UP`, and a down tile whose step covers every pair where that
-    takes at most 8192 inputs, with rows cut to keep `DOWN_BYTES` a program."""
-    width = triton.next_power_of_2(top_k) * triton.next_power_of_2(inter)
-    block_k = min(max(width, DOWN.block_k), 2 * DOWN.block_k)
-    down = DOWN._replace(block_n=max(1, DOWN_BYTES // block_k), block_k=block_k)
-    return MoeConfig(GEMV, 1, UP, down)
+    """The gemv path's config for k pairs of width I: `UP`, and a down tile whose steps take every pair side by side
+    (up to 8192 inputs a step), with as many rows (a power of two, at most 8) as keep a program's tile of all its
+    steps (padded pair slots and inputs included) within `DOWN_BYTES`."""
+    tile = DOWN._replace(block_k=min(triton.next_power_of_2(top_k) * triton.next_power_of_2(inter), 2 * DOWN.block_k))
+    pairs, block_i = down_steps(top_k, inter, tile)
+    rows = min(8, max(1, DOWN_BYTES // (triton.cdiv(top_k, pairs) * pairs * block_i)))
+    return MoeConfig(GEMV, 1, UP, tile._replace(block_n=1 << (rows.bit_length() - 1)))
 
 
 @triton.jit
@@ -160,8 +162,10 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_size: t
 
 
 def down_steps(top_k: int, inter: int, tile: Tile) -> tuple[int, int]:
-    """(PAIRS, BLOCK_I) of a down tile: BLOCK_I inputs of each of PAIRS pairs per step, PAIRS * BLOCK_I <= block_k
-    (or one pair of block_k inputs)."""
+    """(PAIRS, BLOCK_I) of a down tile: BLOCK_I = next_pow2(I) inputs (at most block_k) of each of PAIRS pairs per
+    step, PAIRS * BLOCK_I <= block_k (or one pair of block_k inputs). A row of I = 768 is one step with a quarter of
+    its chunks masked off rather than three steps of 256: ptxas does not issue a step's loads before the last step's
+    sums (sm_90 SASS of the unrolled steps), so each step would be a round trip to HBM of its own."""
     block_i = max(VEC, min(triton.next_power_of_2(inter), tile.block_k))
     return max(1, min(triton.next_power_of_2(top_k), tile.block_k // block_i)), block_i
 

@@ -19,7 +19,7 @@ _COMPILE = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from orinfer.kernels import moe_align, moe_decode, moe_ops, sm90
+from orinfer.kernels import moe_align, moe_decode, moe_fp8_decode, moe_ops, sm90
 from orinfer.kernels.moe_config import MoeConfig, Tile
 from orinfer.kernels.moe_fp8 import expert_scale_shapes
 
@@ -44,7 +44,7 @@ def call(shape, tokens, dtype, cfg=None):
 
 launches = {}
 for engine in (True, False):   # the engine's launches (default configs, real shapes), then the tests' tiles
-    with sm90.recorded_launches(moe_ops, moe_align, moe_decode) as recorded:
+    with sm90.recorded_launches(moe_ops, moe_align, moe_decode, moe_fp8_decode) as recorded:
         for name, shape in SHAPES.items():
             if name == "odd" and not engine:
                 for tokens, cfg in EXPLICIT:
@@ -58,14 +58,16 @@ for engine in (True, False):   # the engine's launches (default configs, real sh
 out = []
 for launch, engine in launches.values():
     try:
-        _, usage = sm90.sass(sm90.compile_launch(launch))
+        listing, usage = sm90.sass(sm90.compile_launch(launch))
         error, (regs, stack) = None, sm90.registers(usage)
     except Exception as exc:
         error, regs, stack = f"{type(exc).__name__}: {exc}"[-3000:], 0, 0
+    ops = sm90.opcodes(listing) if error is None else []
     out.append({"kernel": launch.kernel.fn.__name__, "error": error, "registers": regs, "stack": stack,
-                "engine": engine,
+                "engine": engine, "loads16": ops.count("LDG.E.EF.128"), "threads": 32 * launch.kwargs["num_warps"],
+                "loops": sm90.loop_bodies(listing) if error is None else [],
                 "constexprs": {k: v for k, v in launch.kwargs.items() if k.isupper() and not isinstance(v, bool)
-                               or k in ("FP8", "USE_DOT", "GATED")}})
+                               or k in ("FP8", "USE_DOT", "GATED", "EVEN_K")}})
 print(json.dumps(out))
 """
 
@@ -73,9 +75,23 @@ print(json.dumps(out))
 def test_fp8_expert_launches_compile_for_sm90_without_spills():
     built = compile_in_child(_COMPILE, str(Path(__file__).parent))
     kernels = {b["kernel"] for b in built}
-    assert {"_grouped_kernel", "_decode_up_kernel", "_decode_down_kernel"} <= kernels and len(built) >= 20
+    assert {"_grouped_kernel", "_decode_up_kernel", "_decode_down_kernel", "_gemv_up_kernel",
+            "_gemv_down_kernel"} <= kernels and len(built) >= 20
     for b in built:
         assert b["error"] is None, f"{b['kernel']} {b['constexprs']}: {b['error']}"
         # The tests' small-stage tiles may spill (the 16-bit grouped kernel's 64-row tile over a ragged K does too)
         spill = f"{b['kernel']} {b['constexprs']}: {b['registers']} registers, spills"
         assert b["stack"] == 0 or not b["engine"], spill
+    # The one-token kernels at the real shapes read every weight byte in 16-byte evict-first loads, with no shared
+    # memory, barrier or shuffle in the up kernel's K loop (x stays in the layout of the weight chunks; the down
+    # kernel's steps are unrolled: its reductions over the chunks come after all of its loads).
+    gemv = [b for b in built if b["kernel"].startswith("_gemv") and b["engine"]]
+    assert len(gemv) >= 6                       # up: bf16, fp16; down: I = 512, 768 too
+    for b in gemv:
+        c = b["constexprs"]
+        if b["kernel"] == "_gemv_up_kernel":
+            assert b["loads16"] * 16 * b["threads"] == 2 * c["BLOCK_N"] * c["BLOCK_K"], c
+            (loop,) = b["loops"]
+            assert not [op for op in loop if op.startswith(("BAR", "LDS", "STS", "SHFL"))], c
+        elif c["I"] == 512:                     # no padded pair slots or inputs: every load is a weight load
+            assert b["loads16"] * 16 * b["threads"] == c["BLOCK_N"] * c["PAIRS"] * c["BLOCK_I"], c

@@ -159,23 +159,29 @@ def test_gpu_fused_moe_fp8_explicit_tiles_bf16(tokens, cfg):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_gpu_fused_moe_fp8_cuda_graph(tokens):
-    n_experts, hidden, inter, top_k = QWEN3_30B
+@pytest.mark.parametrize("tokens,shape", [(1, QWEN3_30B), (1, QWEN3_5_35B), (8, QWEN3_30B), (64, QWEN3_30B)],
+                         ids=["b1-qwen3-30b-a3b", "b1-qwen3.5-35b-a3b", "b8", "b64"])
+def test_gpu_fused_moe_fp8_cuda_graph(tokens, shape):
+    """Route + experts captured (no host sync), replayed on new x and routing, the last replay with one pair of
+    padding (id -1, as a graph's padding rows may route): the eager results, bit for bit. One token: the gemv path."""
+    n_experts, hidden, inter, top_k = shape
     (w13, s13, w2, s2), _ = fp8_experts(n_experts, hidden, inter, (128, 128))
     x, logits = randn(tokens, hidden, dtype=torch.bfloat16), randn(tokens, n_experts)
+    bad = torch.zeros(tokens, top_k, dtype=torch.bool, device=DEVICE)
 
     def step():
-        return fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), *moe_route(logits, top_k, True))
+        weights, ids = moe_route(logits, top_k, True)
+        return fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), weights, torch.where(bad, -1, ids))
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for _ in range(2):
+    for replay in range(3):
         x.copy_(randn(tokens, hidden, dtype=torch.bfloat16))
         logits.copy_(randn(tokens, n_experts))
+        bad[0, 1] = replay == 2
         graph.replay()
         torch.testing.assert_close(out, step(), atol=0, rtol=0)
 
@@ -183,13 +189,14 @@ def test_gpu_fused_moe_fp8_cuda_graph(tokens):
 @gpu
 @pytest.mark.gpu
 def test_gpu_every_fp8_tuning_candidate_is_correct():
-    """Whatever FP8 tile the tuner can write into a table (its 128-wide FMA tiles, the tensor-core tiles fitted to the
-    scale columns) computes the reference at Qwen3.5-35B-A3B's expert shape; splits cycle over the tiles."""
-    from orinfer.kernels import moe_tune as t
+    """Whatever FP8 tile the tuner can write into a table (the gemv path's tiles at T = 1, the tensor-core tiles fitted
+    to the scale columns) computes the reference at Qwen3.5-35B-A3B's expert shape; splits cycle over the tiles."""
+    from orinfer.kernels import moe_fp8_decode as gemv, moe_tune as t
 
     n_experts, hidden, inter, top_k = QWEN3_5_35B
-    cases = [(1, MoeConfig("decode", 1, tile, tile, t.SPLITS_FMA[i % len(t.SPLITS_FMA)]))
-             for i, tile in enumerate(t.FMA_FP8)]
+    ups, downs = gemv.UP_CANDIDATES, gemv.DOWN_CANDIDATES
+    cases = [(1, MoeConfig("gemv", 1, ups[i % len(ups)], downs[i % len(downs)]))
+             for i in range(max(len(ups), len(downs)))]
     cases += [(8, MoeConfig("decode", 16, tile, tile, t.SPLITS_DOT[i % len(t.SPLITS_DOT)]))
               for i, tile in enumerate(t._fp8_tiles(t.DOT_DECODE))]
     cases += [(256, MoeConfig("grouped", 16 << (i % 3), tile, tile)) for i, tile in enumerate(t._fp8_tiles(t.GROUPED))]

@@ -1,7 +1,8 @@
 """Kernel micro-benchmark: each Triton kernel against the torch sequence it replaces, on Qwen3-8B shapes (and the
 Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`; the MoE router and experts of
 Qwen3-30B-A3B, `_moe_rows`, and its FP8 experts against the 16-bit ones, `_moe_fp8_rows`, and its 4-bit ones,
-bench/moe_w4_rows.py: their "torch" row is the 16-bit `fused_moe`).
+bench/moe_w4_rows.py: their "torch" row is the 16-bit `fused_moe`; the FP8 experts of Qwen3.5-35B-A3B and Qwen3-30B-A3B
+at one token, the gemv path against the old decode path, bench/moe_fp8_gemv_rows.py).
 
 Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
@@ -291,6 +292,8 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
     moe_w4_rows(add, randn, w13, w2, top_k, esize)
     del w13, w2
     torch.cuda.empty_cache()
+    from orinfer.bench.moe_fp8_gemv_rows import moe_fp8_gemv_rows
+    moe_fp8_gemv_rows(add, randn, esize)
 
 
 def _moe_router_rows(add: Callable, randn: Callable, hidden: int, top_k: int, esize: int) -> None:

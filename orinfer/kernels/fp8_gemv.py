@@ -74,16 +74,29 @@ def _scale_rows(rb_ptr, rows, BN: tl.constexpr, HAS_RB: tl.constexpr):
 
 
 @triton.jit
-def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr):
-    """x[k0 + 16c + v] as fp32 [CH, 16]. Loaded as [CH, 2, 8] so that a thread holds a whole chunk (two 16-byte
-    loads of bf16) in the layout of the weight tile's chunks; a plain [CH, 16] load would spread a chunk over two
-    threads and cost a shuffle or a shared-memory round trip per step."""
-    ks = k0 + tl.arange(0, CH)[:, None, None] * 16 + tl.arange(0, 2)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+def _load_x_chunks(starts, ks, K, ok, CH: tl.constexpr, EVEN_K: tl.constexpr):
+    """x chunks as fp32 [CH, 16]: chunk c is the 16 inputs at pointer starts[c] [CH], inputs ks[c] .. ks[c] + 15 of a
+    row of K; unless EVEN_K, inputs at or past K and every input of a chunk whose ok[c] is false (ok None: all are
+    true) read 0. Loaded as [CH, 2, 8] so that a thread holds a whole chunk (two 16-byte loads of bf16) in the layout
+    of the weight tile's chunks; a plain [CH, 16] load would spread a chunk over two threads and cost a shuffle or a
+    shared-memory round trip per step."""
+    v = tl.arange(0, 2)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    ptrs = starts[:, None, None] + v
     if EVEN_K:
-        x = tl.load(x_ptr + ks)
+        x = tl.load(ptrs)
     else:
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+        mask = (ks[:, None, None] + v) < K
+        if ok is not None:
+            mask = mask & ok[:, None, None]
+        x = tl.load(ptrs, mask=mask, other=0.0)
     return tl.reshape(x, [CH, 16]).to(tl.float32)
+
+
+@triton.jit
+def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[k0 + 16c + v] as fp32 [CH, 16] (`_load_x_chunks` of one contiguous row)."""
+    ks = k0 + tl.arange(0, CH) * 16
+    return _load_x_chunks(x_ptr + ks, ks, K, None, CH, EVEN_K)
 
 
 @triton.jit
@@ -108,25 +121,24 @@ def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexp
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
-                     BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
-                     HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: wait for the previous kernel before touching memory
-        gdc_wait()
+def _chunk_inputs(CH: tl.constexpr):
+    """[CH, VEC]: the inputs of a step's chunks, 16c + v."""
+    return tl.arange(0, CH)[:, None] * 16 + tl.arange(0, 16)[None, :]
+
+
+@triton.jit
+def _rows_loop(x_ptr, wg_ptrs, wu_ptrs, s_ptr, z_ptr, sg_offs, su_offs, K, BK: tl.constexpr, CODES: tl.constexpr,
+               ZERO: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """The main loop of a one-row GEMV over all of K: (acc_g, acc_u) [CH, BLOCK_N] fp32 per-chunk partial sums (CH =
+    BLOCK_K / 16; acc_u only when GATED) of the weight rows at wg_ptrs (and wu_ptrs) [CH, BLOCK_N, VEC] (pointers of
+    input 16c + v) against x [K] contiguous; the rows' scales (and zero points) at s_ptr (z_ptr) + sg_offs (su_offs)
+    [1, BLOCK_N] + scale column. Tiles are [CH, BLOCK_N, VEC]: chunks first, so that the lanes of a warp take
+    consecutive chunks of one row (512 contiguous bytes per load instruction) and each thread's rows share its x
+    chunk. The caller reduces over the chunks (after signalling PDL dependents, say)."""
     CH: tl.constexpr = BLOCK_K // 16
-    # Tiles are [CH, BLOCK_N, VEC]: chunks first, so that the lanes of a warp take consecutive chunks of one row
-    # (512 contiguous bytes per load instruction) and each thread's rows share its x chunk.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.minimum(offs_n, N_OUT - 1)      # rows past N re-read row N-1 and are not stored: no row masks on loads
     offs_c = tl.arange(0, CH)
-    kk = offs_c[:, None] * 16 + tl.arange(0, 16)[None, :]                    # [CH, VEC] inputs of a step
-    wg_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + kk[:, None, :]
-    wu_ptrs = wg_ptrs + UP * stride_wn
-    sg_offs = _scale_rows(rb_ptr, rn, BN, HAS_RB)[None, :] * stride_sn    # zero points: the scales' offsets
-    su_offs = sg_offs
-    if GATED:
-        su_offs = _scale_rows(rb_ptr, rn + UP, BN, HAS_RB)[None, :] * stride_sn
+    kk = _chunk_inputs(CH)                                                   # [CH, VEC] inputs of a step
     acc_g = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -139,6 +151,26 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, 
         if GATED:
             acc_u = _chunk_sums(acc_u, wu_ptrs + k0, s_ptr + su_offs + sc, z_ptr + su_offs + sc, x, kmask, smask,
                                 CODES, ZERO, EVEN_K)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
+                     BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
+                     HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: wait for the previous kernel before touching memory
+        gdc_wait()
+    CH: tl.constexpr = BLOCK_K // 16
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, N_OUT - 1)      # rows past N re-read row N-1 and are not stored: no row masks on loads
+    wg_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + _chunk_inputs(CH)[:, None, :]
+    sg_offs = _scale_rows(rb_ptr, rn, BN, HAS_RB)[None, :] * stride_sn    # zero points: the scales' offsets
+    su_offs = sg_offs
+    if GATED:
+        su_offs = _scale_rows(rb_ptr, rn + UP, BN, HAS_RB)[None, :] * stride_sn
+    acc_g, acc_u = _rows_loop(x_ptr, wg_ptrs, wg_ptrs + UP * stride_wn, s_ptr, z_ptr, sg_offs, su_offs, K, BK, CODES,
+                              ZERO, GATED, BLOCK_N, BLOCK_K, EVEN_K)
     if PDL:  # the main loop is done: let the next kernel launch while this one reduces and stores
         gdc_launch_dependents()
     g = tl.sum(acc_g, axis=0)

@@ -3,11 +3,12 @@
 A `MoeConfig` says which path runs a call of `fused_moe` and how its two GEMMs are tiled:
 
     path     "decode" (`moe_decode`: per-expert GEMVs over the pairs as routed, few tokens) or "grouped"
-             (`moe_align` + the grouped GEMMs of `moe_gemm` + the combine)
+             (`moe_align` + the grouped GEMMs of `moe_gemm` + the combine), or "gemv" (FP8 experts only, one token:
+             `moe_fp8_decode`, one-row FP8 GEMVs in 16-byte chunks; block_m 1)
     block_m  grouped: rows per expert block (16, 32, 64 or 128); decode: 1 = one token, FMA loop on the CUDA cores,
              16 = up to 16 tokens, tensor-core dots with the tokens padded to 16
     up       Tile of the gate/up + SwiGLU GEMM: (block_n, block_k, num_warps, num_stages)
-    down     Tile of the down GEMM
+    down     Tile of the down GEMM (gemv: block_k counts the inputs of all the pairs a step reads side by side)
     split    decode only: the pairs of a step are shared over this many programs per down tile (then a sum kernel)
 
 Table files (`moe_configs/<GPU>_E<E>_H<H>_I<I>_k<k>_<dtype>.json`, GPU = torch.cuda.get_device_name with every run of
@@ -23,6 +24,8 @@ characters other than letters, digits, '-', '.' made '_'; dtype = the weights', 
 Keys are token counts T; a call with T tokens takes the entry of the smallest key >= T (the largest key beyond the
 table's range). Extra fields (the measured "us") are ignored. A table applies to 16-bit activations with weights of its
 dtype; fp32 and mixed (fp32 x, 16-bit weights) calls, and shapes or GPUs without a table, take `default_config`.
+FP8 experts with 16-bit x at T = 1 run the gemv path whatever the table says; a "gemv" entry gives its tiles
+(`kernels/moe_ops.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 TABLE_DIR = Path(__file__).with_name("moe_configs")
 DECODE_MAX_TOKENS = 16          # the decode path's dot pads the tokens to 16
+GEMV = "gemv"                   # the path of FP8 experts' one-token kernels (`moe_fp8_decode`)
 GROUPED_BLOCK_M = (16, 32, 64, 128)
 
 
@@ -59,6 +63,8 @@ def valid(cfg: MoeConfig, tokens: int) -> bool:
     """Whether `cfg` can run a call of `tokens` tokens (a table entry may have been measured for more)."""
     if cfg.path == "decode":
         return (cfg.block_m == 1 and tokens == 1) or (cfg.block_m == 16 and tokens <= DECODE_MAX_TOKENS)
+    if cfg.path == GEMV:
+        return cfg.block_m == 1 and tokens == 1
     return cfg.path == "grouped" and cfg.block_m in GROUPED_BLOCK_M
 
 

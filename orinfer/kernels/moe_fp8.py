@@ -21,7 +21,7 @@ import torch
 
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.moe import fused_moe_ref
-from orinfer.kernels.moe_config import MoeConfig, Tile
+from orinfer.kernels.moe_config import GEMV, MoeConfig, Tile
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -89,10 +89,11 @@ def check_expert_scales(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, 
 def fp8_config(cfg: MoeConfig, bk: int) -> MoeConfig:
     """A launch config of the 16-bit experts adapted to FP8 weights in blocks of bk inputs: a K step must stay inside
     one scale column, so block_k becomes at most the largest power of two dividing bk; the one-token FMA loop (whose
-    [BLOCK_N, BLOCK_K] fp32 register tile sets the bytes a program loads per step) takes proportionally more rows."""
+    [BLOCK_N, BLOCK_K] fp32 register tile sets the bytes a program loads per step) takes proportionally more rows.
+    A "gemv" config (`moe_fp8_decode`: its chunks of 16 inputs lie inside a scale column already) stays as it is."""
     def adapt(tile: Tile) -> Tile:
         k = min(tile.block_k, bk & -bk)
         n = tile.block_n * (tile.block_k // k) if cfg.block_m == 1 and cfg.path == "decode" else tile.block_n
         return tile._replace(block_n=n, block_k=k)
 
-    return cfg._replace(up=adapt(cfg.up), down=adapt(cfg.down))
+    return cfg if cfg.path == GEMV else cfg._replace(up=adapt(cfg.up), down=adapt(cfg.down))

@@ -13,7 +13,10 @@ Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit w
 `fused_moe_ref`, which syncs with the host (not capturable: refused inside a capture).
 
 `fused_moe_fp8` runs the same two paths over FP8 block-wise experts (`kernels/moe_fp8.py`: e4m3 weights, fp32 block
-scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference.
+scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference. One
+token with 16-bit x takes a third path, "gemv" (`kernels/moe_fp8_decode.py`: the experts as one-row FP8 GEMVs in
+16-byte chunks), whatever the table's entry for T = 1 names, unless that entry is a "gemv" config (its tiles run) or
+the caller forces a config.
 `fused_moe_w4` runs them over 4-bit experts (`kernels/moe_w4.py`: AWQ / GPTQ-Int4 repacked into W4; the kernels of
 `kernels/moe_w4_gemm.py` unpack the words in registers), with the default configs (the tables are for 16-bit weights).
 """
@@ -24,9 +27,10 @@ import torch
 
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.moe import fused_moe_ref
-from orinfer.kernels.moe_config import MoeConfig, default_config, pick_config, table_lookup, valid, w4_label
+from orinfer.kernels.moe_config import GEMV, MoeConfig, default_config, pick_config, table_lookup, valid, w4_label
 from orinfer.kernels.moe_decode import fused_moe_decode
 from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
+from orinfer.kernels.moe_fp8_decode import default_gemv_config, fused_moe_fp8_gemv
 from orinfer.kernels.moe_gemm import fused_moe_grouped
 from orinfer.kernels.moe_route import moe_route
 from orinfer.kernels.moe_w4 import W4Experts, check_w4_experts, fused_moe_w4_ref, w4_config
@@ -84,8 +88,9 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
                   block_size: tuple[int, int], topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   config: MoeConfig | None = None) -> torch.Tensor:
     """`fused_moe_fp8_ref`'s contract: w13 e4m3 [E, 2I, H] with s13 fp32 [E, 2 ceil(I/bn), ceil(H/bk)], w2 e4m3
-    [E, H, I] with s2 fp32 [E, ceil(H/bn), ceil(I/bk)]; the rest as `fused_moe`. `config` is a 16-bit config; its
-    K tiles are fitted to bk (`moe_fp8.fp8_config`)."""
+    [E, H, I] with s2 fp32 [E, ceil(H/bn), ceil(I/bk)]; the rest as `fused_moe`. `config` is a 16-bit config (its
+    K tiles are fitted to bk: `moe_fp8.fp8_config`) or, for one token, a "gemv" config (`moe_fp8_decode`); without
+    one, one token with 16-bit x takes the gemv path (module docstring)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     check_expert_scales(w13, s13, w2, s2, block_size)
     if x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
@@ -112,8 +117,8 @@ def fused_moe_w4(x: torch.Tensor, w13: W4Experts, w2: W4Experts, topk_weights: t
     topk_weights, topk_ids = topk_weights.float().contiguous(), topk_ids.contiguous()
     cfg = config or _w4_table_config(x, w13, w2, top_k) or default_config(tokens, w13.num_experts, top_k,
                                                                           x.dtype == torch.float32)
-    if not valid(cfg, tokens):
-        raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    if not valid(cfg, tokens) or cfg.path == GEMV:
+        raise ValueError(f"config {cfg} cannot run {tokens} tokens of 4-bit experts")
     cfg = w4_config(cfg, w13.group_size, w2.group_size)
     if cfg.path == "decode":
         return fused_moe_w4_decode(x, w13, w2, topk_weights, topk_ids, cfg)
@@ -144,8 +149,12 @@ def _run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: tor
         x = x.contiguous()
     topk_weights, topk_ids = topk_weights.float().contiguous(), topk_ids.contiguous()
     cfg = pick_config(x, w13, top_k) if config is None else config
-    if not valid(cfg, tokens):
-        raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    if scales is not None and config is None and tokens == 1 and x.dtype != torch.float32 and cfg.path != GEMV:
+        cfg = default_gemv_config(top_k, w2.shape[2])              # the table's T = 1 entry is for another path
+    if not valid(cfg, tokens) or (cfg.path == GEMV and scales is None):
+        raise ValueError(f"config {cfg} cannot run {tokens} tokens{'' if scales else ' of 16-bit experts'}")
+    if cfg.path == GEMV:
+        return fused_moe_fp8_gemv(x, w13, scales[0], w2, scales[1], block_size, topk_weights, topk_ids, cfg)
     if scales is not None:
         cfg = fp8_config(cfg, block_size[1])
     if cfg.path == "decode":

@@ -9,7 +9,9 @@ For each token count T: random routing (`moe_route` of normal logits: every expe
 candidate of each stage is timed alone, giving one config per path and row block:
   decode (T <= 16): the up kernel per tile (block_m 1, the FMA loop, only at T = 1; block_m 16, tensor cores), the
                     down kernel per (tile, split), the split's sum included;
-  grouped:          per block_m, the up GEMM per tile and the down GEMM per tile.
+  grouped:          per block_m, the up GEMM per tile and the down GEMM per tile;
+  FP8 at T = 1:     only the gemv path (`moe_fp8_decode`, which `fused_moe_fp8` runs for one token with 16-bit x
+                    whatever the table says): the up kernel per tile, then the down kernel per tile.
 Those configs and the default are then timed as whole `fused_moe` calls, and the fastest call wins: a sum of stages
 timed apart (each with its own cold L2 and launch) misranked them (run 306: tables slower than the default at 32-128
 tokens), and the whole call is what a step runs. 4-bit experts (--dtype w4: AWQ / GPTQ-Int4 in groups of 128) have
@@ -34,7 +36,7 @@ import torch
 
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.moe_fp8 import expert_scale_shapes
-from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GROUPED_BLOCK_M, TABLE_DIR, MoeConfig, Tile,
+from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GEMV, GROUPED_BLOCK_M, TABLE_DIR, MoeConfig, Tile,
                                         config_to_json, default_config, load_table, table_name, w4_label)
 
 PRESETS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8)}
@@ -49,10 +51,8 @@ FMA_DOWN = [Tile(2, 256, 2, 1), Tile(4, 256, 4, 1), Tile(2, 512, 4, 1), Tile(4, 
 # Decode on tensor cores: 64 or 128 weight rows per tile map onto Hopper's wgmma (the tokens are its N = 16).
 DOT_DECODE = [Tile(64, 128, 4, 3), Tile(64, 64, 4, 4), Tile(64, 256, 4, 2), Tile(128, 64, 4, 3),
               Tile(128, 128, 8, 3), Tile(32, 128, 4, 3)]
-# FP8 experts (block-wise scales, bk = 128): a K step stays inside one scale column, so the FMA tiles are 128 wide and
-# take more rows instead (`moe_fp8.fp8_config` leaves these unchanged).
-FMA_FP8 = [Tile(4, 128, 2, 1), Tile(8, 128, 2, 1), Tile(8, 128, 4, 1), Tile(16, 128, 4, 1), Tile(32, 128, 4, 1),
-           Tile(32, 128, 8, 1), Tile(64, 128, 8, 1)]
+# FP8 experts (block-wise scales, bk = 128): tensor-core K steps stay inside one scale column (`_fp8_tiles`); one
+# token takes the gemv path and its candidates (`moe_fp8_decode.UP_CANDIDATES`, `DOWN_CANDIDATES`).
 FP8_BLOCK = (128, 128)
 # 4-bit experts (AWQ, GPTQ-Int4) in groups of W4_GROUP: a K step is one W4 chunk of 128 inputs, and a program's
 # unpacked tile stays within `moe_w4.UNPACKED_LIMIT` (32 rows on the decode path, 64 grouped).
@@ -123,12 +123,14 @@ def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top
     x = torch.randn(tokens, hidden, device=dev).to(dtype)
     weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
     few = (lambda c: c[:2]) if quick else (lambda c: c)
+    if scales is not None and tokens == 1:
+        return _tune_gemv(x, weights, ids, banks, scales, few)
     candidates: list[MoeConfig] = []
     if tokens <= DECODE_MAX_TOKENS:
         for block_m in ((1, 16) if tokens == 1 else (16,)):
             ups, downs = (FMA_UP, FMA_DOWN) if block_m == 1 else (DOT_DECODE, DOT_DECODE)
             if scales is not None:
-                ups = downs = FMA_FP8 if block_m == 1 else _fp8_tiles(DOT_DECODE)
+                ups = downs = _fp8_tiles(DOT_DECODE)                    # T = 1: `_tune_gemv`
             splits = SPLITS_FMA if block_m == 1 else SPLITS_DOT
             up, _ = _best({t: _time(lambda a, b, t=t: moe_decode.decode_up(x, a, ids, block_m, t, s13, block), banks)
                            for t in few(ups)})
@@ -159,6 +161,26 @@ def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top
         def call(a: torch.Tensor, b: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
             return fused_moe_fp8(x, a, s13, b, s2, FP8_BLOCK, weights, ids, config=cfg)
     whole = {cfg: _time(lambda a, b, cfg=cfg: call(a, b, cfg), banks) for cfg in dict.fromkeys([*candidates, default])}
+    best, best_us = _best(whole)
+    return best, best_us, whole[default]
+
+
+def _tune_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, banks: list, scales: tuple,
+               few: Callable[[list], list]) -> tuple[MoeConfig, float, float]:
+    """`tune_tokens` for FP8 experts at T = 1: the gemv path's up tiles, then its down tiles (on the best up tile's h),
+    then the pair of them and the default as whole `fused_moe_fp8` calls."""
+    from orinfer.kernels import moe_fp8_decode as gemv
+    from orinfer.kernels.moe_ops import fused_moe_fp8
+
+    (s13, s2), (w13, w2) = scales, banks[0]
+    up, _ = _best({t: _time(lambda a, b, t=t: gemv.gemv_up(x, a, s13, FP8_BLOCK, ids, t), banks)
+                   for t in few(gemv.UP_CANDIDATES)})
+    h = gemv.gemv_up(x, w13, s13, FP8_BLOCK, ids, up)
+    down, _ = _best({t: _time(lambda a, b, t=t: gemv.gemv_down(h, b, s2, FP8_BLOCK, weights, ids, t), banks)
+                     for t in few(gemv.DOWN_CANDIDATES)})
+    default = gemv.default_gemv_config(ids.shape[1], w2.shape[2])
+    whole = {cfg: _time(lambda a, b, cfg=cfg: fused_moe_fp8(x, a, s13, b, s2, FP8_BLOCK, weights, ids, config=cfg),
+                        banks) for cfg in dict.fromkeys([MoeConfig(GEMV, 1, up, down), default])}
     best, best_us = _best(whole)
     return best, best_us, whole[default]
 

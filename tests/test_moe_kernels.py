@@ -458,6 +458,14 @@ def test_folded_experts_take_their_own_table_else_the_routed_experts_one(tmp_pat
     assert moe_config.table_for("GPU", 129, 2048, 512, 9, torch.bfloat16) == {1: own}
 
 
+def test_tuning_routes_every_token_to_a_folded_shared_slot():
+    """`moe_tune --shared-slot` times calls whose last expert is a folded shared expert: every token's last pair."""
+    weights, ids = moe_tune.routing(5, 9, 3, DEVICE, shared_slot=True)
+    assert ids.shape == weights.shape == (5, 3)
+    assert (ids[:, 2] == 8).all() and (ids[:, :2] < 8).all() and (ids[:, 0] != ids[:, 1]).all()
+    torch.testing.assert_close(weights[:, :2].sum(1), torch.ones(5, device=DEVICE))
+
+
 def test_tune_command_needs_a_shape():
     with pytest.raises(SystemExit):
         moe_tune.main(["--experts", "8"])
@@ -562,3 +570,11 @@ def test_gpu_tune_writes_a_table_that_fused_moe_loads(tmp_path, monkeypatch):
     w13, _ = experts(8, 256, 128, torch.bfloat16)
     assert moe_config.pick_config(x, w13, 2) == table[4]
     check_fused(4, 8, 2, 256, 128, (torch.bfloat16, torch.bfloat16), None)
+    # the same experts with a folded shared expert (9 slots, 3 pairs): the routed table serves them, until tuned
+    w13, _ = experts(9, 256, 128, torch.bfloat16)
+    assert moe_config.pick_config(x, w13, 3) == table[4]
+    folded = moe_tune.tune(9, 256, 128, 3, tokens=(4,), out_dir=tmp_path, quick=True, log=lambda s: None,
+                           shared_slot=True)
+    assert folded.name.endswith("_E9_H256_I128_k3_bfloat16.json")
+    assert moe_config.pick_config(x, w13, 3) == moe_config.load_table(str(folded))[4]
+    check_fused(4, 9, 3, 256, 128, (torch.bfloat16, torch.bfloat16), None, mode="shared")

@@ -1,6 +1,7 @@
-"""The fused MoE router (kernels/moe_router.py: router GEMV, softmax, top-k and the shared gate's logit in one launch)
-and the shared-expert combine (kernels/moe_shared.py) against their references (kernels/moe.py), their entries in
-the op tables, and the MoE block on both backends.
+"""The fused MoE router (kernels/moe_router.py: router GEMV, softmax, top-k and the shared gate's logit in one launch,
+or with the shared expert folded into the experts its (k+1)-th pair) and the shared-expert combine
+(kernels/moe_shared.py) against their references (kernels/moe.py), their entries in the op tables, and the MoE block
+on both backends.
 
 Runs on a GPU or under Triton's CPU interpreter (conftest.py); outputs are poisoned (NaN floats, -7777 ints). The
 router's inputs are exact: small integers for x and integers / 64 for W, so that every product and partial sum is

@@ -217,10 +217,13 @@ QWEN3_MOE_CONFIGS = {
     "qwen3moe-e16-top4-dense1": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
                                      num_hidden_layers=3, tie_word_embeddings=True),
 }
-# Qwen3.5-MoE: every layer sparse with a shared expert; three linear-attention layers then a full one, or a mix.
+# Qwen3.5-MoE: every layer sparse with a shared expert; three linear-attention layers then a full one, or a mix. The
+# shared expert as wide as the routed experts, as in every published config (orinfer folds it into the experts: one
+# more slot), or wider (a separate MLP beside them).
 QWEN3_5_MOE_CONFIGS = {
     "qwen3.5moe-e6-top2": dict(base="qwen3.5-interval4-untied", num_experts=6, num_experts_per_tok=2),
-    "qwen3.5moe-e12-top3-tied": dict(base="qwen3.5-mixed-tied", num_experts=12, num_experts_per_tok=3),
+    "qwen3.5moe-e12-top3-tied": dict(base="qwen3.5-mixed-tied", num_experts=12, num_experts_per_tok=3,
+                                     shared_expert_intermediate_size=40),
 }
 
 
@@ -241,7 +244,8 @@ def build_hf_qwen3_moe(kind: str, vocab_size: int = 211, seed: int = 0, **overri
 
 def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False, **overrides):
     """An HF Qwen3_5MoeForCausalLM (with `vision`, a Qwen3_5MoeForConditionalGeneration): a QWEN3_5_CONFIGS decoder
-    whose MLPs are experts of width 24 and a shared expert of width 40; `overrides` replace text config fields."""
+    whose MLPs are experts of width 24 and a shared expert of width 24 (or the QWEN3_5_MOE_CONFIGS entry's);
+    `overrides` replace text config fields."""
     from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
                               Qwen3_5MoeTextConfig)
 
@@ -249,7 +253,7 @@ def build_hf_qwen3_5_moe(kind: str, seed: int = 0, vision: bool = False, **overr
     dense = qwen3_5_text_config(spec.pop("base"), vocab_size=300 if vision else 211).to_dict()
     for key in ("intermediate_size", "model_type", "architectures", "transformers_version"):
         dense.pop(key, None)
-    fields = dense | dict(moe_intermediate_size=24, shared_expert_intermediate_size=40) | spec | overrides
+    fields = dense | dict(moe_intermediate_size=24, shared_expert_intermediate_size=24) | spec | overrides
     text = Qwen3_5MoeTextConfig(**fields)
     text._attn_implementation = "eager"
     classes = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if vision else Qwen3_5MoeForCausalLM

@@ -128,10 +128,11 @@ def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dict
 
 def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = (128, 128),
                          not_convert: tuple[str, ...] = ("lm_head",)) -> dict[str, torch.Tensor]:
-    """The FP8 version of the fp32 checkpoint in `src`; returns the dequantised state (HF names, fp32)."""
+    """The FP8 version of the fp32 checkpoint in `src`; returns the dequantised state (HF names, fp32). Modules in
+    `not_convert` stay 16-bit with every linear inside them (a listed `mlp.shared_expert`)."""
     tensors, deq_state = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if is_decoder_linear(name) and name.removesuffix(".weight") not in not_convert:
+        if is_decoder_linear(name) and not any(name.startswith(f"{module}.") for module in not_convert):
             q, scale, deq = fp8_pack(t, block)
             tensors[name], tensors[name + "_scale_inv"] = q, scale
             deq_state[name] = deq

@@ -391,9 +391,11 @@ def test_a_synthetic_engine_with_an_fp8_kv_cache_runs_the_bench_workload():
     assert sorted(timings["decode"]) == [1, 2]
 
 
-def test_moe_skew_routes_every_token_to_the_first_experts():
-    """`--moe-skew`: the routers' expert rows zeroed, every token of a random MoE model (with a shared expert, whose
-    gate row stays) picks experts 0..k-1 with equal weights."""
+@pytest.mark.parametrize("shared_width", [64, 96], ids=["folded", "separate"])
+def test_moe_skew_routes_every_token_to_the_first_experts(shared_width):
+    """`--moe-skew`: the routers' expert rows zeroed, every token of a random MoE model (with a shared expert folded
+    into the experts or not, whose gate row stays) picks experts 0..k-1 with equal weights (and, folded, its shared
+    slot with its own gate's weight)."""
     import dataclasses
 
     from orinfer.bench.run import route_every_token_to_the_first_experts
@@ -403,16 +405,21 @@ def test_moe_skew_routes_every_token_to_the_first_experts():
 
     cfg = dataclasses.replace(preset("qwen3.5-35b-a3b"), vocab_size=256, hidden_size=128, num_hidden_layers=4,
                               num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
-                              shared_expert_intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                              head_dim=64, max_position_embeddings=1024)
+                              shared_expert_intermediate_size=shared_width, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
     model = random_model(cfg, TORCH_OPS, torch.float32, torch.float32, CPU, std=0.02)
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    assert layers and layers[0].shared_expert is not None
+    folded = shared_width == 64
+    assert layers and all(moe.folded == folded and (moe.shared_expert is None) == folded for moe in layers)
     shared_gate = layers[0].gate.weight[8:].clone()
+    assert shared_gate.shape == (1, 128) and shared_gate.abs().max() > 0
     assert route_every_token_to_the_first_experts(model) == len(layers)
     x = torch.randn(5, 128)
     for moe in layers:
-        weights, ids = TORCH_OPS.moe_route(moe.gate(x)[:, :8], 3, moe.renormalize)
-        assert ids.tolist() == [[0, 1, 2]] * 5
-        assert torch.allclose(weights.sum(-1), torch.ones(5)) and torch.allclose(weights, weights[:, :1])
+        weights, ids, _ = TORCH_OPS.moe_router(x, moe.gate.weight, 3, moe.renormalize, 8, moe.folded)
+        assert ids.tolist() == [[0, 1, 2, 8] if folded else [0, 1, 2]] * 5
+        assert torch.allclose(weights[:, :3].sum(-1), torch.ones(5)) and torch.allclose(weights[:, :3],
+                                                                                        weights[:, :1])
+        if folded:
+            torch.testing.assert_close(weights[:, 3:], torch.sigmoid(x @ moe.gate.weight[8:].T))
     assert torch.equal(layers[0].gate.weight[8:], shared_gate)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_models import build_hf_qwen3_5_moe, build_hf_qwen3_moe, hf_greedy, save_hf_model
+from hf_models import build_hf_qwen3_moe, hf_greedy, save_hf_model
+from test_moe_models import build_hf
 from orinfer import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -41,13 +42,15 @@ BATCHES = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3moe-e16-top4-dense1", "qwen3moe-e3-top1-step2", "qwen3.5moe-e6-top2"])
+@pytest.fixture(scope="module", params=["qwen3moe-e16-top4-dense1", "qwen3moe-e3-top1-step2", "qwen3.5moe-e6-top2",
+                                        "qwen3.5moe-e12-top3-tied"])
 def moe_model(request, tmp_path_factory):
     """(HF model on the CPU, its saved checkpoint): 16 experts top-4 with a dense layer, 3 experts top-1 (E not a
     power of two) in every other layer, or Qwen3.5-MoE's hybrid layers with 6 experts top-2 beside the gated shared
-    expert (the router's packed gate row: the fused router's shared logit and the shared-expert combine)."""
+    expert of their width, folded into them (the fused router's k + 1 pairs, the shared slot chosen by every token),
+    or 12 experts top-3 beside a wider shared expert of its own (the router's shared logit and the combine)."""
     if request.param.startswith("qwen3.5"):
-        hf = build_hf_qwen3_5_moe(request.param)              # vocabulary 211, as VOCAB
+        hf = build_hf(request.param)                          # vocabulary 211, as VOCAB
     else:
         hf = build_hf_qwen3_moe(request.param, vocab_size=VOCAB)
     return hf, save_hf_model(hf, tmp_path_factory.mktemp(request.param))

@@ -69,10 +69,13 @@ for x, w in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf1
                 out[f"{name}-grouped{cfg.block_m}-{part}"] = build(moe_gemm._grouped_kernel, args, dict(
                     TOP_K=K if part == "up" else 1, GATED=part == "up", DOT_F32=wide, **NO_FP8, BLOCK_M=cfg.block_m,
                     BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8, EVEN_K=k % tile.block_k == 0), *tile[2:])
-    out[f"{x}-{w}-route"] = build(moe_route._moe_route_kernel,
-                                  {"logits_ptr": f"*{x}", "w_ptr": "*fp32", "ids_ptr": "*i32", "T": "i32", "E": "i32",
-                                   "stride_t": "i32"},
-                                  dict(TOP_K=K, RENORM=True, BLOCK_T=32, BLOCK_E=E, BLOCK_K=K, PDL=True), 4)
+    for shared in (False, True):   # shared: a folded shared expert's pair appended, k + 1 pairs in 16 columns
+        out[f"{x}-{w}-route{'-shared' if shared else ''}"] = build(
+            moe_route._moe_route_kernel,
+            {"logits_ptr": f"*{x}", "gate_ptr": f"*{x}", "w_ptr": "*fp32", "ids_ptr": "*i32", "T": "i32", "E": "i32",
+             "stride_t": "i32", "stride_g": "i32"},
+            dict(TOP_K=K, RENORM=True, SHARED=shared, BLOCK_T=32, BLOCK_E=E,
+                 BLOCK_K=triton.next_power_of_2(K + shared), PDL=True), 4)
     out[f"{x}-{w}-sum"] = build(moe_gemm._sum_kernel, {"y_ptr": f"*{x}", "w_ptr": "*fp32", "out_ptr": f"*{x}",
                                 "H": "i32", "stride_y": "i32", "stride_o": "i32", "ROW_T": "i32", "ROW_J": "i32"},
                                 dict(J=K, HAS_W=True, BLOCK=1024), 4)

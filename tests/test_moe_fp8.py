@@ -31,7 +31,8 @@ pytest.importorskip("transformers")
 CASES = {  # id: (tiny HF model of test_moe_models / hf_models, FP8 blocks)
     # 16 experts, top-4, a dense layer between sparse ones; I = 24 leaves gate and up a partial block each
     "qwen3moe-16x32": ("qwen3moe-e16-top4-dense1", (16, 32)),
-    # Qwen3.5-MoE: 6 experts, top-2, a shared expert (width 40) behind its gate; partial 128 x 128 blocks everywhere
+    # Qwen3.5-MoE: 6 experts, top-2, a shared expert (width 24, FP8: folded into the experts) behind its gate;
+    # partial 128 x 128 blocks everywhere
     "qwen3.5moe-128": ("qwen3.5moe-e6-top2", (128, 128)),
 }
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -72,6 +73,9 @@ def test_the_checkpoint_is_laid_out_as_the_releases(fp8_moe):
     assert "model.layers.0.mlp.gate.weight_scale_inv" not in tensors
     model = engine(fp8).engine.runner.model
     assert isinstance(model.layers[0].mlp.experts, FP8ExpertWeights)
+    if "model.layers.0.mlp.shared_expert.up_proj.weight" in tensors:   # FP8 as the experts: folded into them
+        assert tensors["model.layers.0.mlp.shared_expert.up_proj.weight"].dtype == torch.float8_e4m3fn
+        assert model.layers[0].mlp.folded and model.layers[0].mlp.experts.num_experts == 7
 
 
 def test_fp8_moe_logits_and_greedy_match_hf(fp8_moe):

@@ -24,7 +24,9 @@ from orinfer.kernels.moe_config import MoeConfig, Tile
 from orinfer.kernels.moe_fp8 import expert_scale_shapes
 
 FP8, BLOCK = torch.float8_e4m3fn, (128, 128)
-SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8), "odd": (16, 200, 136, 4)}
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8), "odd": (16, 200, 136, 4),
+          # its shared expert folded into the experts: one more slot, one more pair a token
+          "qwen3.5-35b-a3b-folded": (257, 2048, 512, 9)}
 # The explicit tiles of the GPU tests (test_moe_fp8_kernels.py), on the odd shape
 EXPLICIT = [(1, MoeConfig("decode", 1, Tile(8, 32, 4, 1), Tile(16, 16, 4, 1))),
             (1, MoeConfig("decode", 1, Tile(16, 64, 4, 1), Tile(32, 32, 4, 1), split=3)),

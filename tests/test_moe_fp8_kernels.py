@@ -106,7 +106,10 @@ def test_fp8_configs_keep_k_steps_inside_a_scale_column():
     (1, 8, 2, "random", DECODE_FMA, (16, 32)), (1, 12, 4, "random", DECODE_FMA_SPLIT, (128, 128)),
     (1, 4, 1, "random", None, (16, 32)), (3, 8, 2, "same", DECODE_DOT, (128, 128)),
     (5, 12, 3, "skip", DECODE_DOT_SPLIT, (16, 32)), (7, 8, 2, "random", None, (16, 48)),
-    pytest.param(16, 4, 2, "random", DECODE_DOT_SPLIT, (128, 128), marks=slow)])
+    pytest.param(16, 4, 2, "random", DECODE_DOT_SPLIT, (128, 128), marks=slow),
+    # a folded shared expert (the last slot, in every token's pairs)
+    (1, 9, 3, "shared", DECODE_FMA, (16, 32)), (9, 9, 3, "shared", GROUPED_16, (128, 128)),
+    pytest.param(5, 9, 3, "shared", DECODE_DOT_SPLIT, (16, 32), marks=slow)])
 def test_fused_moe_fp8(tokens, n_experts, top_k, mode, cfg, block):
     """Each path in fp32 against fp64 on the dequantised experts (H = 72, I = 40: partial blocks everywhere)."""
     check_fp8(tokens, n_experts, top_k, 72, 40, block, torch.float32, cfg, mode)

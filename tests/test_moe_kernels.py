@@ -35,8 +35,11 @@ def poison(monkeypatch):
 
 def routing(tokens: int, experts: int, top_k: int, mode: str = "random") -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids): the router's top-k of normal logits; "skip": expert 1 is never chosen; "same": every token
-    takes experts 0..k-1 (one expert gets every token)."""
+    takes experts 0..k-1 (one expert gets every token); "shared": the last expert is a folded shared expert, every
+    token's k-th pair after the router's top-(k-1) of the others (layers/moe.py)."""
     logits = randn(tokens, experts)
+    if mode == "shared":
+        return moe_route_ref(logits[:, :-1], top_k - 1, True, shared_logit=logits[:, -1:])
     if mode == "skip":
         logits[:, 1] = -1e4
     elif mode == "same":
@@ -95,6 +98,28 @@ def test_moe_route(tokens, n_experts, top_k, dtype, renormalize):
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=4e-6)   # fp32: a few ulps
+
+
+@pytest.mark.parametrize("tokens,n_experts,top_k,dtype,renormalize", [
+    (1, 8, 2, torch.float32, True), (17, 60, 8, torch.bfloat16, False), (5, 256, 15, torch.float16, True),
+    (40, 12, 3, torch.float32, False)])
+def test_moe_route_appends_the_shared_pair(tokens, n_experts, top_k, dtype, renormalize):
+    """shared_logit (a strided column): every token's top-k as without it, renormalised over those alone, then the
+    pair (sigmoid(logit) in fp32, E)."""
+    logits = randn(tokens, n_experts + 3, dtype=dtype, scale=3)
+    routed, shared = logits[:, :n_experts], logits[:, n_experts + 1:n_experts + 2]
+    weights, ids = moe_route(routed, top_k, renormalize, shared_logit=shared)
+    want_weights, want_ids = moe_route_ref(routed, top_k, renormalize, shared_logit=shared)
+    plain_weights, plain_ids = moe_route_ref(routed, top_k, renormalize)
+    assert weights.shape == ids.shape == (tokens, top_k + 1)
+    assert torch.equal(ids, want_ids) and torch.equal(ids[:, :top_k], plain_ids) and (ids[:, top_k] == n_experts).all()
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=4e-6)
+    torch.testing.assert_close(weights[:, :top_k], plain_weights, atol=1e-6, rtol=4e-6)
+    torch.testing.assert_close(weights[:, top_k], torch.sigmoid(shared.float())[:, 0], atol=1e-6, rtol=4e-6)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(routed, 16, renormalize, shared_logit=shared)
+    with pytest.raises(ValueError, match="shared_logit"):
+        moe_route(routed, top_k, renormalize, shared_logit=logits[:, :2])
 
 
 def test_moe_route_ties_go_to_the_lower_id():
@@ -170,6 +195,10 @@ DECODE_DOT_SPLIT = MoeConfig("decode", 16, Tile(32, 16, 4, 1), Tile(64, 64, 4, 1
     (1, 4, 1, "random", DECODE_DOT, 72, 40), (3, 8, 2, "same", DECODE_DOT, 64, 32),
     (3, 60, 2, "skip", DECODE_DOT_SPLIT, 72, 40), (16, 4, 2, "random", DECODE_DOT_SPLIT, 64, 32),
     (3, 12, 3, "random", DECODE_DOT, 64, 32), (5, 12, 3, "random", GROUPED_16, 64, 32),    # k not a power of 2
+    # a folded shared expert: its slot (the last) in every token's k pairs, on each path
+    (1, 9, 3, "shared", DECODE_FMA_SPLIT, 72, 40), (5, 9, 3, "shared", DECODE_DOT, 64, 32),
+    (17, 9, 3, "shared", GROUPED_16, 72, 40), pytest.param(16, 5, 3, "shared", DECODE_DOT_SPLIT, 72, 40, marks=slow),
+    pytest.param(100, 61, 9, "shared", GROUPED_32, 64, 32, marks=slow),
     pytest.param(3, 60, 8, "skip", DECODE_DOT_SPLIT, 72, 40, marks=slow),
     pytest.param(8, 8, 8, "same", DECODE_DOT, 72, 40, marks=slow),
     pytest.param(1, 60, 8, "random", DECODE_FMA_SPLIT, 72, 40, marks=slow)])
@@ -410,6 +439,33 @@ def test_config_table_round_trip_and_lookup(tmp_path):
     assert moe_config.load_table(str(tmp_path / "missing.json")) == {}
 
 
+def test_folded_experts_take_their_own_table_else_the_routed_experts_one(tmp_path, monkeypatch):
+    """E + 1 slots with k + 1 pairs (a folded shared expert) read the table of E experts and k pairs when they have
+    none of their own; one of their own wins; no table at all stays {} (the defaults)."""
+    monkeypatch.setattr(moe_config, "TABLE_DIR", tmp_path)
+    decode = MoeConfig("decode", 1, Tile(4, 512, 4, 1), Tile(2, 256, 2, 1), 4)
+    own = MoeConfig("decode", 1, Tile(8, 256, 4, 1), Tile(8, 256, 4, 1), 8)
+
+    def write(experts: int, top_k: int, cfg: MoeConfig) -> None:
+        name = moe_config.table_name("GPU", experts, 2048, 512, top_k, torch.bfloat16)
+        (tmp_path / name).write_text(json.dumps({"configs": {"1": moe_config.config_to_json(cfg)}}))
+
+    write(256, 8, decode)
+    assert moe_config.table_for("GPU", 257, 2048, 512, 9, torch.bfloat16) == {1: decode}
+    assert moe_config.table_for("GPU", 256, 2048, 512, 8, torch.bfloat16) == {1: decode}
+    assert moe_config.table_for("GPU", 257, 2048, 512, 8, torch.bfloat16) == {}
+    write(129, 9, own)
+    assert moe_config.table_for("GPU", 129, 2048, 512, 9, torch.bfloat16) == {1: own}
+
+
+def test_tuning_routes_every_token_to_a_folded_shared_slot():
+    """`moe_tune --shared-slot` times calls whose last expert is a folded shared expert: every token's last pair."""
+    weights, ids = moe_tune.routing(5, 9, 3, DEVICE, shared_slot=True)
+    assert ids.shape == weights.shape == (5, 3)
+    assert (ids[:, 2] == 8).all() and (ids[:, :2] < 8).all() and (ids[:, 0] != ids[:, 1]).all()
+    torch.testing.assert_close(weights[:, :2].sum(1), torch.ones(5, device=DEVICE))
+
+
 def test_tune_command_needs_a_shape():
     with pytest.raises(SystemExit):
         moe_tune.main(["--experts", "8"])
@@ -514,3 +570,11 @@ def test_gpu_tune_writes_a_table_that_fused_moe_loads(tmp_path, monkeypatch):
     w13, _ = experts(8, 256, 128, torch.bfloat16)
     assert moe_config.pick_config(x, w13, 2) == table[4]
     check_fused(4, 8, 2, 256, 128, (torch.bfloat16, torch.bfloat16), None)
+    # the same experts with a folded shared expert (9 slots, 3 pairs): the routed table serves them, until tuned
+    w13, _ = experts(9, 256, 128, torch.bfloat16)
+    assert moe_config.pick_config(x, w13, 3) == table[4]
+    folded = moe_tune.tune(9, 256, 128, 3, tokens=(4,), out_dir=tmp_path, quick=True, log=lambda s: None,
+                           shared_slot=True)
+    assert folded.name.endswith("_E9_H256_I128_k3_bfloat16.json")
+    assert moe_config.pick_config(x, w13, 3) == moe_config.load_table(str(folded))[4]
+    check_fused(4, 9, 3, 256, 128, (torch.bfloat16, torch.bfloat16), None, mode="shared")

@@ -141,25 +141,50 @@ def test_a_missing_expert_is_named(qwen3_moe, tmp_path):
         engine(broken)
 
 
-def test_the_model_writes_back_the_checkpoint_it_read(qwen3_moe):
-    """hf_state_dict: the same names (per expert, as the releases store them) and tensors as HF's checkpoint."""
-    _, path = qwen3_moe
+def test_the_model_writes_back_the_checkpoint_it_read(pair):
+    """hf_state_dict: the same names (per expert, as the releases store them; Qwen3.5's shared expert under
+    `mlp.shared_expert.*`, folded into the experts or not) and tensors as HF's checkpoint (Qwen3.5's zero-centred
+    norms, held as 1 + w, within an fp32 rounding)."""
+    _, path, _ = pair
     saved = load_file(str(path / "model.safetensors"))
     written = dict(engine(path).engine.runner.model.hf_state_dict())
     assert sorted(written) == sorted(saved)
     for name, tensor in saved.items():
-        assert torch.equal(written[name], tensor), name
+        if "norm" in name:
+            torch.testing.assert_close(written[name], tensor, atol=2e-7, rtol=0)
+        else:
+            assert torch.equal(written[name], tensor), name
+
+
+@pytest.mark.parametrize("pair", [*QWEN3_5_MOE_CONFIGS], indirect=True)
+def test_a_missing_shared_expert_tensor_is_named(pair, tmp_path):
+    """A shared expert's matrices are expected, folded into the experts (like theirs) or not: one left out is named
+    as the checkpoint names it."""
+    _, path, _ = pair
+    missing = "model.layers.1.mlp.shared_expert.down_proj.weight"
+    broken = tmp_path / "broken"
+    rewrite_checkpoint(path, broken, lambda tensors: {k: v for k, v in tensors.items() if k != missing})
+    with pytest.raises(WeightsError, match=f"missing 1 tensor\\(s\\): {missing}"):
+        engine(broken)
 
 
 def test_an_moe_mtp_head_is_loaded_with_its_experts(tmp_path_factory, tmp_path):
     """Qwen3.5-MoE's MTP layer is sparse too (the FP8 release lists mtp.layers.0.mlp.gate beside the decoder's):
-    its experts load under the per-expert names (written by the model's hf_state_dict), and a partial head is an
-    error."""
+    its experts load under the per-expert names and its shared expert, folded into the experts' last slot, under
+    HF's `mlp.shared_expert.*` names (all written by the model's hf_state_dict), and a partial head is an error."""
     path = save_hf_model(build_hf_qwen3_5_moe("qwen3.5moe-e6-top2"), tmp_path_factory.mktemp("qwen3_5_moe_mtp"))
     (tmp_path / "whole").mkdir()
     (tmp_path / "partial").mkdir()
-    mtp = engine(_with_mtp(path, tmp_path / "whole"), speculative_config=MTP).engine.runner.model.mtp
-    assert isinstance(mtp.layers[0].mlp, SparseMoE) and mtp.layers[0].mlp.shared_expert is not None
+    whole = _with_mtp(path, tmp_path / "whole")
+    mlp = engine(whole, speculative_config=MTP).engine.runner.model.mtp.layers[0].mlp
+    assert isinstance(mlp, SparseMoE) and mlp.folded and mlp.shared_expert is None
+    saved = load_file(str(whole / "mtp.safetensors"))
+    prefix = "mtp.layers.0.mlp.shared_expert"
+    assert not any(".experts.shared." in name for name in saved)
+    slot = mlp.experts.shared_slot
+    assert torch.equal(mlp.experts.w13[slot], torch.cat([saved[f"{prefix}.gate_proj.weight"],
+                                                         saved[f"{prefix}.up_proj.weight"]]))
+    assert torch.equal(mlp.experts.w2[slot], saved[f"{prefix}.down_proj.weight"])
     with pytest.raises(WeightsError, match="MTP head"):
         engine(_with_mtp(path, tmp_path / "partial", drop=2), speculative_config=MTP)
 

@@ -1,6 +1,7 @@
-"""The fused MoE router (kernels/moe_router.py: router GEMV, softmax, top-k and the shared gate's logit in one launch)
-and the shared-expert combine (kernels/moe_shared.py) against their references (kernels/moe.py), their entries in
-the op tables, and the MoE block on both backends.
+"""The fused MoE router (kernels/moe_router.py: router GEMV, softmax, top-k and the shared gate's logit in one launch,
+or with the shared expert folded into the experts its (k+1)-th pair) and the shared-expert combine
+(kernels/moe_shared.py) against their references (kernels/moe.py), their entries in the op tables, and the MoE block
+on both backends.
 
 Runs on a GPU or under Triton's CPU interpreter (conftest.py); outputs are poisoned (NaN floats, -7777 ints). The
 router's inputs are exact: small integers for x and integers / 64 for W, so that every product and partial sum is
@@ -54,11 +55,30 @@ def exact_router_inputs(tokens: int, rows: int, hidden: int, dtypes: tuple[torch
     return x, w
 
 
-def exact_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, n_experts: int):
+def exact_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, n_experts: int,
+              fold_shared: bool = False):
     """`moe_router_ref` with the logits computed in fp64 (exact for `exact_router_inputs`), rounded once to x's
     dtype: what the kernel's fp32 sums round to, whatever order torch's own GEMM would sum in."""
-    return moe_router_ref(x, w, top_k, renormalize, n_experts,
+    return moe_router_ref(x, w, top_k, renormalize, n_experts, fold_shared,
                           linear=lambda a, b: F.linear(a.double(), b.double()).to(a.dtype))
+
+
+def check_folded(got, x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, n_experts: int) -> None:
+    """The folded router's output: [T, k + 1] pairs, the first k the unfolded router's (renormalised without the
+    shared one), the last (sigmoid(gate logit rounded to x's dtype), E); no logit returned."""
+    weights, ids, gate = got
+    tokens = x.shape[0]
+    assert gate is None and weights.shape == ids.shape == (tokens, top_k + 1)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    want = exact_ref(x, w, top_k, renormalize, n_experts, fold_shared=True)
+    plain = exact_ref(x, w, top_k, renormalize, n_experts)
+    assert torch.equal(ids, want[1]) and torch.equal(ids[:, :top_k], plain[1])
+    assert (ids[:, top_k] == n_experts).all()
+    torch.testing.assert_close(weights, want[0], atol=1e-6, rtol=4e-6)
+    torch.testing.assert_close(weights[:, top_k], torch.sigmoid(plain[2].float())[:, 0], atol=1e-6, rtol=4e-6)
+    if renormalize:
+        torch.testing.assert_close(weights[:, :top_k].sum(1), torch.ones(tokens, device=x.device))
+    assert counters(DEVICE)[ROUTER_COUNTER] == 0
 
 
 def check_router(got, want, tokens: int, top_k: int, shared: bool, dtype: torch.dtype) -> None:
@@ -94,6 +114,37 @@ def test_router_matches_the_reference(tokens, n_experts, shared, top_k, dtypes, 
     renormalize = top_k != 4
     got = moe_router(x, w, top_k, renormalize, n_experts, config=cfg)
     check_router(got, exact_ref(x, w, top_k, renormalize, n_experts), tokens, top_k, shared, dtypes[0])
+
+
+@pytest.mark.pairwise
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("n_experts,top_k", [(8, 2), (60, 8), (256, 10)])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtypes", [DTYPE_PAIRS["bf16"], DTYPE_PAIRS["fp32"], MIXED], ids=["bf16", "fp32", "mixed"])
+@pytest.mark.parametrize("tile", ["default", "small"])
+def test_router_folds_the_shared_expert(tokens, n_experts, top_k, renormalize, dtypes, tile):
+    """fold_shared: each token's top-k as without it, then the shared expert's pair (sigmoid of its gate logit
+    rounded to x's dtype, slot E), renormalisation over the routed k alone."""
+    hidden = 72 if tile == "small" else 40
+    cfg = None if tile == "default" else SMALL_FMA if tokens == 1 else SMALL_DOT
+    x, w = exact_router_inputs(tokens, n_experts + 1, hidden, dtypes)
+    check_folded(moe_router(x, w, top_k, renormalize, n_experts, True, config=cfg), x, w, top_k, renormalize,
+                 n_experts)
+
+
+def test_folding_needs_the_gate_row_and_room_for_the_pair():
+    """A folded router needs E + 1 rows and k + 1 <= 16 pairs: the fused launch refuses the rest (the reference too
+    without the gate row), and a NaN token still gets valid ids, the shared slot last."""
+    x, w = randn(2, 40), randn(9, 40)
+    assert router.supported(x, w, 2, 8, True) and not router.supported(x, w[:8], 2, 8, True)
+    assert router.supported(x, randn(17, 40), 15, 16, True) and not router.supported(x, randn(17, 40), 16, 16, True)
+    with pytest.raises(ValueError, match="gate row"):
+        moe_router_ref(x, w[:8], 2, True, 8, True)
+    x, w = exact_router_inputs(3, 9, 40, (torch.float32, torch.float32))
+    x[1] = float("nan")
+    weights, ids, _ = moe_router(x, w, 4, True, 8, True)
+    assert ids[1].tolist() == [0, 1, 2, 3, 8] and weights[1].isnan().all()
+    assert torch.equal(ids[[0, 2]], exact_ref(x[[0, 2]], w, 4, True, 8, True)[1])
 
 
 def test_router_on_normal_inputs_fp32():
@@ -166,6 +217,16 @@ def test_repeated_launches_and_a_replay_start_from_a_zero_counter():
         check_router(graph.replay(), exact_ref(x, w, 8, True, 60), 3, 8, True, torch.float32)
 
 
+def test_a_replay_of_the_folded_router_routes_its_own_x():
+    """Folded: a graph's replays (the interpreter's stand-in on the CPU) give each new x its own pairs, the shared
+    slot last, with no host op between the launches."""
+    x, w = exact_router_inputs(3, 61, 72, (torch.float32, torch.float32))
+    graph = Captured(lambda: moe_router(x, w, 8, True, 60, True, config=SMALL_DOT), [x, w, counters(DEVICE)])
+    for _ in range(3):
+        x.copy_(exact_router_inputs(3, 61, 72, (torch.float32, torch.float32))[0])
+        check_folded(graph.replay(), x, w, 8, True, 60)
+
+
 def test_router_arguments():
     """What the fused launch refuses (the triton backend then takes the linear + moe_route): more than 16 tokens, a
     weight of neither E nor E + 1 rows, a column-major weight, top_k beyond E or 16, E beyond 512, fp16 x with a bf16
@@ -219,13 +280,15 @@ def test_the_triton_op_fuses_decode_batches_only(monkeypatch):
         check_router(op(x, w, 4, True, 60), exact_ref(x, w, 4, True, 60), tokens, 4, True, torch.float32)
         weights, ids, gate = op(x, w[:60], 4, True, 60)
         assert gate is None and torch.equal(ids, exact_ref(x, w[:60], 4, True, 60)[1])
-    assert fused == [1, 1, 16, 16]
+        check_folded(op(x, w, 4, True, 60, True), x, w, 4, True, 60)
+    assert fused == [1, 1, 1, 16, 16, 16]
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["router", "shared"])
+@pytest.mark.parametrize("shared", ["none", "separate", "folded"])
 def test_the_moe_block_is_the_same_on_both_backends(shared):
-    """SparseMoE through the torch op table and the triton one (fused router, experts and combine) at decode and
-    prefill token counts: the same output within fp32 rounding."""
+    """SparseMoE through the torch op table and the triton one (fused router, experts and combine; folded: the
+    router's k + 1 pairs into the experts) at decode and prefill token counts: the same output within fp32
+    rounding."""
     from orinfer.layers.moe import ExpertWeights, SparseMoE
     from orinfer.layers.ops import TORCH_OPS
     from orinfer.layers.triton_ops import triton_ops
@@ -234,9 +297,9 @@ def test_the_moe_block_is_the_same_on_both_backends(shared):
     torch.manual_seed(7)
     blocks = []
     for ops in (TORCH_OPS, triton_ops()):
-        experts = ExpertWeights(n_experts, hidden, inter, ops, torch.float32)
+        experts = ExpertWeights(n_experts, hidden, inter, ops, torch.float32, shared_slot=shared == "folded")
         mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 16, bias=False), torch.nn.SiLU(),
-                                  torch.nn.Linear(16, hidden, bias=False)) if shared else None
+                                  torch.nn.Linear(16, hidden, bias=False)) if shared == "separate" else None
         blocks.append(SparseMoE(hidden, 3, True, ops, torch.float32, experts, mlp).to(DEVICE))
     with torch.no_grad():
         for p in blocks[0].parameters():
@@ -297,6 +360,21 @@ def test_gpu_router_and_combine_replay_in_a_cuda_graph(shape, tokens):
             want_combined = shared_expert_combine_ref(experts[real], shared_out[real], gate[real])
             torch.testing.assert_close(combined[real].double(), want_combined.double(), **tol(torch.bfloat16))
         assert counters(DEVICE)[ROUTER_COUNTER] == 0
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", list(DTYPE_PAIRS.values()), ids=list(DTYPE_PAIRS))
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 16])
+def test_gpu_router_folds_the_shared_expert_at_real_shapes(dtypes, tokens):
+    """Qwen3.5-35B-A3B's router with its shared expert folded (257 rows, top-8 + the shared pair), and a CUDA-graph
+    replay of it on new x."""
+    hidden, n_experts, _, top_k = QWEN3_5_35B
+    x, w = exact_router_inputs(tokens, n_experts + 1, hidden, dtypes)
+    check_folded(moe_router(x, w, top_k, True, n_experts, True), x, w, top_k, True, n_experts)
+    graph = Captured(lambda: moe_router(x, w, top_k, True, n_experts, True), [x, w, counters(DEVICE)])
+    x.copy_(exact_router_inputs(tokens, n_experts + 1, hidden, dtypes)[0])
+    check_folded(graph.replay(), x, w, top_k, True, n_experts)
 
 
 @gpu

@@ -3,9 +3,9 @@
 neither registers, nor the PDL handshake, nor the types across the last program's runtime branch).
 
 As the engine launches them (`sm90.recorded_launches`: the launcher's own specialisation), at Qwen3.5-35B-A3B's
-router (H 2048, 256 experts + the shared gate row, top-8) and Qwen3-30B-A3B's (128 experts), in bf16, mixed (fp32 x,
-bf16 W) and fp32, for one token (the FMA loop) and several (the tensor-core loop), and 512 experts top-10 at 16
-tokens (the tail routes 8 tokens at a time): each compiles with no local-memory spills, waits for its predecessor
+router (H 2048, 256 experts + the shared gate row, top-8; also with the shared expert folded: k + 1 pairs out) and
+Qwen3-30B-A3B's (128 experts), in bf16, mixed (fp32 x, bf16 W) and fp32, for one token (the FMA loop) and several
+(the tensor-core loop), and 512 experts top-10 at 16 tokens (the tail routes 8 tokens at a time): each compiles with no local-memory spills, waits for its predecessor
 (PDL) before touching global memory, counts its programs in with a global atomic, and the 16-bit tensor-core tiles
 run on wgmma.
 """
@@ -24,15 +24,17 @@ from orinfer.kernels import moe_router, moe_shared, sm90
 DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "mixed": (torch.float32, torch.bfloat16),
           "fp32": (torch.float32, torch.float32)}
 out = {}
-for name, (dtypes, tokens, experts, rows, top_k) in {
-        "bf16-T1-E257": ("bf16", 1, 256, 257, 8), "bf16-T16-E257": ("bf16", 16, 256, 257, 8),
-        "bf16-T1-E128": ("bf16", 1, 128, 128, 8), "bf16-T4-E128": ("bf16", 4, 128, 128, 8),
-        "mixed-T1-E257": ("mixed", 1, 256, 257, 8), "mixed-T8-E257": ("mixed", 8, 256, 257, 8),
-        "fp32-T4-E128": ("fp32", 4, 128, 128, 8), "bf16-T16-E512-k10": ("bf16", 16, 512, 513, 10)}.items():
+for name, (dtypes, tokens, experts, rows, top_k, fold) in {
+        "bf16-T1-E257": ("bf16", 1, 256, 257, 8, False), "bf16-T16-E257": ("bf16", 16, 256, 257, 8, False),
+        "bf16-T1-E128": ("bf16", 1, 128, 128, 8, False), "bf16-T4-E128": ("bf16", 4, 128, 128, 8, False),
+        "mixed-T1-E257": ("mixed", 1, 256, 257, 8, False), "mixed-T8-E257": ("mixed", 8, 256, 257, 8, False),
+        "fp32-T4-E128": ("fp32", 4, 128, 128, 8, False), "bf16-T16-E512-k10": ("bf16", 16, 512, 513, 10, False),
+        "bf16-T1-E257-fold": ("bf16", 1, 256, 257, 8, True), "bf16-T16-E257-fold": ("bf16", 16, 256, 257, 8, True),
+        "bf16-T16-E512-k10-fold": ("bf16", 16, 512, 513, 10, True)}.items():
     x_dtype, w_dtype = DTYPES[dtypes]
     with sm90.recorded_launches(moe_router) as recorded:
         moe_router.moe_router(torch.empty(tokens, 2048, dtype=x_dtype), torch.empty(rows, 2048, dtype=w_dtype), top_k,
-                              True, experts)
+                              True, experts, fold)
     (launch,) = recorded
     out[name] = launch
 for tokens in (1, 64):
@@ -57,9 +59,9 @@ def built() -> dict:
     return compile_in_child(_COMPILE)
 
 
-@pytest.mark.slow  # ten kernels through ptxas on the CPU (a minute or two on a loaded machine): CI's slow tier
+@pytest.mark.slow  # 13 kernels through ptxas on the CPU (a minute or two on a loaded machine): CI's slow tier
 def test_router_and_combine_compile_for_sm90(built):
-    assert len(built) == 10
+    assert len(built) == 13
     for name, got in built.items():
         assert got["stack"] == 0, f"{name}: {got['stack']} bytes of spills ({got['regs']} registers)"
         ops = [op.split(".")[0] for op in got["ops"]]

@@ -7,8 +7,9 @@ Checkpoints are written by tests/quant_packers.py from the formats' definitions,
 expert's gate_proj / up_proj / down_proj quantized on its own (`experts.{e}.gate_proj.qweight`, `.qzeros`,
 `.scales`, GPTQ's `.g_idx`), the shared expert and the attention / linear-attention projections likewise, the router
 (`mlp.gate`), the shared-expert gate, norms and lm_head 16-bit. Shapes: experts of width 32 (whole groups of 16 /
-32), Qwen3.5's shared expert 64 wide and 16 value heads (in_proj_b / in_proj_a in whole words). The Triton expert
-kernels: tests/test_moe_w4_kernels.py.
+32), Qwen3.5's shared expert as wide (so folded into the experts as their last slot, its qweight / qzeros / scales /
+g_idx loaded there) and 16 value heads (in_proj_b / in_proj_a in whole words). The Triton expert kernels:
+tests/test_moe_w4_kernels.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ pytest.importorskip("transformers")
 slow = pytest.mark.slow
 
 QWEN3_MOE = ("qwen3moe-e16-top4-dense1", dict(moe_intermediate_size=32))
-QWEN3_5_MOE = ("qwen3.5moe-e6-top2", dict(moe_intermediate_size=32, shared_expert_intermediate_size=64,
+QWEN3_5_MOE = ("qwen3.5moe-e6-top2", dict(moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                           linear_num_value_heads=16))
 CASES = {  # id: (tiny model and its overrides, format, group size)
     "qwen3moe-awq-g16": (QWEN3_MOE, "awq", 16),
@@ -75,8 +76,10 @@ def test_w4_moe_logits_and_greedy_match_hf(w4_moe):
     assert tensors["model.layers.0.mlp.experts.1.up_proj.qweight"].dtype == torch.int32
     assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32
     llm = assert_matches_hf(path, hf)
-    experts = llm.engine.runner.model.layers[0].mlp.experts
-    assert isinstance(experts, W4ExpertWeights) and experts.repacked
+    mlp = llm.engine.runner.model.layers[0].mlp
+    assert isinstance(mlp.experts, W4ExpertWeights) and mlp.experts.repacked
+    # Qwen3.5: the 4-bit shared expert, as wide as the experts, folded into them
+    assert mlp.folded == ("model.layers.0.mlp.shared_expert.up_proj.qweight" in tensors)
 
 
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 5}], ids=["batched", "chunked"])

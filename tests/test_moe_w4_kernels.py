@@ -98,7 +98,10 @@ def test_w4_configs_step_one_chunk():
     pytest.param(1, 4, 1, "random", None, (96, 64, 32), marks=slow), (3, 8, 2, "same", DECODE_DOT, (96, 64, 32)),
     (5, 12, 3, "skip", DECODE_DOT_SPLIT, (80, 48, 16)),
     pytest.param(7, 8, 2, "random", None, (256, 128, 128), marks=slow),
-    pytest.param(16, 4, 2, "random", DECODE_DOT_SPLIT, (256, 128, 128), marks=slow)])
+    pytest.param(16, 4, 2, "random", DECODE_DOT_SPLIT, (256, 128, 128), marks=slow),
+    # a folded shared expert (the last slot, in every token's pairs)
+    (1, 9, 3, "shared", DECODE_FMA, (80, 48, 16)), (9, 9, 3, "shared", GROUPED_16, (80, 48, 16)),
+    pytest.param(5, 9, 3, "shared", DECODE_DOT, (96, 64, 32), marks=slow)])
 def test_fused_moe_w4(tokens, n_experts, top_k, mode, cfg, shape):
     """Each path in fp32 against fp64 on the dequantised experts (H, I, group)."""
     hidden, inter, group = shape

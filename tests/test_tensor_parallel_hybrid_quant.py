@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import build_hf_qwen3_5, save_hf_model
+from hf_models import build_hf_qwen3_5, build_hf_qwen3_5_moe, save_hf_model
 from orinfer.quant.rtn import quantize_rtn
 from quant_packers import LINEARS, is_decoder_linear, write_fp8_checkpoint
 from orinfer import LLM
@@ -47,10 +47,14 @@ WIDE = dict(hidden_size=256, head_dim=128, linear_key_head_dim=128, linear_value
 # AWQ (groups of 32, 8 outputs a word): 16 value heads of 8, so a rank's in_proj_b / in_proj_a (8 rows at 2 ranks)
 # are whole words.
 AWQ_SHAPES = dict(linear_num_value_heads=16, intermediate_size=128)
+# Qwen3.5-MoE with FP8 experts of 32 (16 x 16 blocks: 16 rows a rank at 2 ranks) and a shared expert as wide, folded
+# into them as their last slot.
+MOE = dict(linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 BLOCK = (16, 16)
 
 MODELS = {  # id: (tiny model, its overrides, format)
     "fp8": ("qwen3.5-interval4-untied", SMALL, "fp8"),
+    "fp8-moe": ("qwen3.5moe-e6-top2", MOE, "fp8"),
     "fp8-online": ("qwen3.5-interval4-untied", WIDE, "fp8-online"),
     "awq": ("qwen3.5-interval4-untied", AWQ_SHAPES, "awq"),
 }
@@ -90,7 +94,8 @@ def quantized(tmp_path_factory):
         if model_id not in made:
             kind, overrides, fmt = MODELS[model_id]
             root = tmp_path_factory.mktemp(model_id)
-            orig = save_hf_model(build_hf_qwen3_5(kind, **overrides), root / "orig")
+            build = build_hf_qwen3_5_moe if kind.startswith("qwen3.5moe") else build_hf_qwen3_5
+            orig = save_hf_model(build(kind, **overrides), root / "orig")
             if fmt == "fp8":
                 layers = ModelConfig.from_hf(orig).num_hidden_layers
                 write_fp8_checkpoint(orig, root / "q", block=BLOCK, not_convert=("lm_head", *a_b_names(layers)))
@@ -108,6 +113,7 @@ def quantized(tmp_path_factory):
 
 @pytest.mark.parametrize("model_id,world", [
     ("fp8", 2), pytest.param("fp8-online", 2, marks=SLOW), pytest.param("awq", 2, marks=SLOW),
+    pytest.param("fp8-moe", 2, marks=SLOW),
     *(pytest.param(m, 4, marks=SLOW) for m in ("fp8", "fp8-online"))])
 def test_greedy_matches_the_single_process_engine(quantized, model_id, world):
     path, online = quantized(model_id)
@@ -129,11 +135,12 @@ def per_element(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:shape[0], :shape[1]]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_each_rank_holds_its_fp8_blocks(quantized, tmp_path, monkeypatch, world):
+@pytest.mark.parametrize("model_id,world", [("fp8", 2), ("fp8", 4), ("fp8-moe", 2)])
+def test_each_rank_holds_its_fp8_blocks(quantized, tmp_path, monkeypatch, model_id, world):
     """Every FP8 code and block scale of every rank is the checkpoint's for its rows and columns (q | k | v by key
-    and value heads, KV and key heads replicated at 4 ranks), and in_proj_a / in_proj_b stay 16-bit (fp32 here)."""
-    path, _ = quantized("fp8")
+    and value heads, KV and key heads replicated at 4 ranks; MoE: each expert's and the folded shared expert's split
+    inside), and in_proj_a / in_proj_b stay 16-bit (fp32 here)."""
+    path, _ = quantized(model_id)
     cfg = ModelConfig.from_hf(path)
     tensors = load_file(str(path / "model.safetensors"))
     assert tensors["model.layers.0.linear_attn.in_proj_b.weight"].dtype == torch.float32

@@ -299,24 +299,28 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
 def _moe_router_rows(add: Callable, randn: Callable, hidden: int, top_k: int, esize: int) -> None:
     """The fused router (kernels/moe_router.py: GEMV, softmax, top-k and the shared gate's logit in one launch) against
     the triton backend's two-kernel path it replaces (the linear, then moe_route; "torch" column), for Qwen3-30B-A3B's
-    128 experts and Qwen3.5-35B-A3B's 256 + the shared gate row. Bytes: the router weight, x, the routing."""
+    128 experts and Qwen3.5-35B-A3B's 256 + the shared gate row (also folded: the shared expert's pair appended, k + 1
+    out). Bytes: the router weight, x, the routing."""
     from orinfer.kernels.moe_ops import moe_route
     from orinfer.kernels.moe_router import default_config, moe_router
     from orinfer.layers.triton_ops import triton_linear
 
-    for n_exp, rows in ((128, 128), (256, 257)):
+    for n_exp, rows, fold in ((128, 128, False), (256, 257, False), (256, 257, True)):
         w = randn(rows, hidden, scale=hidden ** -0.5)
         for t in (1, 8, 16):
             x = randn(t, hidden)
 
-            def unfused(x=x, w=w, n_exp=n_exp):
+            def unfused(x=x, w=w, n_exp=n_exp, fold=fold):
                 logits = triton_linear(x, w)
+                if fold:
+                    return moe_route(logits[:, :n_exp], top_k, True, shared_logit=logits[:, n_exp:])
                 return moe_route(logits[:, :n_exp], top_k, True), logits[:, n_exp:]
 
             cfg = default_config(t, x.dtype, w.dtype)
-            add("moe_router (GEMV+top-k, one launch) vs linear+moe_route", f"T={t} E={n_exp} rows={rows} H={hidden}",
-                rows * hidden * esize + t * hidden * esize + t * top_k * 8,
-                lambda x=x, w=w, n_exp=n_exp: moe_router(x, w, top_k, True, n_exp), unfused,
+            add("moe_router (GEMV+top-k, one launch) vs linear+moe_route",
+                f"T={t} E={n_exp} rows={rows}{' folded' if fold else ''} H={hidden}",
+                rows * hidden * esize + t * hidden * esize + t * (top_k + fold) * 8,
+                lambda x=x, w=w, n_exp=n_exp, fold=fold: moe_router(x, w, top_k, True, n_exp, fold), unfused,
                 config=f"{'dot' if cfg.use_dot else 'fma'} n={cfg.block_n} k={cfg.block_k} w={cfg.num_warps}")
 
 

@@ -19,9 +19,10 @@ def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def routed_expert_bytes(model: torch.nn.Module) -> int:
-    """Bytes of all routed experts' weights of `model` (part of its parameters)."""
-    return sum(p.numel() * p.element_size() for module in model.modules() if isinstance(module, ExpertWeights)
-               for p in module.parameters())
+    """Bytes of all routed experts' weights of `model` (part of its parameters); a shared expert folded into an
+    experts module (its last slot, every token reads it) is not routed: its share is left out."""
+    return sum(p.numel() * p.element_size() * module.num_routed // module.num_experts
+               for module in model.modules() if isinstance(module, ExpertWeights) for p in module.parameters())
 
 
 def decode_bytes_per_step(cfg: ModelConfig, weight_bytes: int, context: int, kv_elem: int, batch: int = 1,

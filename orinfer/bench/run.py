@@ -74,15 +74,16 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
 
 
 def route_every_token_to_the_first_experts(model: torch.nn.Module) -> int:
-    """Zeroes the expert rows of every MoE router (a shared-expert gate row packed below them stays): each token's
-    expert logits then tie, and ties go to the lowest ids (the routing kernels' contract), so every token picks
-    experts 0..k-1 with equal weights: the skewed load of `--moe-skew`. Returns the MoE layers changed."""
+    """Zeroes the routed experts' rows of every MoE router (a shared-expert gate row packed below them stays, and a
+    folded shared expert keeps its slot and gate): each token's expert logits then tie, and ties go to the lowest ids
+    (the routing kernels' contract), so every token picks experts 0..k-1 with equal weights: the skewed load of
+    `--moe-skew`. Returns the MoE layers changed."""
     from orinfer.layers.moe import SparseMoE
 
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     with torch.no_grad():
         for moe in layers:
-            moe.gate.weight[:moe.experts.num_experts].zero_()
+            moe.gate.weight[:moe.num_experts].zero_()
     return len(layers)
 
 

@@ -91,7 +91,8 @@ def check_split_shapes(cfg: ModelConfig, world_size: int) -> None:
     slicers = [checkpoint_slicer(cls.tensor_parallel_plan, cfg, TensorParallelGroup(rank, world_size))
                for rank in range(world_size)]
     for name, (fin, fout, bias) in _split_linears(cfg, cls.hf_prefix).items():
-        stored = stored_format(cfg.quantization, name.rsplit(".", 1)[-1])
+        parts = tuple(name.split("."))
+        stored = stored_format(cfg.quantization, parts[-1], parts[:-1])
         for kind, shape in checkpoint_shapes(stored, fin, fout, bias).items():
             for slicer in slicers:
                 slicer(f"{name}.{kind}", shape)
@@ -212,7 +213,7 @@ def checkpoint_slicer(plan: dict[str, Any], cfg: ModelConfig, group: TensorParal
         split = split_of(module)
         if split is None:
             return None
-        stored = None if module in unquantized else stored_format(cfg.quantization, module)
+        stored = None if module in unquantized else stored_format(cfg.quantization, module, tuple(parts[:-2]))
         return tensor_slice(stored, kind, split, shape, f"{name} (tensor_parallel_size {world})")
 
     return slicer

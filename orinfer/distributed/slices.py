@@ -108,14 +108,21 @@ class OutputAxis:
 PLAIN = OutputAxis(0)  # a 16-bit tensor whose rows are the channels (a weight [N, K], a bias, a conv's channels)
 
 
-def stored_format(quant: AnyQuantConfig | None, module: str) -> AnyQuantConfig | None:
+# Modules whose listing in modules_to_not_convert keeps every linear inside them 16-bit (an MoE layer's shared
+# expert: layers/linear_types.shared_expert_format builds it so).
+_LISTED_WHOLE = ("shared_expert",)
+
+
+def stored_format(quant: AnyQuantConfig | None, module: str, within: tuple[str, ...] = ()) -> AnyQuantConfig | None:
     """The format in which the checkpoint stores module `module`'s (a sub-name, "in_proj_a") tensors: None (16-bit)
     for an online-FP8 checkpoint (16-bit on disk) and for a module that modules_to_not_convert lists in any layer
-    (FP8's 16-bit in_proj_a / in_proj_b, as FP8Config.dense_shards reads it); otherwise `quant`."""
+    (FP8's 16-bit in_proj_a / in_proj_b, as FP8Config.dense_shards reads it), or whose enclosing modules `within`
+    (the name's parts before it) include a listed shared expert; otherwise `quant`."""
     if quant is None or (isinstance(quant, FP8Config) and quant.online):
         return None
     listed = {name.rsplit(".", 1)[-1] for name in getattr(quant, "modules_to_not_convert", ())}
-    return None if module in listed else quant
+    inside = listed.intersection(_LISTED_WHOLE).intersection(within)
+    return None if module in listed or inside else quant
 
 
 def output_axis(quant: AnyQuantConfig | None, kind: str) -> OutputAxis | None:

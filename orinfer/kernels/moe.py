@@ -9,10 +9,14 @@ A sparse MoE block (Qwen3-MoE, the Qwen3.5-family MoE, Qwen3-VL-MoE) sends each 
     FFN_e(x) = (silu(x Wg_e^T) * (x Wu_e^T)) Wd_e^T
 
 Expert weights are packed at load into two tensors: `w13` [E, 2I, H] (gate rows 0..I-1, then up rows I..2I-1, as HF
-transformers' `gate_up_proj`) and `w2` [E, H, I] (`down_proj`). A shared expert, when the model has one, is an ordinary
-MLP outside these ops; its [1, H] gate is one more row of the router's weight, so `moe_router_ref` (the router's
-linear and the routing as one op) returns its logit beside the routing, and `shared_expert_combine_ref` adds
-sigmoid(logit) times its output to the experts' (kernels/moe_router.py and kernels/moe_shared.py: the Triton kernels).
+transformers' `gate_up_proj`) and `w2` [E, H, I] (`down_proj`). A shared expert, when the model has one, runs every
+token scaled by sigmoid(its gate's logit); its [1, H] gate is one more row of the router's weight, so `moe_router_ref`
+(the router's linear and the routing as one op) computes that logit beside the routing. Either the shared expert is
+an ordinary MLP outside these ops (the router returns the logit and `shared_expert_combine_ref` adds sigmoid(logit)
+times its output to the experts'), or it is folded into the experts as slot E (w13 / w2 then hold E + 1 experts):
+the router then appends the pair (sigmoid(logit), E) to each token's top-k (`moe_route_ref`'s `shared_logit`), so
+the expert ops run it beside the routed ones, k + 1 pairs a token (layers/moe.py; kernels/moe_route.py,
+moe_router.py and moe_shared.py: the Triton kernels).
 
 The Triton path (`kernels/moe_ops.py`) sorts the (token, slot) pairs by expert first (`moe_align_ref` is that
 intermediate's contract), so each expert's weights are read once per block of its rows.
@@ -26,37 +30,53 @@ import torch
 import torch.nn.functional as F
 
 
-def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype) -> (weights [T, top_k] fp32, expert ids [T, top_k] int32).
 
     Softmax over all experts in fp32, the top_k largest (ties: the lower expert id, by a stable sort: torch.topk
     leaves the order of ties unspecified, and on the CPU takes the higher ids), divided by their sum when
-    `renormalize`. The weights stay fp32; the expert op rounds them where it multiplies."""
+    `renormalize`. The weights stay fp32; the expert op rounds them where it multiplies.
+
+    With `shared_logit` [T, 1] (a folded shared expert's gate logit, any float dtype) each token gets one more pair,
+    last: weight sigmoid(shared_logit) in fp32, id E (the shared expert's slot); [T, top_k + 1] each. It is never part
+    of the renormalisation, which sums the routed top_k alone."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared_logit is not None:
+        weights = torch.cat([weights, torch.sigmoid(shared_logit.float())], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], router_logits.shape[1])], dim=1)
     return weights, ids.to(torch.int32)
 
 
-def moe_router_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, *,
-                   linear: Callable | None = None, route: Callable = moe_route_ref
+def moe_router_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int,
+                   fold_shared: bool = False, *, linear: Callable | None = None, route: Callable = moe_route_ref
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H], the router's weight [N, H] with N = E (`num_experts`) or E + 1 (the last row: the shared expert's
     gate, layers/moe.py) -> (weights [T, top_k] fp32, ids [T, top_k] int32, shared_logit [T, 1] in x's dtype or
     None when N = E).
 
     logits = x W^T in x's dtype (F.linear, a 16-bit W widened for fp32 x, as every reference linear); the first E
-    columns are routed (`route`: `moe_route_ref`'s contract), column E is the shared expert's gate logit. A backend
-    may pass its own `linear` (with that contract) and `route` (the triton backend does, for more tokens than
-    kernels/moe_router.py's fused launch takes)."""
+    columns are routed (`route`: `moe_route_ref`'s contract), column E is the shared expert's gate logit.
+    `fold_shared` (N = E + 1: the shared expert is the experts' slot E): that logit goes to `route` as its
+    `shared_logit`, so weights and ids are [T, top_k + 1], the last pair (sigmoid(logit), E), and no logit is
+    returned (None). A backend may pass its own `linear` (with that contract) and `route` (the triton backend does,
+    for more tokens than kernels/moe_router.py's fused launch takes)."""
+    if fold_shared and weight.shape[0] != num_experts + 1:
+        raise ValueError(f"moe_router: folding the shared expert needs its gate row after the {num_experts} "
+                         f"experts' rows, weight has {weight.shape[0]} rows")
     if linear is None:
         logits = F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     else:
         logits = linear(x, weight)
+    shared = logits[:, num_experts:] if weight.shape[0] > num_experts else None
+    if fold_shared:
+        return (*route(logits[:, :num_experts], top_k, renormalize, shared_logit=shared), None)
     weights, ids = route(logits[:, :num_experts], top_k, renormalize)
-    return weights, ids, logits[:, num_experts:] if weight.shape[0] > num_experts else None
+    return weights, ids, shared
 
 
 def shared_expert_combine_ref(experts_out: torch.Tensor, shared_out: torch.Tensor, gate_logit: torch.Tensor

@@ -26,6 +26,9 @@ table's range). Extra fields (the measured "us") are ignored. A table applies to
 dtype; fp32 and mixed (fp32 x, 16-bit weights) calls, and shapes or GPUs without a table, take `default_config`.
 FP8 experts with 16-bit x at T = 1 run the gemv path whatever the table says; a "gemv" entry gives its tiles
 (`kernels/moe_ops.py`).
+Experts with a folded shared expert (layers/moe.py: E routed experts + 1 slot, k + 1 pairs a token) take the table of
+their own shape (E + 1, k + 1) when there is one, else that of the routed experts (E, k): the same weights per pair
+and one more pair a token (the shared slot's, chosen by every token), which tiles tuned for k pairs run well.
 """
 
 from __future__ import annotations
@@ -142,8 +145,18 @@ def table_lookup(x: torch.Tensor, experts: int, hidden: int, inter: int, top_k: 
     """The current GPU's table entry for x's T tokens and this expert shape and weights (None without one). Host-only
     (a cached file read): safe inside CUDA-graph capture."""
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    name = table_name(_device_name(index), experts, hidden, inter, top_k, weights)
-    return table_config(x.shape[0], load_table(str(TABLE_DIR / name)))
+    return table_config(x.shape[0], table_for(_device_name(index), experts, hidden, inter, top_k, weights))
+
+
+def table_for(device_name: str, experts: int, hidden: int, inter: int, top_k: int, weights: torch.dtype | str
+              ) -> dict[int, MoeConfig]:
+    """The table of this GPU, expert shape and weights, or for E slots and k pairs without one, that of E - 1 experts
+    and k - 1 pairs (a folded shared expert's slot beside routed experts that have a table: module docstring); {}
+    when neither exists."""
+    table = load_table(str(TABLE_DIR / table_name(device_name, experts, hidden, inter, top_k, weights)))
+    if not table and experts > 1 and top_k > 1:
+        table = load_table(str(TABLE_DIR / table_name(device_name, experts - 1, hidden, inter, top_k - 1, weights)))
+    return table
 
 
 def pick_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:

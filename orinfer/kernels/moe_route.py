@@ -6,7 +6,9 @@ Math, per token t (row of router_logits [T, E], any float dtype, E <= 512), in f
     ids[t, :] = the top_k experts by x (softmax is monotonic), ties to the lower id; weights[t, j] = p[ids[t, j]]
     renormalize: weights[t, :] /= sum_j weights[t, j]
 
-Outputs weights [T, k] fp32 and ids [T, k] int32 (k <= 16). The choice is made on the logits, not on the rounded
+Outputs weights [T, k] fp32 and ids [T, k] int32 (k <= 16). With a folded shared expert's gate logits g [T, 1]
+(`shared_logit`) every row gets a (k+1)-th pair, weights[t, k] = sigmoid(g[t]) in fp32 and ids[t, k] = E, after the
+renormalisation (which sums the routed k alone): [T, k + 1] each, k + 1 <= 16. The choice is made on the logits, not on the rounded
 probabilities: equal logits go to the lower id as torch.topk does; two different logits whose fp32 probabilities
 happen to round to the same value (|x| below ~1e-7 apart) are ordered by the logits, where the reference would take
 the lower id (same weight either way).
@@ -69,8 +71,18 @@ def route_rows(x, pad, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
-def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def append_shared(weights, ids, logit, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`route_rows`' weights and ids [R, BLOCK_K] with the shared expert's pair in column TOP_K (which must be <
+    BLOCK_K): weight sigmoid(logit) (logit [R] fp32, rounded as the reference's dtype already), id E."""
+    last = tl.arange(0, BLOCK_K)[None, :] == TOP_K
+    weights = tl.where(last, tl.sigmoid(logit)[:, None], weights)
+    return weights, tl.where(last, E, ids)
+
+
+@triton.jit
+def _moe_route_kernel(logits_ptr, gate_ptr, w_ptr, ids_ptr, T, E, stride_t, stride_g, TOP_K: tl.constexpr,
+                      RENORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -83,37 +95,52 @@ def _moe_route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, TOP_K: tl.cons
     if PDL:
         gdc_launch_dependents()
     weights, ids = route_rows(x, pad, TOP_K, RENORM, BLOCK_E, BLOCK_K)
+    if SHARED:
+        logit = tl.load(gate_ptr + src * stride_g).to(tl.float32)
+        weights, ids = append_shared(weights, ids, logit, E, TOP_K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    out = rows.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
-    mask = (rows[:, None] < T) & (offs_k[None, :] < TOP_K)
+    out = rows.to(tl.int64)[:, None] * (TOP_K + SHARED) + offs_k[None, :]
+    mask = (rows[:, None] < T) & (offs_k[None, :] < TOP_K + SHARED)
     tl.store(w_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_logit: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (fp32/fp16/bf16, unit last stride) -> (weights [T, top_k] fp32, ids [T, top_k] int32),
-    as `moe_route_ref`; E <= 512 and top_k <= 16."""
+    as `moe_route_ref`; E <= 512 and top_k <= 16. `shared_logit` [T, 1] (any strides): the shared expert's pair
+    appended (module docstring), [T, top_k + 1] each, top_k + 1 <= 16."""
     check_device(router_logits)
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     tokens, experts = router_logits.shape
+    shared = shared_logit is not None
     if not 1 <= experts <= MAX_EXPERTS:
         raise ValueError(f"moe_route handles 1..{MAX_EXPERTS} experts, got {experts}")
-    if not 1 <= top_k <= min(experts, MAX_TOP_K):
-        raise ValueError(f"top_k must be in 1..min(E, {MAX_TOP_K}), got {top_k} for E = {experts}")
-    if router_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"router_logits must be a float tensor, got {router_logits.dtype}")
+    if not 1 <= top_k <= min(experts, MAX_TOP_K - shared):
+        raise ValueError(f"top_k must be in 1..min(E, {MAX_TOP_K}{' - 1 (the shared pair)' if shared else ''}), got "
+                         f"{top_k} for E = {experts}")
+    if router_logits.dtype not in _FLOATS or (shared and shared_logit.dtype not in _FLOATS):
+        raise ValueError(f"router_logits and shared_logit must be float tensors, got {router_logits.dtype}"
+                         f"{f' and {shared_logit.dtype}' if shared else ''}")
+    if shared and tuple(shared_logit.shape) != (tokens, 1):
+        raise ValueError(f"shared_logit must be [T, 1] = [{tokens}, 1], got {tuple(shared_logit.shape)}")
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    width = top_k + shared
+    weights = torch.empty(tokens, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, width, dtype=torch.int32, device=router_logits.device)
     if tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(experts)
     block_t = min(triton.next_power_of_2(tokens), max(1, 4096 // block_e))   # ~4K fp32 values per program
     pdl = use_pdl(router_logits)
     _moe_route_kernel[(triton.cdiv(tokens, block_t),)](
-        router_logits, weights, ids, tokens, experts, router_logits.stride(0), TOP_K=top_k, RENORM=renormalize,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl, num_warps=4,
-        launch_pdl=pdl)
+        router_logits, shared_logit if shared else router_logits, weights, ids, tokens, experts,
+        router_logits.stride(0), shared_logit.stride(0) if shared else 0, TOP_K=top_k, RENORM=renormalize,
+        SHARED=shared, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(width), PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
     return weights, ids

@@ -9,7 +9,10 @@ the shared expert's gate (layers/moe.py: SHARED_GATE_PACKING):
     weights, ids = route(logits[:, :E])             kernels/moe_route.py's math, tie and NaN rules (its `route_rows`)
     shared_logit[t] = logits[t, E]                  (N = E + 1 only)
 
-Outputs: weights [T, k] fp32, ids [T, k] int32, shared_logit [T, 1] in x's dtype (None when N = E).
+Outputs: weights [T, k] fp32, ids [T, k] int32, shared_logit [T, 1] in x's dtype (None when N = E). Folded (the
+shared expert is the experts' slot E, `fold_shared`): weights and ids [T, k + 1], the last pair (sigmoid(round_x(
+logits[t, E])), E) after the renormalisation (kernels/moe_route.py: `append_shared`), and no shared_logit: the
+decode step's shared expert then runs inside the expert kernels, no launch of its own.
 
 Why: at batch 1 the router is a ~1 MB GEMV and a 256-wide top-k, two kernels of ~5 us each on an H200 (cuBLAS, then
 `moe_route`), nearly all launch and tail latency; here they are one launch whose routing runs in the GEMV's tail.
@@ -44,7 +47,7 @@ from orinfer.kernels import gemv
 from orinfer.kernels.fp8_mm import sm_count
 from orinfer.kernels.gemv import check_device, interpreting
 from orinfer.kernels.gemv_rows import weight_tile
-from orinfer.kernels.moe_route import MAX_EXPERTS, MAX_TOP_K, route_rows
+from orinfer.kernels.moe_route import MAX_EXPERTS, MAX_TOP_K, append_shared, route_rows
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import MAX_TILES, counters, plan
 
@@ -90,10 +93,10 @@ def _summed(ws_ptr, offs, mask, plane, SPLIT: tl.constexpr):
 
 @triton.jit
 def _route_tokens(ws_ptr, wts_ptr, ids_ptr, gate_ptr, T, N, E, act_ty: tl.constexpr, TOP_K: tl.constexpr,
-                  RENORM: tl.constexpr, HAS_GATE: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr):
+                  RENORM: tl.constexpr, HAS_GATE: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr):
     """The last program's work: every token's logits from the workspace, rounded to x's dtype, routed and stored;
-    the gate logit (column E) stored in x's dtype."""
+    the gate logit (column E) stored in x's dtype, or (FOLD) appended as the shared expert's pair."""
     offs_e = tl.arange(0, BLOCK_E)
     pad = offs_e[None, :] >= E
     offs_k = tl.arange(0, BLOCK_KS)
@@ -103,19 +106,22 @@ def _route_tokens(ws_ptr, wts_ptr, ids_ptr, gate_ptr, T, N, E, act_ty: tl.conste
         logits = _summed(ws_ptr, src[:, None] * N + offs_e[None, :], ~pad, T * N, SPLIT)
         logits = tl.where(pad, float("-inf"), logits.to(act_ty).to(tl.float32))
         weights, ids = route_rows(logits, pad, TOP_K, RENORM, BLOCK_E, BLOCK_KS)
-        out = rows.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
-        mask = (rows[:, None] < T) & (offs_k[None, :] < TOP_K)
+        if HAS_GATE:
+            gate = _summed(ws_ptr, src * N + E, rows < T, T * N, SPLIT).to(act_ty)
+            if FOLD:
+                weights, ids = append_shared(weights, ids, gate.to(tl.float32), E, TOP_K, BLOCK_KS)
+            else:
+                tl.store(gate_ptr + rows, gate, mask=rows < T)
+        out = rows.to(tl.int64)[:, None] * (TOP_K + FOLD) + offs_k[None, :]
+        mask = (rows[:, None] < T) & (offs_k[None, :] < TOP_K + FOLD)
         tl.store(wts_ptr + out, weights, mask=mask)
         tl.store(ids_ptr + out, ids, mask=mask)
-        if HAS_GATE:
-            gate = _summed(ws_ptr, src * N + E, rows < T, T * N, SPLIT)
-            tl.store(gate_ptr + rows, gate.to(act_ty), mask=rows < T)
 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, ws_ptr, cnt_ptr, wts_ptr, ids_ptr, gate_ptr, T, N, K, E, K_SPLIT, programs,
                    stride_xt, stride_wn, TOP_K: tl.constexpr, RENORM: tl.constexpr, HAS_GATE: tl.constexpr,
-                   SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
+                   FOLD: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, PDL: tl.constexpr):
     """Partial logits of BLOCK_N router rows over one slice of H for every token, then (last program) the routing;
@@ -169,17 +175,19 @@ def _router_kernel(x_ptr, w_ptr, ws_ptr, cnt_ptr, wts_ptr, ids_ptr, gate_ptr, T,
     tl.debug_barrier()                      # every thread's partials are issued before the release below
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
         _route_tokens(ws_ptr, wts_ptr, ids_ptr, gate_ptr, T, N, E, x_ptr.dtype.element_ty, TOP_K, RENORM, HAS_GATE,
-                      SPLIT, ROWS, BLOCK_E, BLOCK_KS)
+                      FOLD, SPLIT, ROWS, BLOCK_E, BLOCK_KS)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor, top_k: int, num_experts: int) -> bool:
+def supported(x: torch.Tensor, weight: torch.Tensor, top_k: int, num_experts: int, fold_shared: bool = False
+              ) -> bool:
     """Whether `moe_router` takes these arguments: x [T, H] with 1 <= T <= MAX_TOKENS, a row-major W [E or E + 1, H]
-    in a dtype pair the GEMV handles (`gemv.supported`), E <= 512 and top_k <= min(E, 16)."""
+    (E + 1 to fold the shared expert) in a dtype pair the GEMV handles (`gemv.supported`), E <= 512 and top_k <=
+    min(E, 16) (16 pairs with the folded shared one)."""
+    rows = (num_experts + 1,) if fold_shared else (num_experts, num_experts + 1)
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_TOKENS and weight.dim() == 2 and weight.shape[1] == x.shape[1]
-            and weight.shape[0] in (num_experts, num_experts + 1) and weight.stride(1) == 1
-            and 1 <= num_experts <= MAX_EXPERTS and 1 <= top_k <= min(num_experts, MAX_TOP_K)
-            and gemv.supported(x, weight))
+            and weight.shape[0] in rows and weight.stride(1) == 1 and 1 <= num_experts <= MAX_EXPERTS
+            and 1 <= top_k <= min(num_experts, MAX_TOP_K - fold_shared) and gemv.supported(x, weight))
 
 
 def default_config(tokens: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> RouterConfig:
@@ -190,22 +198,26 @@ def default_config(tokens: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> R
 
 
 def moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int,
-               config: RouterConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               fold_shared: bool = False, config: RouterConfig | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`moe_router_ref`'s contract in one launch: x [T, H] (1 <= T <= 16), weight [E or E + 1, H] -> (weights
-    [T, top_k] fp32, ids [T, top_k] int32, shared_logit [T, 1] in x's dtype, or None for E rows). ValueError for
+    [T, top_k] fp32, ids [T, top_k] int32, shared_logit [T, 1] in x's dtype, or None for E rows); `fold_shared`
+    (E + 1 rows): [T, top_k + 1] weights and ids ending with the shared expert's pair, no logit. ValueError for
     arguments `supported` refuses. `config` forces a tile and split (tests)."""
     check_device(x)
-    if not supported(x, weight, top_k, num_experts):
+    if not supported(x, weight, top_k, num_experts, fold_shared):
         raise ValueError(f"moe_router: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
-                         f"(strides {weight.stride()}), top_k {top_k}, {num_experts} experts: not a case it takes")
+                         f"(strides {weight.stride()}), top_k {top_k}, {num_experts} experts"
+                         f"{', the shared expert folded' if fold_shared else ''}: not a case it takes")
     if x.stride(1) != 1:
         x = x.contiguous()
     tokens, hidden = x.shape
     rows = weight.shape[0]
     dev = x.device
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=dev)
-    gate = torch.empty(tokens, 1, dtype=x.dtype, device=dev) if rows > num_experts else None
+    width = top_k + fold_shared
+    weights = torch.empty(tokens, width, dtype=torch.float32, device=dev)
+    ids = torch.empty(tokens, width, dtype=torch.int32, device=dev)
+    gate = torch.empty(tokens, 1, dtype=x.dtype, device=dev) if rows > num_experts and not fold_shared else None
     cfg = config or default_config(tokens, x.dtype, weight.dtype)
     if tokens > 1 and not cfg.use_dot:
         raise ValueError("the one-row FMA loop computes one token; use a DOT config for several")
@@ -220,9 +232,10 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: b
     _router_kernel[(tiles, split)](
         x, weight, workspace, counters(dev)[ROUTER_COUNTER:], weights, ids, weights if gate is None else gate,
         tokens, rows, hidden, num_experts, per_split * block_k, tiles * split, x.stride(0), weight.stride(0),
-        TOP_K=top_k, RENORM=renormalize, HAS_GATE=gate is not None, SPLIT=split, USE_DOT=cfg.use_dot,
+        TOP_K=top_k, RENORM=renormalize, HAS_GATE=rows > num_experts, FOLD=fold_shared, SPLIT=split,
+        USE_DOT=cfg.use_dot,
         DOT_F32=dot_f32, BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         ROWS=min(triton.next_power_of_2(tokens), max(1, ROUTE_VALUES // block_e)), BLOCK_E=block_e,
-        BLOCK_KS=triton.next_power_of_2(top_k), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_KS=triton.next_power_of_2(width), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl)
     return weights, ids, gate

@@ -3,10 +3,11 @@
     python -m orinfer.kernels.moe_tune --preset qwen3-30b-a3b
     python -m orinfer.kernels.moe_tune --experts 128 --hidden 2048 --inter 768 --top-k 8 \\
         [--tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096] [--dtype bfloat16|float16|float8_e4m3fn|w4] \\
-        [--out DIR] [--quick]
+        [--shared-slot] [--out DIR] [--quick]
 
-For each token count T: random routing (`moe_route` of normal logits: every expert about equally loaded), then every
-candidate of each stage is timed alone, giving one config per path and row block:
+For each token count T: random routing (`moe_route` of normal logits: every expert about equally loaded; with
+--shared-slot the experts also hold a folded shared expert, layers/moe.py: E + 1 slots, every token's (k+1)-th pair
+in the last, and the table is named for E + 1 and k + 1), then every candidate of each stage is timed alone, giving one config per path and row block:
   decode (T <= 16): the up kernel per tile (block_m 1, the FMA loop, only at T = 1; block_m 16, tensor cores), the
                     down kernel per (tile, split), the split's sum included;
   grouped:          per block_m, the up GEMM per tile and the down GEMM per tile;
@@ -40,6 +41,18 @@ from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GEMV, GROUPED_BLOCK_M
                                         config_to_json, default_config, load_table, table_name, w4_label)
 
 PRESETS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8)}
+
+
+def routing(tokens: int, experts: int, top_k: int, device: torch.device, shared_slot: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing calls are timed on: `moe_route` of normal logits over the experts; `shared_slot`: the last of
+    them is a folded shared expert, every token's k-th pair after the top-(k-1) of the others."""
+    from orinfer.kernels.moe_ops import moe_route
+
+    if shared_slot:
+        return moe_route(torch.randn(tokens, experts - 1, device=device), top_k - 1, True,
+                         shared_logit=torch.randn(tokens, 1, device=device))
+    return moe_route(torch.randn(tokens, experts, device=device), top_k, True)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # (block_n, block_k, num_warps, num_stages). FMA: one token, a [block_n, block_k] fp32 tile per weight (two for
@@ -106,13 +119,15 @@ def _best(timings: dict) -> tuple[object, float]:
 
 
 def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top_k: int, quick: bool = False,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[MoeConfig, float, float]:
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None, shared_slot: bool = False
+                ) -> tuple[MoeConfig, float, float]:
     """(the fastest config, its us, the default config's us) for one token count; banks: copies of (w13, w2);
-    scales: (s13, s2) when the weights are FP8 (in FP8_BLOCK blocks; one set serves every bank)."""
+    scales: (s13, s2) when the weights are FP8 (in FP8_BLOCK blocks; one set serves every bank); shared_slot: the
+    last expert is a folded shared expert (`routing`)."""
     from orinfer.kernels import moe_decode, moe_gemm
     from orinfer.kernels.moe_align import moe_align
     from orinfer.kernels.moe_fp8 import fp8_config
-    from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, moe_route
+    from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8
 
     w13, w2 = banks[0]
     experts, _, hidden = w13.shape
@@ -121,7 +136,7 @@ def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top
     s13, s2 = scales if scales is not None else (None, None)
     block = FP8_BLOCK if scales is not None else None
     x = torch.randn(tokens, hidden, device=dev).to(dtype)
-    weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
+    weights, ids = routing(tokens, experts, top_k, dev, shared_slot)
     few = (lambda c: c[:2]) if quick else (lambda c: c)
     if scales is not None and tokens == 1:
         return _tune_gemv(x, weights, ids, banks, scales, few)
@@ -185,17 +200,18 @@ def _tune_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, banks:
     return best, best_us, whole[default]
 
 
-def tune_tokens_w4(tokens: int, banks: list, top_k: int, quick: bool = False) -> tuple[MoeConfig, float, float]:
+def tune_tokens_w4(tokens: int, banks: list, top_k: int, quick: bool = False, shared_slot: bool = False
+                   ) -> tuple[MoeConfig, float, float]:
     """`tune_tokens` for 4-bit experts (banks of W4Experts pairs). Their kernels have no stage entry points, so
     every candidate is a whole `fused_moe_w4` call: first the up tiles beside the default down tile, then the down
     tiles and splits beside the best up tile."""
-    from orinfer.kernels.moe_ops import fused_moe_w4, moe_route
+    from orinfer.kernels.moe_ops import fused_moe_w4
     from orinfer.kernels.moe_w4 import w4_config
 
     w13, _ = banks[0]
     dev, experts, hidden = w13.packed.device, w13.num_experts, w13.in_features
     x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
-    weights, ids = moe_route(torch.randn(tokens, experts, device=dev), top_k, True)
+    weights, ids = routing(tokens, experts, top_k, dev, shared_slot)
     few = (lambda c: c[:2]) if quick else (lambda c: c)
 
     def timed(cfgs: list[MoeConfig]) -> dict[MoeConfig, float]:
@@ -229,9 +245,10 @@ def _fp8_tiles(tiles: list[Tile]) -> list[Tile]:
 
 def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, ...] = TOKENS,
          dtype: torch.dtype | str = torch.bfloat16, out_dir: Path = TABLE_DIR, quick: bool = False,
-         log: Callable[[str], None] = print) -> Path:
+         log: Callable[[str], None] = print, shared_slot: bool = False) -> Path:
     """Tunes every token count and writes the table; returns its path. `dtype`: the experts' weights, a torch dtype
-    (16-bit, or float8_e4m3fn: FP8 block-wise) or "w4" (4-bit experts in groups of W4_GROUP)."""
+    (16-bit, or float8_e4m3fn: FP8 block-wise) or "w4" (4-bit experts in groups of W4_GROUP); `shared_slot`: the
+    last of the `experts` is a folded shared expert, in every token's `top_k` pairs (`routing`)."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5
@@ -252,9 +269,9 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
     configs = {}
     for t in tokens:
         if dtype == "w4":
-            cfg, us, default_us = tune_tokens_w4(t, banks, top_k, quick)
+            cfg, us, default_us = tune_tokens_w4(t, banks, top_k, quick, shared_slot)
         else:
-            cfg, us, default_us = tune_tokens(t, banks, top_k, quick, scales)
+            cfg, us, default_us = tune_tokens(t, banks, top_k, quick, scales, shared_slot)
         configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
         log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -285,17 +302,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="the experts' weights (float8_e4m3fn: FP8 block-wise experts; w4: AWQ / GPTQ-Int4 experts "
                         f"in groups of {W4_GROUP}; both with bf16 activations)")
     p.add_argument("--out", type=Path, default=TABLE_DIR, help="folder of the table (default: the package's)")
+    p.add_argument("--shared-slot", action="store_true",
+                   help="the experts also hold a folded shared expert (Qwen3.5-MoE): one more slot, in every token's "
+                        "pairs; the table is for E + 1 experts and top-k + 1")
     p.add_argument("--quick", action="store_true", help="two candidates per stage (a smoke run)")
     args = p.parse_args(argv)
     shape = PRESETS[args.preset] if args.preset else (args.experts, args.hidden, args.inter, args.top_k)
     if None in shape:
         p.error("give --preset, or all of --experts --hidden --inter --top-k")
+    if args.shared_slot:
+        experts, hidden, inter, top_k = shape
+        shape = (experts + 1, hidden, inter, top_k + 1)
     if not torch.cuda.is_available():
         print("tuning the MoE kernels needs a CUDA device")
         return 1
     tokens = tuple(int(t) for t in args.tokens.split(","))
     dtype = args.dtype if args.dtype == "w4" else getattr(torch, args.dtype)
-    path = tune(*shape, tokens=tokens, dtype=dtype, out_dir=args.out, quick=args.quick)
+    path = tune(*shape, tokens=tokens, dtype=dtype, out_dir=args.out, quick=args.quick, shared_slot=args.shared_slot)
     print(f"wrote {path}")
     return 0
 

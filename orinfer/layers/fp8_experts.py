@@ -31,11 +31,11 @@ class FP8ExpertWeights(ExpertWeights):
     """`ExpertWeights` with e4m3 weights and fp32 block scales of `block_size` (bn, bk)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, ops: Ops, block_size: tuple[int, int],
-                 online: bool = False) -> None:
-        super().__init__(num_experts, hidden, intermediate, ops, FP8_DTYPE)
+                 online: bool = False, shared_slot: bool = False) -> None:
+        super().__init__(num_experts, hidden, intermediate, ops, FP8_DTYPE, shared_slot)
         self.block_size, self.online = tuple(block_size), online
         for kind, shape in zip(("w13_scale_inv", "w2_scale_inv"),
-                               expert_scale_shapes(num_experts, hidden, intermediate, self.block_size)):
+                               expert_scale_shapes(self.num_experts, hidden, intermediate, self.block_size)):
             scale = torch.ones(shape, dtype=torch.float32)
             if online:
                 self.register_buffer(kind, scale)

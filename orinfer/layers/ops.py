@@ -135,12 +135,14 @@ class Ops:
     gated_delta_decode_step: Callable = gated_delta_decode_step_ref
     gated_delta_advance: Callable = gated_delta_advance_ref
     gated_delta_step_max_rows: int = FUSED_STEP_MAX_ROWS
-    # Mixture of experts (kernels/moe.py documents both): moe_route(router_logits, top_k, renormalize) -> (weights,
-    # ids); fused_moe(x, w13, w2, weights, ids) -> the routed experts' weighted sum.
+    # Mixture of experts (kernels/moe.py documents both): moe_route(router_logits, top_k, renormalize,
+    # shared_logit=None) -> (weights, ids), a folded shared expert's pair appended when shared_logit is given;
+    # fused_moe(x, w13, w2, weights, ids) -> the experts' weighted sum.
     moe_route: Callable = moe_route_ref
     fused_moe: Callable = fused_moe_ref
-    # moe_router(x, router_weight [E or E + 1, H], top_k, renormalize, num_experts) -> (weights, ids, shared gate
-    # logit [T, 1] or None): the router's linear and moe_route in one op, the packed shared-expert gate row split off
+    # moe_router(x, router_weight [E or E + 1, H], top_k, renormalize, num_experts, fold_shared=False) -> (weights,
+    # ids, shared gate logit [T, 1] or None): the router's linear and moe_route in one op, the packed shared-expert
+    # gate row split off, or with fold_shared turned into each token's (k+1)-th pair, (sigmoid(logit), E)
     # (kernels/moe.py; the triton backend fuses it into one launch for decode-sized batches).
     moe_router: Callable = moe_router_ref
     # shared_expert_combine(experts_out, shared_out, gate_logit [T, 1]) -> experts_out + sigmoid(gate) * shared_out.

@@ -110,13 +110,15 @@ def unfused_w4_gate_up_silu(x: torch.Tensor | W4Words, w: W4Weight) -> torch.Ten
     return silu_and_mul(w4_linear(x, w))
 
 
-def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def triton_moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, num_experts: int,
+                      fold_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`moe_router_ref`'s contract: decode-sized batches in one launch (kernels/moe_router.py: the GEMV, softmax,
-    top-k and the shared gate's logit), more tokens through the linear, then `moe_route`."""
-    if fused_router.supported(x, weight, top_k, num_experts):
-        return fused_router.moe_router(x, weight, top_k, renormalize, num_experts)
-    return moe_router_ref(x, weight, top_k, renormalize, num_experts, linear=triton_linear, route=moe_route)
+    top-k and the shared gate's logit, or its folded pair), more tokens through the linear, then `moe_route` (which
+    appends the folded pair in the same launch)."""
+    if fused_router.supported(x, weight, top_k, num_experts, fold_shared):
+        return fused_router.moe_router(x, weight, top_k, renormalize, num_experts, fold_shared)
+    return moe_router_ref(x, weight, top_k, renormalize, num_experts, fold_shared, linear=triton_linear,
+                          route=moe_route)
 
 
 GRAPH_HOOKS = GraphHooks(argmax_rows=argmax_rows, advance_decode_inputs=advance_decode_inputs,

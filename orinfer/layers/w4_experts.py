@@ -47,11 +47,11 @@ class W4ExpertWeights(ExpertWeights):
     w2 of `down_group` (of I): the same group size unless the config says -1 (one group per row)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, ops: Ops, fmt: str, up_group: int,
-                 down_group: int) -> None:
+                 down_group: int, shared_slot: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"W4 experts are AWQ or GPTQ, got {fmt!r}")
         self.fmt, self.groups = fmt, {"w13": up_group, "w2": down_group}
-        super().__init__(num_experts, hidden, intermediate, ops, torch.float16)
+        super().__init__(num_experts, hidden, intermediate, ops, torch.float16, shared_slot)
 
     def _make_weights(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
         """The checkpoint-layout parameters (module docstring), gate|up along the last dim."""
@@ -79,9 +79,10 @@ class W4ExpertWeights(ExpertWeights):
         return W4Experts(*(getattr(self, f"{packed}_{kind}") for kind in W4_KINDS), self.groups[packed])
 
     def checkpoint_view(self, tensor: torch.Tensor, shard: str, kind: str) -> torch.Tensor:
-        """The slice of a checkpoint-layout tensor of `kind` that holds matrix `shard` ("{e}.gate_proj", ...)."""
+        """The slice of a checkpoint-layout tensor of `kind` that holds matrix `shard` ("{e}.gate_proj",
+        "shared.up_proj", ...)."""
         expert, _, proj = shard.partition(".")
-        return _matrix_part(tensor[int(expert)], proj, kind)
+        return _matrix_part(tensor[self.slot(expert)], proj, kind)
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:
         if self.repacked:
@@ -121,21 +122,22 @@ class W4ExpertWeights(ExpertWeights):
         try:
             w, perm = gptq_to_w4(t["qweight"], t["qzeros"], t["scales"], g_idx[0], group)
         except ValueError as exc:
-            raise WeightsError(f"expert {expert}'s {packed}: {exc}") from None
+            raise WeightsError(f"expert {self.slot_names()[expert]}'s {packed}: {exc}") from None
         if perm is not None or any(not torch.equal(row, g_idx[0]) for row in g_idx[1:]):
-            raise WeightsError(f"expert {expert}'s {packed}: GPTQ act-order (g_idx other than k // group_size) is "
+            raise WeightsError(f"expert {self.slot_names()[expert]}'s {packed}: GPTQ act-order (g_idx other than k // group_size) is "
                                "not supported for MoE experts")
         return w
 
     def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each expert matrix's tensors as the format's checkpoints name them (rebuilt exactly from W4)."""
+        """Each expert matrix's tensors as the format's checkpoints name them (rebuilt exactly from W4; the shared
+        slot's under "shared.")."""
         for packed in ("w13", "w2"):
             projs = ("gate_proj", "up_proj") if packed == "w13" else ("down_proj",)
-            for e in range(self.num_experts):
+            for e, slot in enumerate(self.slot_names()):
                 full = self._checkpoint_layout(packed, e)
                 for proj in projs:
                     for kind, tensor in full.items():
-                        yield f"{e}.{proj}.{kind}", _matrix_part(tensor, proj, kind)
+                        yield f"{slot}.{proj}.{kind}", _matrix_part(tensor, proj, kind)
 
     def _checkpoint_layout(self, packed: str, expert: int) -> dict[str, torch.Tensor]:
         w = self.w4(packed).expert(expert) if self.repacked else None

@@ -10,6 +10,7 @@ are HF's; q/k/v and gate/up are packed at load, and so are the experts (fused ch
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -20,9 +21,9 @@ from orinfer.errors import WeightsError
 from orinfer.layers.attention import Attention, AttentionMetadata
 from orinfer.layers.embedding import Embedding, LMHead
 from orinfer.layers.linear import LinearBase
-from orinfer.layers.linear_types import make_experts, make_linear, misplaced_tensor
-from orinfer.layers.moe import (SHARED_GATE_PACKING, ExpertWeights, SparseMoE, expert_block_size,
-                                expert_checkpoint_name, expert_param_for, per_expert_tensors)
+from orinfer.layers.linear_types import make_linear, make_sparse_moe, misplaced_tensor
+from orinfer.layers.moe import (SHARED_GATE_PACKING, ExpertWeights, expert_block_size, expert_checkpoint_name,
+                                expert_param_for, expert_tensor_name, per_expert_tensors, shared_slot_param_for)
 from orinfer.layers.norm import RMSNorm
 from orinfer.layers.ops import Ops
 from orinfer.layers.rotary import RotaryEmbedding
@@ -71,14 +72,18 @@ class QwenMLP(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig, index: int, ops: Ops, dtype: torch.dtype) -> nn.Module:
-    """Decoder layer `index`'s feed-forward: routed experts (plus the gated shared expert where the model has one)
-    when the config makes that layer sparse (`ModelConfig.is_sparse_layer`, HF's rule), else the dense MLP."""
+    """Decoder layer `index`'s feed-forward: routed experts (plus the gated shared expert where the model has one:
+    folded into the experts or an MLP of its own, as `make_sparse_moe` decides from its width and format) when the
+    config makes that layer sparse (`ModelConfig.is_sparse_layer`, HF's rule), else the dense MLP."""
     if not cfg.is_sparse_layer(index):
         return QwenMLP(cfg, ops, dtype)
     width = cfg.shared_expert_intermediate_size
-    experts = make_experts(cfg.quantization, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype)
-    return SparseMoE(cfg.hidden_size, cfg.num_experts_per_tok, cfg.norm_topk_prob, ops, dtype, experts,
-                     shared_expert=QwenMLP(cfg, ops, dtype, width) if width else None)
+
+    def shared_mlp(quant: object) -> QwenMLP:
+        return QwenMLP(dataclasses.replace(cfg, quantization=quant), ops, dtype, width)
+
+    return make_sparse_moe(cfg.quantization, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                           cfg.norm_topk_prob, cfg.moe_intermediate_size, ops, dtype, width, shared_mlp)
 
 
 def packing_table(table: dict[str, tuple[str, object]], cfg: ModelConfig) -> dict[str, tuple[str, object]]:
@@ -193,7 +198,7 @@ class QwenForCausalLM(nn.Module):
             return None  # tied: the head is the embedding matrix
         if "rotary_emb" in name:
             return None
-        expert = expert_param_for(name)
+        expert = expert_param_for(name) or shared_slot_param_for(name, self)
         if expert is not None:
             return expert
         for ckpt, (packed, shard) in self.packed.items():
@@ -266,7 +271,7 @@ class QwenForCausalLM(nn.Module):
                 continue
             if isinstance(module, ExpertWeights):
                 for name, tensor in module.checkpoint_tensors():
-                    yield f"{prefix}{module_name}.{name}", tensor
+                    yield prefix + expert_tensor_name(module_name, name), tensor
                 continue
             for param_name, param in module.named_parameters(recurse=False):
                 if id(param) not in seen:

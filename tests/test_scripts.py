@@ -181,3 +181,27 @@ def test_serving_bench_places_the_load_from_the_servers_counters(monkeypatch):
     after = {"steps": 300.0, "step_s": 3.5, "engine_cpu_s": None, "server_cpu_s": 5.0, "client_cpu_s": 11.0}
     shares = bench_serve.load_shares({**before, "client_cpu_s": 9.0}, after, wall=4.0)
     assert shares == {"engine_busy": 0.5, "step_ms": 10.0, "server_cpu": 0.5, "client_cpu": 0.5}
+
+
+def test_serving_bench_splits_a_level_over_client_processes(tiny_dir, tmp_path):
+    """--client-processes 2: the level's requests go out from two spawned load-generator processes; every request
+    is counted once, in issue order (waves), with the wall time from the first send to the last finish."""
+    for module in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(module)
+    from orinfer import LLM
+    from orinfer.args import EngineArgs
+    from orinfer.server.app import build_app
+    from orinfer.server.cli import BackgroundServer
+
+    llm = LLM(tiny_dir, EngineArgs(dtype="float32", device="cpu", progress=False, num_kv_blocks=128))
+    out = tmp_path / "serve.json"
+    with BackgroundServer(build_app(llm, "tiny")) as server:
+        done = subprocess.run([sys.executable, str(SCRIPTS / "bench_serve.py"), "--url", server.url, "--no-warmup",
+                               "--concurrency", "4", "--requests", "8", "--max-tokens", "3", "--prompt-words", "5",
+                               "--client-processes", "2", "--out", str(out)], capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    level = json.loads(out.read_text())["levels"][0]
+    assert (level["requests"], level["failed"], len(level["ttft_ms_by_wave"])) == (8, 0, 2)
+    assert level["output_tok_s"] == pytest.approx(8 * 3 / level["wall_s"], rel=0.01)
+    assert level["server_ms"]["ttft"]["count"] == 8 and level["load"]["client_cpu"] > 0

@@ -64,9 +64,9 @@ def test_mixed_steps_replay_graphs_with_the_eager_tokens(tiny_path, monkeypatch,
     replayed: list[int] = []
     real_run = step_graphs.MixedStepGraphs.run
 
-    def run(self, inputs, device_ids=None):
+    def run(self, inputs, *args, **kwargs):
         replayed.append(inputs.num_tokens)
-        return real_run(self, inputs, device_ids)
+        return real_run(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(step_graphs.MixedStepGraphs, "run", run)
     prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) + [i] for i in range(12)]

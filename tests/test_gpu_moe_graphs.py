@@ -83,13 +83,13 @@ def replays(monkeypatch) -> dict[str, list[int]]:
     seen: dict[str, list[int]] = {"decode": [], "mixed": []}
     real_decode, real_mixed = cuda_graph.DecodeGraphs.run, step_graphs.MixedStepGraphs.run
 
-    def decode(self, seqs, device_ids=None):
+    def decode(self, seqs, *args, **kwargs):
         seen["decode"].append(next(b for b in self.buckets if b >= len(seqs)))
-        return real_decode(self, seqs, device_ids)
+        return real_decode(self, seqs, *args, **kwargs)
 
-    def mixed(self, inputs, device_ids=None):
+    def mixed(self, inputs, *args, **kwargs):
         seen["mixed"].append(next(b for b in self.buckets if b >= inputs.num_tokens))
-        return real_mixed(self, inputs, device_ids)
+        return real_mixed(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(cuda_graph.DecodeGraphs, "run", decode)
     monkeypatch.setattr(step_graphs.MixedStepGraphs, "run", mixed)

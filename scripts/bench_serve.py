@@ -20,6 +20,10 @@ Workloads (`--workload`):
 
 `--word-vocab N` makes prompts of random words "w<k>", k < N (the synthetic word-level tokenizer of
 scripts/bench_serve_synthetic.py: one token per word, and distinct requests share no prefix by accident).
+`--client-processes P` (uniform) sends a level from P processes: one Python client streaming 64 requests uses most of
+a core, and its own delays then show in the TTFT it measures. Each level also prints the server's own TTFT and
+queue quantiles and where the time went (engine busy share and mean step, CPU of engine, server and client) when
+the server exports those metrics (`orinfer serve` does).
 """
 
 from __future__ import annotations

@@ -95,5 +95,8 @@ def test_fp8_expert_launches_compile_for_sm90_without_spills():
             assert b["loads16"] * 16 * b["threads"] == 2 * c["BLOCK_N"] * c["BLOCK_K"], c
             (loop,) = b["loops"]
             assert not [op for op in loop if op.startswith(("BAR", "LDS", "STS", "SHFL"))], c
-        elif c["I"] == 512:                     # no padded pair slots or inputs: every load is a weight load
+        elif c["I"] == c["BLOCK_I"] and c["PAIRS"] == c["TOP_K"]:   # no padded pair slots or inputs
             assert b["loads16"] * 16 * b["threads"] == c["BLOCK_N"] * c["PAIRS"] * c["BLOCK_I"], c
+        else:   # padded (I = 768 in 1024 inputs; a folded shared expert's 9 pairs in 16 slots): ptxas drops some of
+            # the loads it can prove masked off, and the real weight bytes all still come in 16-byte loads
+            assert b["loads16"] * 16 * b["threads"] >= c["BLOCK_N"] * c["TOP_K"] * c["I"], c

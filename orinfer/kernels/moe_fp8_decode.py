@@ -101,7 +101,8 @@ def _gemv_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, E, I, H, stride_we, str
 
 @triton.jit
 def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, wts_ptr, ids_ptr, out_ptr, E, H, stride_hm, stride_we, stride_wn,
-                      stride_se, stride_sn, TOP_K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr,
+                      stride_se, stride_sn, TOP_K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      PAIRS: tl.constexpr,
                       BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
@@ -180,8 +181,8 @@ def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block_size: t
     pdl = use_pdl(h)
     _gemv_down_kernel[(triton.cdiv(hidden, tile.block_n),)](
         h, w2, s2, topk_weights, topk_ids, out, w2.shape[0], hidden, h.stride(0), w2.stride(0), w2.stride(1),
-        s2.stride(0), s2.stride(1), TOP_K=top_k, I=inter, BN=bn, BK=bk, PAIRS=pairs, BLOCK_I=block_i, BLOCK_N=tile.block_n,
-        PDL=pdl, num_warps=tile.num_warps, num_stages=1, launch_pdl=pdl)
+        s2.stride(0), s2.stride(1), TOP_K=top_k, I=inter, BN=bn, BK=bk, PAIRS=pairs, BLOCK_I=block_i,
+        BLOCK_N=tile.block_n, PDL=pdl, num_warps=tile.num_warps, num_stages=1, launch_pdl=pdl)
     return out
 
 

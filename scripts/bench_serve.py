@@ -118,7 +118,7 @@ def load_shares(before: dict[str, float | None], after: dict[str, float | None],
             out["step_ms"] = round(delta["step_s"] / delta["steps"] * 1e3, 3)
     for key in ("engine_cpu_s", "server_cpu_s", "client_cpu_s"):
         if key in delta:
-            out[key.replace("_s", "")] = round(delta[key] / wall, 3)
+            out[key.removesuffix("_s")] = round(delta[key] / wall, 3)
     return out
 
 

@@ -43,11 +43,10 @@ from orinfer.layers.linear import Linear, PackedLinear, copy_checked, default_we
 from orinfer.layers.ops import Ops
 
 # A per-expert checkpoint tensor: (experts module, expert index, projection, tensor kind).
-_EXPERT_TENSOR = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                            r"\.(?P<kind>weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$")
+_PROJ_KIND = r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$"
+_EXPERT_TENSOR = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\." + _PROJ_KIND)
 # A shared expert's checkpoint tensor: (MoE module, projection, tensor kind); a folded one fills the experts' slot E.
-_SHARED_TENSOR = re.compile(r"^(?P<moe>.*)\.shared_expert\.(?P<proj>gate_proj|up_proj|down_proj)"
-                            r"\.(?P<kind>weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$")
+_SHARED_TENSOR = re.compile(r"^(?P<moe>.*)\.shared_expert\." + _PROJ_KIND)
 # The experts' slot of a folded shared expert in shard names ("shared.up_proj"), beside the routed "0".."E-1".
 SHARED_SLOT = "shared"
 # A layer with a shared expert packs its router and the shared expert's gate into one linear, `gate` ([E + 1, H]: the

@@ -235,26 +235,21 @@ class EngineLoop:
     def _timed_step(self) -> list[Sequence]:
         """`engine.step()`, counted in the step totals; logged too when SLOW_STEP_MS is set (see there)."""
         start = time.perf_counter()
-        if not SLOW_STEP_MS:
-            advanced = self.engine.step()
-            self._count_step(start, time.perf_counter())
-            return advanced
-        gap_ms = (start - self._last_step_end) * 1e3 if self._last_step_end else 0.0
-        sched = self.engine.scheduler
-        running, waiting = len(sched.running), len(sched.waiting)
+        sched = self.engine.scheduler if SLOW_STEP_MS else None
+        running, waiting = (len(sched.running), len(sched.waiting)) if sched is not None else (0, 0)
         advanced = self.engine.step()
         end = time.perf_counter()
-        self._count_step(start, end)
+        self._steps += 1
+        self._step_seconds += end - start
+        if not SLOW_STEP_MS:
+            return advanced
+        gap_ms = (start - self._last_step_end) * 1e3 if self._last_step_end else 0.0
         self._last_step_end = end if self.engine.has_unfinished() else 0.0  # (an idle wait is no gap)
         took_ms = (end - start) * 1e3
         if took_ms > SLOW_STEP_MS or gap_ms > SLOW_STEP_MS:
             log.warning("slow step at %.3f: %.1f ms (%.1f ms since the last one), %d running and %d waiting before "
                         "it, %d advanced", time.time(), took_ms, gap_ms, running, waiting, len(advanced))
         return advanced
-
-    def _count_step(self, start: float, end: float) -> None:
-        self._steps += 1
-        self._step_seconds += end - start
 
     def _fail_all(self, error: BaseException) -> None:
         """Aborts every in-flight sequence and tells each group (once) why."""

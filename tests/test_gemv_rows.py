@@ -212,6 +212,42 @@ def test_the_sweep_bench_runs_end_to_end_with_a_stand_in_timer(monkeypatch):
         "down": (1024, 3072, False), "lm_head": (151936, 1024, False)}
 
 
+def test_the_sweep_takes_hybrid_and_moe_shapes():
+    """Qwen3.5-35B-A3B: the gated attention's qkv rows (q and its gate, k, v), linear attention's packed in_proj
+    (q, k, v, z, b, a) and out_proj, and no dense MLP (every layer routes to experts)."""
+    from orinfer.bench.gemv_sweep import decode_shapes
+    from orinfer.config import preset
+    assert decode_shapes(preset("qwen3.5-35b-a3b")) == {
+        "qkv": (2 * 4096 + 2 * 512, 2048, False), "o": (2048, 4096, False),
+        "in_proj": (2 * 2048 + 4096 + 4096 + 2 * 32, 2048, False), "out_proj": (2048, 4096, False)}
+
+
+@pytest.mark.slow
+def test_the_fp8_sweep_times_every_fp8_gemv_tile_with_a_stand_in_timer(monkeypatch):
+    """`run_fp8_gemv_sweep` on tiny shapes: every `fp8_gemv` candidate launched (interpreter or GPU), one row per
+    candidate, sorted, the default tile and the fastest tagged."""
+    from orinfer.bench import gemv_sweep
+    from orinfer.kernels import fp8_gemv
+
+    monkeypatch.setattr(gemv_sweep, "read_bandwidth_gbps", lambda dev: 1000.0)
+    ticks = iter(range(1000, 0, -1))    # later candidates time faster: the order must be re-sorted
+
+    def stand_in(make_calls, weight_bytes, iters):
+        for call in make_calls(2):
+            call()
+        return float(next(ticks))
+
+    monkeypatch.setattr(gemv_sweep, "graph_us", stand_in)
+    rows = [r for r in gemv_sweep.run_fp8_gemv_sweep(str(DEVICE), 1, {"o": (24, 256, False), "up": (16, 256, True)})
+            if "rows" in r]
+    for op in ("o", "up +SwiGLU"):
+        group = [r for r in rows if r["op"] == op]
+        assert len(group) == len(dict.fromkeys(fp8_gemv.CANDIDATES))
+        assert [r["us"] for r in group] == sorted(r["us"] for r in group)
+        assert group[0]["tags"][-1] == "best"
+        assert sum("default" in r["tags"] for r in group) == 1
+
+
 # --- sm_90 codegen (no GPU needed; slow: ~1-2 s a kernel) -----------------------------------------------------------
 
 _COMPILE = r"""

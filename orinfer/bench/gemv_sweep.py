@@ -1,17 +1,20 @@
-"""Every GEMV config on a model's decode shapes (default Qwen3-8B) at 1, 2, 4 and 8 rows of x (bf16): one-row FMA (1 row), multi-row FMA
-(kernels/gemv_rows.py), tensor-core DOT and cuBLAS, each timed alone, for choosing the defaults of kernels/gemv.py.
+"""Every GEMV config on a model's decode shapes (default Qwen3-8B) at 1, 2, 4 and 8 rows of x (bf16): one-row FMA (1
+row), multi-row FMA (kernels/gemv_rows.py), tensor-core DOT and cuBLAS, each timed alone, for choosing the defaults of
+kernels/gemv.py; with --fp8, every one-row tile of `fp8_gemv` on the same shapes in FP8 block-wise weights.
 
-Shapes (`--preset`, the `orinfer bench --synthetic` names; Qwen3-8B's in brackets): qkv [6144x4096], o [4096x4096],
-the fused gate_up + SwiGLU [2x12288x4096] (gated configs; cuBLAS = GEMM + silu_and_mul), down [4096x12288] and, with
-`--lm-head`, the lm_head [151936x4096]. Each row reports us, GB/s and % of the read bandwidth measured in the same run (bytes:
-the weight once, x and the output), "vs 1 row": the 1-row default's time on the shape over this time (1.00 = as
-cheap as one row), and which config each loop's default is ("default": what `gemv` runs today; "fma default": what
+Shapes (`--preset`, the `orinfer bench --synthetic` names; Qwen3-8B's in brackets): qkv [6144x4096] (with the output
+gate's rows on Qwen3.5), o [4096x4096], on hybrid models linear attention's in_proj and out_proj, on models with
+dense MLP layers the fused gate_up + SwiGLU [2x12288x4096] (gated configs; cuBLAS = GEMM + silu_and_mul) and down
+[4096x12288], and, with `--lm-head`, the lm_head [151936x4096]. Each row reports us, GB/s and % of the read bandwidth
+measured in the same run (bytes: the weight once, x and the output), "vs 1 row": the 1-row default's time on the
+shape over this time (1.00 = as cheap as one row; --fp8: the default tile's time over this one), and which config
+each loop's default is ("default": what `gemv` or `fp8_gemv` runs today; "fma default": what
 ORINFER_GEMV_FEW_ROWS=fma runs). Timing as bench/fp8_kernels.py: the calls over enough copies of the weight (4x L2)
 captured in one CUDA graph, so every call reads its weight from HBM; median of --iters replays per call.
 
-Run: `python -m orinfer.bench.gemv_sweep [--preset qwen3-0.6b] [--lm-head] [--rows 1,2,4,8] [--iters 20] [--out DIR]
-[--json FILE]` (needs a CUDA device;
-importing this module does not); --out writes DIR/gemv-sweep.md and DIR/gemv-sweep.json.
+Run: `python -m orinfer.bench.gemv_sweep [--preset qwen3.5-35b-a3b] [--fp8] [--lm-head] [--rows 1,2,4,8] [--iters 20]
+[--out DIR] [--json FILE]` (needs a CUDA device; importing this module does not); --out writes DIR/gemv-sweep.md and
+DIR/gemv-sweep.json.
 """
 
 from __future__ import annotations
@@ -27,11 +30,18 @@ from orinfer.config import ModelConfig, preset
 
 
 def decode_shapes(cfg: ModelConfig, lm_head: bool = False) -> dict[str, tuple[int, int, bool]]:
-    """A dense model's decode GEMVs: name -> (outputs N, K, gated: the weight is [2N, K])."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    shapes = {"qkv": (q + 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size, False),
-              "o": (cfg.hidden_size, q, False), "gate_up": (cfg.intermediate_size, cfg.hidden_size, True),
-              "down": (cfg.hidden_size, cfg.intermediate_size, False)}
+    """A model's decode GEMVs: name -> (outputs N, K, gated: the weight is [2N, K]). Full attention's qkv (with the
+    Qwen3.5 output gate's rows when it has one) and o; linear attention's packed in_proj (qkv | z | b | a) and out_proj
+    (hybrid models); the dense MLP's gate_up and down unless every layer routes to experts."""
+    q = cfg.q_size * (2 if cfg.attn_output_gate else 1)
+    shapes = {"qkv": (q + 2 * cfg.kv_size, cfg.hidden_size, False), "o": (cfg.hidden_size, cfg.q_size, False)}
+    if cfg.is_hybrid:
+        shapes["in_proj"] = (cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
+                             cfg.hidden_size, False)
+        shapes["out_proj"] = (cfg.hidden_size, cfg.linear_value_dim, False)
+    if cfg.num_sparse_layers < cfg.num_hidden_layers:
+        shapes["gate_up"] = (cfg.intermediate_size, cfg.hidden_size, True)
+        shapes["down"] = (cfg.hidden_size, cfg.intermediate_size, False)
     if lm_head:
         shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size, False)
     return shapes
@@ -110,6 +120,48 @@ def run_gemv_sweep(device: str = "cuda", rows_list: tuple[int, ...] = (1, 2, 4, 
     return out
 
 
+def run_fp8_gemv_sweep(device: str = "cuda", iters: int = 20,
+                       shapes: dict[str, tuple[int, int, bool]] | None = None) -> list[dict]:
+    """One row of x against FP8 block-wise weights (128 x 128 blocks): every `fp8_gemv` candidate tile per shape, in
+    `run_gemv_sweep`'s rows (rows = 1; "default" marks `fp8_gemv.default_config`'s tile; bytes: the e4m3 weight, its
+    scales, x and the output)."""
+    from orinfer.kernels import fp8_gemv
+    from orinfer.kernels.fp8_block import fp8_block_quantize
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    read_gbps = read_bandwidth_gbps(dev)
+    out: list[dict] = [{"op": "read bandwidth (x.sum, 4 GiB fp32)", "shape": "", "impl": "torch", "us": None,
+                        "bytes": 4 * 2**30, "GBps": read_gbps, "pct_read_bw": 100.0}]
+    block = (128, 128)
+    for name, (n, k, gated) in (shapes or decode_shapes(preset("qwen3-8b"))).items():
+        q, s = fp8_block_quantize(torch.randn(2 * n if gated else n, k, device=dev) * k ** -0.5, block)
+        w_bytes = q.numel() + s.numel() * 4
+        nbytes = w_bytes + (k + n) * 2
+        copies = [(q, s)]
+        x = torch.randn(1, k, device=dev).bfloat16()
+        default = fp8_gemv.default_config(n, k, gated)
+        timed = []
+        for cfg in dict.fromkeys(fp8_gemv.CANDIDATES + [default]):
+            def calls(count: int, cfg=cfg) -> list:
+                copies.extend((q.clone(), s.clone()) for _ in range(count - len(copies)))
+                return [lambda qc=qc, sc=sc: fp8_gemv.fp8_gemv(x, qc, sc, block, gated=gated, cfg=cfg)
+                        for qc, sc in copies[:count]]
+            timed.append((graph_us(calls, w_bytes, iters), cfg))
+        timed.sort(key=lambda t: t[0])
+        default_us = next(us for us, cfg in timed if cfg == default)
+        for i, (us, cfg) in enumerate(timed):
+            tags = [t for t in ("default" if cfg == default else None, "best" if i == 0 else None) if t]
+            out.append({"op": name + (" +SwiGLU" if gated else ""), "shape": f"B=1 N={n} K={k}", "rows": 1,
+                        "impl": "one-row FMA", "us": us, "bytes": nbytes, "GBps": nbytes / us / 1e3,
+                        "pct_read_bw": 100.0 * nbytes / us / 1e3 / read_gbps, "speedup": default_us / us,
+                        "tags": tags, "config": (f"**{', '.join(tags)}** " if tags else "")
+                        + f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"})
+        del q, s, copies
+        torch.cuda.empty_cache()
+    return out
+
+
 def summary(rows: list[dict]) -> str:
     """Per shape and row count: the fastest config of each loop, and the two defaults, as us (% read bandwidth)."""
     groups: dict[tuple[str, int], list[dict]] = {}
@@ -140,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3-8b", help="whose shapes (a dense preset of orinfer bench --synthetic)")
     p.add_argument("--lm-head", action="store_true", help="also the lm_head (vocab x hidden)")
     p.add_argument("--rows", default="1,2,4,8", help="comma-separated row counts of x (1..16)")
+    p.add_argument("--fp8", action="store_true", help="FP8 block-wise weights: the one-row `fp8_gemv` tiles (rows 1)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--out", help="also write gemv-sweep.md (the table) and gemv-sweep.json (the rows) in this folder")
@@ -150,14 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the GEMV sweep needs a CUDA device")
         return 1
-    cfg = preset(args.preset)
-    if cfg.num_experts:
-        p.error(f"{args.preset} is a mixture of experts; the sweep takes dense presets (qwen3-0.6b, qwen3.5-27b, ...)")
-    rows = run_gemv_sweep(args.device, rows_list, args.iters, decode_shapes(cfg, args.lm_head))
+    shapes = decode_shapes(preset(args.preset), args.lm_head)
+    if args.fp8:
+        rows, args.rows = run_fp8_gemv_sweep(args.device, args.iters, shapes), "1"
+    else:
+        rows = run_gemv_sweep(args.device, rows_list, args.iters, shapes)
     out = (lambda ext: os.path.join(args.out, f"gemv-sweep.{ext}")) if args.out else (lambda ext: None)
     table = (summary(rows) + "\n\nEvery config, fastest first per shape and row count:\n\n"
              + markdown(rows, speedup="vs 1 row (1-row default us / us)"))
-    report(rows, table, f"GEMV configs on {{device}} ({args.preset} shapes, bf16, rows {args.rows}; torch "
+    weights = "FP8 128x128 blocks" if args.fp8 else "bf16"
+    report(rows, table, f"GEMV configs on {{device}} ({args.preset} shapes, {weights}, rows {args.rows}; torch "
            f"{torch.__version__})", args.device, args.json or out("json"), out("md"), torch=torch.__version__)
     return 0
 

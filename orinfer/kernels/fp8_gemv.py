@@ -61,7 +61,23 @@ class Fp8GemvConfig(NamedTuple):
 DEFAULT = Fp8GemvConfig(4, 2048, 2)
 DEFAULT_GATED = Fp8GemvConfig(2, 2048, 2)
 CANDIDATES = [Fp8GemvConfig(*c) for c in [(4, 2048, 2), (2, 2048, 2), (8, 1024, 2), (2, 4096, 2), (1, 4096, 2),
-                                          (4, 4096, 4), (8, 2048, 4), (8, 512, 1), (4, 1024, 1), (16, 512, 2)]]
+                                          (4, 4096, 4), (8, 2048, 4), (8, 512, 1), (4, 1024, 1), (16, 512, 2),
+                                          (1, 2048, 1), (2, 1024, 1), (4, 512, 1), (1, 4096, 4), (2, 2048, 4),
+                                          (1, 2048, 2), (2, 512, 1), (4, 2048, 4)]]
+
+
+# Qwen3.5-35B-A3B's projections (hidden 2048: qkv 9216 x 2048, in_proj 12352 x 2048, o and out_proj 2048 x 4096), H100
+# sweep (`orinfer.bench.gemv_sweep --fp8`, NOTES run 349): 2 rows on 4 warps was the fastest of 18 tiles on all four,
+# 8.1 / 10.4 / 4.4 / 4.4 us against DEFAULT's 8.9 / 10.5 / 4.8 / 5.0; with 2048 outputs DEFAULT has only 512 programs.
+# On Qwen3-8B's (4096 and wider) DEFAULT stays best or within 2% but for qkv (10.2 us against 10.9).
+SHORT = Fp8GemvConfig(2, 2048, 4)
+
+
+def default_config(n: int, k: int, gated: bool = False) -> Fp8GemvConfig:
+    """The tile for one row against an [n (x 2 when gated), k] weight: SHORT when a side is 2048 or less."""
+    if gated:
+        return DEFAULT_GATED
+    return SHORT if min(n, k) <= 2048 else DEFAULT
 
 
 @triton.jit
@@ -234,7 +250,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_s
         raise ValueError(f"fp8_gemv takes one row of fp32/fp16/bf16 x, got {tuple(x.shape)} {x.dtype}")
     x1 = x.reshape(k).contiguous()
     out = torch.empty(n_out, dtype=x.dtype, device=x.device)
-    cfg = cfg or (DEFAULT_GATED if gated else DEFAULT)
+    cfg = cfg or default_config(n_out, k, gated)
     block_k = min(cfg.block_k, max(VEC, triton.next_power_of_2(k)))   # short rows: one step, no masked-off chunks
     pdl = use_pdl(x1)
     z = zeros if isinstance(zeros, torch.Tensor) else scale                 # any pointer when not read

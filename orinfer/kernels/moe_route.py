@@ -22,8 +22,9 @@ bounds: the illegal memory access of the MoE graph capture (benchmarks/NOTES.md,
 rows, so they never saw it. (The reference sorts NaN first; no real row has one.)
 
 Kernel: a program owns BLOCK_T rows and holds each as a [BLOCK_E] fp32 register row (E padded to a power of two with
--inf); k rounds of (max, lowest index at the max, mark taken) pick the experts. Traffic: T*E logits read, T*k*8
-bytes written: a few microseconds at any batch; one launch, no host sync (CUDA-graph safe).
+-inf); k rounds of one max over keys that pack each logit with its index (`route_rows`) pick the experts.
+Traffic: T*E logits read, T*k*8 bytes written: a few microseconds at any batch; one launch, no host sync (CUDA-graph
+safe).
 """
 
 from __future__ import annotations
@@ -40,29 +41,42 @@ MAX_TOP_K = 16
 
 
 @triton.jit
+def _order_keys(x, offs_e, BLOCK_E: tl.constexpr):
+    """One int64 per logit whose integer order is the pick order: the fp32 bits made monotonic (a negative float's
+    magnitude bits flipped) in the high word, BLOCK_E - 1 - index in the low word, so that of equal logits the lower
+    index has the larger key. One max over these finds both the best logit and its lowest index."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e).to(tl.int64)
+
+
+@triton.jit
 def route_rows(x, pad, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """The routing of a block of rows: x [R, BLOCK_E] fp32 logits, pad [1, BLOCK_E] (columns >= E, which must hold
     -inf in x) -> (weights [R, BLOCK_K] fp32, ids [R, BLOCK_K] int32), the columns >= TOP_K zero. The module
-    docstring's math, tie and NaN rules; `kernels/moe_router.py` runs it on logits it computed itself."""
+    docstring's math, tie and NaN rules; `kernels/moe_router.py` runs it on logits it computed itself.
+
+    Each pick is one max over `_order_keys` (the logit and, among equal ones, the lowest index together): a
+    reduction across the program's warps costs a shared-memory round trip and a barrier, and at batch 1 the k picks
+    are the router's critical path (three reductions a pick before: max, lowest index, probability)."""
     # NaN ranks below every number: without this an all-NaN row (a CUDA-graph padding row's garbage) matches no
     # expert and picks id BLOCK_E, out of range for the expert kernels (see the module docstring).
     x = tl.where(x == x, x, float("-inf"))
     offs_e = tl.arange(0, BLOCK_E)
     m = tl.max(x, axis=1)
-    e = tl.exp(x - m[:, None])                                  # padding: exp(-inf) = 0
-    total = tl.sum(e, axis=1)
+    total = tl.sum(tl.exp(x - m[:, None]), axis=1)              # padding: exp(-inf) = 0
+    # Padding gets the lowest key of all: even a row of -inf logits (whose keys are above it) picks real experts.
+    keys = tl.where(pad, -0x7FFFFFFFFFFFFFFF - 1, _order_keys(x, offs_e[None, :], BLOCK_E))
     offs_k = tl.arange(0, BLOCK_K)
     weights = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.int32)
-    taken = tl.broadcast_to(pad, x.shape)                      # padding is never picked
     for j in range(TOP_K):
-        cand = tl.where(taken, float("-inf"), x)
-        best = tl.max(cand, axis=1)
-        at_best = (cand == best[:, None]) & ~taken
-        pick = tl.min(tl.where(at_best, offs_e[None, :], BLOCK_E), axis=1)     # ties: the lower id
-        hit = offs_e[None, :] == pick[:, None]
-        taken = taken | hit
-        p = tl.sum(tl.where(hit, e, 0.0), axis=1) / total
+        best = tl.max(keys, axis=1)
+        pick = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        high = (best >> 32).to(tl.int32)
+        logit = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)   # the key's fp32 bits back
+        keys = tl.where(offs_e[None, :] == pick[:, None], -0x7FFFFFFFFFFFFFFF - 1, keys)
+        p = tl.exp(logit - m) / total                          # the same exp(x - m) as the total's term
         weights = tl.where(offs_k[None, :] == j, p[:, None], weights)
         ids = tl.where(offs_k[None, :] == j, pick[:, None], ids)
     if RENORM:

@@ -70,9 +70,12 @@ class RouterConfig(NamedTuple):
     split: int = 0  # slices of H; 0: splitk.plan's choice (programs enough for the chip)
 
 
-# One token: gemv's measured batch-1 tile (kernels/gemv.py, ONE_ROW), whole rows: 129 programs of 8 KB at N = 257,
-# H = 2048, each one K step. Not timed on the router itself yet.
-ONE_ROW = RouterConfig(False, 2, 2048, 2, 1, 1)
+# One token: 2 rows x 1024 inputs on one warp, H in 2 slices: 258 programs of 4 KB at N = 257, H = 2048. Timed on an
+# H100 (graph replays over cold weights, NOTES run 349) against gemv's batch-1 tile (2 x 2048 on 2 warps, one slice)
+# and 11 others: 5.55 us against 5.88 at 257 rows folded, 4.71 against 5.27 at 128 rows, the fastest of the 13 at
+# both. The GEMV alone takes ~1.9 us; the rest is the last program's routing, whose k picks are reductions across
+# the program's threads: on one warp they are register shuffles only, no shared memory or barrier.
+ONE_ROW = RouterConfig(False, 2, 1024, 1, 1, 2)
 # 2..16 tokens: wgmma tiles of 64 weight rows (gemv's DEFAULT_DOT), H split until the grid has ~2 programs an SM or
 # the slices are 2 steps: 5 x 8 = 40 programs of 32 KB at N = 257.
 FEW_ROWS = RouterConfig(True, 64, 128, 4, 3)

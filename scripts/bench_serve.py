@@ -181,6 +181,8 @@ class Stream:
     text: str = ""
     tokens: int = 0
     cached_tokens: int = 0      # prompt tokens the server served from its prefix cache (usage.prompt_tokens_details)
+    headers: float = 0.0        # when the response's status line and headers arrived (a streaming server sends them
+                                # once it has accepted the request, before its first token)
     error: str = ""
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -207,6 +209,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, strea
     out.sent = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as r:
+            out.headers = time.perf_counter()
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return out
@@ -246,6 +249,7 @@ async def multi_turn(args: argparse.Namespace, model: str) -> dict:
     vocab = args.word_vocab
     system = random_words(random.Random(1), args.system_words, vocab) if vocab else make_prompt(1, args.system_words)
     ttfts: list[list[float]] = [[] for _ in range(args.turns)]
+    accepted: list[list[float]] = [[] for _ in range(args.turns)]     # request sent -> response headers
     cached: list[list[int]] = [[] for _ in range(args.turns)]
     failed = 0
 
@@ -263,20 +267,27 @@ async def multi_turn(args: argparse.Namespace, model: str) -> dict:
                 print(f"  failed: {reply.error}", file=sys.stderr)
                 return
             ttfts[turn].append(reply.ttft)
+            accepted[turn].append(reply.headers - reply.sent)
             cached[turn].append(reply.cached_tokens)
             history += reply.text
 
     start = time.perf_counter()
     async with _client(args, args.conversations) as client:
+        before, counters_before = await server_snapshot(client)
         await asyncio.gather(*[conversation(client, i) for i in range(args.conversations)])
+        after, counters_after = await server_snapshot(client)
     wall = time.perf_counter() - start
-    turns = [{"turn": t + 1, "requests": len(v), "ttft_ms": summary(v),
+    turns = [{"turn": t + 1, "requests": len(v), "ttft_ms": summary(v), "headers_ms": summary(accepted[t]),
               "mean_cached_tokens": round(statistics.fmean(cached[t]), 1) if cached[t] else 0.0}
              for t, v in enumerate(ttfts)]
     later = [x for v in ttfts[1:] for x in v]
     return {"conversations": args.conversations, "turns": args.turns, "system_words": args.system_words,
             "user_words": args.user_words, "failed": failed, "wall_s": round(wall, 3), "per_turn": turns,
-            "later_turns_ttft_ms": summary(later)}
+            "later_turns_ttft_ms": summary(later),
+            # The server's own view of every turn together (its histograms count from its hand-off of a request):
+            # a client TTFT well above it is time spent in HTTP or in this process.
+            "server_ms": {key: bucket_quantiles(before[key], after[key]) for key in after if after[key]},
+            "load": load_shares(counters_before, counters_after, wall)}
 
 
 async def long_prompt(args: argparse.Namespace, model: str) -> dict:
@@ -418,26 +429,36 @@ async def main_async(args: argparse.Namespace) -> dict:
               f"p99 {level.tpot_ms['p99']:.2f} ms  ({level.requests} requests, {level.failed} failed)")
         print("  TTFT p50 / p99 ms by wave of requests: "
               + ", ".join(f"{w['p50']:.0f} / {w['p99']:.0f}" for w in level.ttft_ms_by_wave))
-        if level.server_ms:
-            print("  server (bucket bounds, from its arrival): "
-                  + ", ".join(f"{key} p50 <= {v['p50']} ms p99 <= {v['p99']} ms" for key, v in level.server_ms.items()))
-        if level.load:
-            print("  load (busy share of the wall time; CPU in cores): "
-                  + ", ".join(f"{key} {value}" for key, value in level.load.items()))
+        if server := server_lines(asdict(level)):
+            print(server)
         levels.append(level)
     return {"url": args.url, "model": model, "endpoint": args.endpoint, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "temperature": args.temperature, "host": platform.node(),
             "command": " ".join(sys.argv), "levels": [asdict(level) for level in levels]}
 
 
+def server_lines(result: dict) -> str:
+    """A level's or workload's server quantiles and load shares (`server_ms`, `load`) as indented lines ("" without
+    them: another server)."""
+    lines = []
+    if result.get("server_ms"):
+        lines.append("  server (bucket bounds, from its arrival): " + ", ".join(
+            f"{key} p50 <= {v['p50']} ms p99 <= {v['p99']} ms" for key, v in result["server_ms"].items()))
+    if result.get("load"):
+        lines.append("  load (busy share of the wall time; CPU in cores): "
+                     + ", ".join(f"{key} {value}" for key, value in result["load"].items()))
+    return "\n".join(lines)
+
+
 def markdown(report: dict) -> str:
     if "multi_turn" in report:
         mt = report["multi_turn"]
-        rows = ["| turn | requests | TTFT p50 ms | TTFT p99 ms | cached prompt tokens (mean) |",
-                "|---:|---:|---:|---:|---:|"]
+        rows = ["| turn | requests | TTFT p50 ms | TTFT p99 ms | response headers p50 ms | cached prompt tokens (mean) |",
+                "|---:|---:|---:|---:|---:|---:|"]
         rows += [f"| {t['turn']} | {t['requests']} | {t['ttft_ms']['p50']:.1f} | {t['ttft_ms']['p99']:.1f} | "
-                 f"{t.get('mean_cached_tokens', 0):.0f} |" for t in mt["per_turn"]]
-        return "\n".join(rows)
+                 f"{t.get('headers_ms', {}).get('p50', float('nan')):.1f} | {t.get('mean_cached_tokens', 0):.0f} |"
+                 for t in mt["per_turn"]]
+        return "\n".join(rows + [line for line in [server_lines(mt)] if line])
     if "long_prompt" in report:
         lp = report["long_prompt"]
         if "long_prompt_ttft_ms" not in lp:

@@ -183,9 +183,8 @@ def test_serving_bench_places_the_load_from_the_servers_counters(monkeypatch):
     assert shares == {"engine_busy": 0.5, "step_ms": 10.0, "server_cpu": 0.5, "client_cpu": 0.5}
 
 
-def test_serving_bench_splits_a_level_over_client_processes(tiny_dir, tmp_path):
-    """--client-processes 2: the level's requests go out from two spawned load-generator processes; every request
-    is counted once, in issue order (waves), with the wall time from the first send to the last finish."""
+def _bench_serve_against_tiny_server(tiny_dir, out, *args: str) -> subprocess.CompletedProcess:
+    """scripts/bench_serve.py with `args` (and --out `out`, no warm-up) against a tiny CPU model's server."""
     for module in ("fastapi", "uvicorn", "httpx"):
         pytest.importorskip(module)
     from orinfer import LLM
@@ -194,14 +193,36 @@ def test_serving_bench_splits_a_level_over_client_processes(tiny_dir, tmp_path):
     from orinfer.server.cli import BackgroundServer
 
     llm = LLM(tiny_dir, EngineArgs(dtype="float32", device="cpu", progress=False, num_kv_blocks=128))
-    out = tmp_path / "serve.json"
     with BackgroundServer(build_app(llm, "tiny")) as server:
         done = subprocess.run([sys.executable, str(SCRIPTS / "bench_serve.py"), "--url", server.url, "--no-warmup",
-                               "--concurrency", "4", "--requests", "8", "--max-tokens", "3", "--prompt-words", "5",
-                               "--client-processes", "2", "--out", str(out)], capture_output=True, text=True,
-                              timeout=300)
+                               *args, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_serving_bench_splits_a_level_over_client_processes(tiny_dir, tmp_path):
+    """--client-processes 2: the level's requests go out from two spawned load-generator processes; every request
+    is counted once, in issue order (waves), with the wall time from the first send to the last finish."""
+    out = tmp_path / "serve.json"
+    _bench_serve_against_tiny_server(tiny_dir, out, "--concurrency", "4", "--requests", "8", "--max-tokens", "3",
+                                     "--prompt-words", "5", "--client-processes", "2")
     level = json.loads(out.read_text())["levels"][0]
     assert (level["requests"], level["failed"], len(level["ttft_ms_by_wave"])) == (8, 0, 2)
     assert level["output_tok_s"] == pytest.approx(8 * 3 / level["wall_s"], rel=0.01)
     assert level["server_ms"]["ttft"]["count"] == 8 and level["load"]["client_cpu"] > 0
+
+
+def test_serving_bench_gives_the_servers_view_of_a_multi_turn_run(tiny_dir, tmp_path):
+    """The multi-turn workload reports, beside the client's TTFT per turn, when each turn's responses were accepted
+    (headers), the server's TTFT and queue quantiles over all its turns (from two /metrics pages) and the engine's
+    load, in the JSON and in the markdown."""
+    out = tmp_path / "mt.json"
+    done = _bench_serve_against_tiny_server(tiny_dir, out, "--workload", "multi-turn", "--conversations", "2",
+                                            "--turns", "2", "--system-words", "6", "--user-words", "3",
+                                            "--max-tokens", "2")
+    mt = json.loads(out.read_text())["multi_turn"]
+    assert [t["requests"] for t in mt["per_turn"]] == [2, 2]
+    assert all(0 < t["headers_ms"]["p50"] <= t["ttft_ms"]["p50"] for t in mt["per_turn"])
+    assert mt["server_ms"]["ttft"]["count"] == 4 and mt["server_ms"]["queue"]["count"] == 4
+    assert mt["load"]["engine_busy"] > 0
+    assert "server (bucket bounds" in done.stdout

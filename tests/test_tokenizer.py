@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orinfer.tokenizer import Tokenizer, TokenizerError
+from orinfer.tokenizer import RELEASE_LOCK_CHARS, Tokenizer, TokenizerError
 from orinfer.tokenizer_train import QWEN_SPECIAL_TOKENS, bundled_corpus, qwen_added_tokens, train_tokenizer
 
 VOCAB_SIZE = 1024
@@ -25,6 +25,8 @@ ENCODE_TEXTS = [
     "don't, I'LL, they'Re, it's <tool_call>\n{\"name\": \"f\"}\n</tool_call>",
     "",
 ]
+# Long enough for `Tokenizer.encode`'s batch call (RELEASE_LOCK_CHARS), which must give the one-text call's ids.
+ENCODE_TEXTS.append("\n".join(ENCODE_TEXTS) * 30)
 
 # Streamed text full of multi-byte characters; the trained vocabulary is ASCII-heavy, so these split
 # into several byte tokens each.
@@ -147,6 +149,7 @@ def test_train_rejects_bad_arguments(tmp_path: Path) -> None:
 def test_encode_decode_match_transformers(toks: dict[str, Tokenizer], hf_toks: dict, arch: str) -> None:
     tok, hf = toks[arch], hf_toks[arch]
     assert len(hf) == tok.vocab_size
+    assert len(ENCODE_TEXTS[-1]) >= RELEASE_LOCK_CHARS > max(len(text) for text in ENCODE_TEXTS[:-1])
     for text in ENCODE_TEXTS:
         ids = tok.encode(text)
         assert ids == hf.encode(text, add_special_tokens=False), text

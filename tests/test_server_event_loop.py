@@ -168,18 +168,23 @@ def test_too_many_values_is_a_413_and_deep_nesting_stays_a_400(http):
 # --- where bodies are parsed and validated ----------------------------------------------------------------------------
 
 def test_large_bodies_are_parsed_and_validated_in_a_worker_thread(http, monkeypatch):
-    """Up to SMALL_BODY_BYTES a body is handled on the event loop (the server's thread); a larger one in a worker
-    thread of the default pool, so that its parsing and validation never hold the loop."""
+    """A body of up to SMALL_BODY_BYTES and SMALL_BODY_VALUES values is handled on the event loop (the server's
+    thread), a long string included (as a long prompt is); one larger in either measure in a worker thread of the default pool, so
+    that its parsing and validation never hold the loop."""
     threads = []
     real = request_body.validate_body
     monkeypatch.setattr(request_body, "validate_body",
                         lambda model, body: threads.append(threading.current_thread().name) or real(model, body))
     small = {"messages": USER, "max_tokens": 1}
-    large = {"messages": USER, "max_tokens": 1, "user": "x" * request_body.SMALL_BODY_BYTES}
-    for body in (small, large):
+    long_string = {"messages": USER, "max_tokens": 1, "user": "x" * 40_000}     # a long prompt's shape: 40 KB
+    many_bytes = {"messages": USER, "max_tokens": 1, "user": "x" * request_body.SMALL_BODY_BYTES}
+    monkeypatch.setattr(request_body, "SMALL_BODY_VALUES", 16)     # within this test server's value limit
+    many_values = {"messages": USER, "max_tokens": 1, "stop_token_ids": [1] * 17}
+    for body in (small, long_string, many_bytes, many_values):
         assert http.post(CHAT, json=body).status_code == 200
-    assert len(threads) == 2
-    assert not threads[0].startswith("asyncio") and threads[1].startswith("asyncio"), threads
+    assert len(threads) == 4
+    on_loop = [not name.startswith("asyncio") for name in threads]
+    assert on_loop == [True, True, False, False], threads
 
 
 # --- validation stops at the first bad item ---------------------------------------------------------------------------
@@ -209,10 +214,12 @@ def test_integral_floats_in_token_id_lists_are_still_ints():
 
 # --- the handlers' work that grows with the body ----------------------------------------------------------------------
 
-def test_chat_checks_and_sampling_params_are_built_in_worker_threads(app, http, monkeypatch):
-    """Walking the messages, parts and tools of a chat (`chat_input`, tools) and building the sampling parameters of
-    every choice (logit_bias, tool grammars) happen in worker threads: each grows with the body (tens of thousands of
-    parts or entries fit in the value limit), and on the loop a body of 20,000 text parts stalled it for 150 ms."""
+def test_chat_checks_and_costly_sampling_params_are_built_in_worker_threads(app, http, monkeypatch):
+    """Walking the messages, parts and tools of a chat (`chat_input`, tools) and building sampling parameters that
+    cost work (logit_bias, tool grammars, a response format's grammar) happen in worker threads: each grows with the
+    body (tens of thousands of parts or entries fit in the value limit), and on the loop a body of 20,000 text parts
+    stalled it for 150 ms. Plain sampling parameters of a few choices are built on the loop: a thread hop cost more
+    than they do under a burst of requests."""
     from orinfer.server import chat as chat_module
 
     srv = app.state.server
@@ -222,13 +229,22 @@ def test_chat_checks_and_sampling_params_are_built_in_worker_threads(app, http, 
         "chat_input", threading.current_thread().name) and real_input(*a))
     monkeypatch.setattr(srv, "sampling", lambda *a, **k: threads.setdefault(
         "sampling", threading.current_thread().name) and real_sampling(*a, **k))
+
+    def sampled_in_a_thread(path: str, body: dict) -> bool:
+        threads.clear()
+        assert http.post(path, json=body).status_code == 200
+        return threads["sampling"].startswith("asyncio")
+
     parts = [{"type": "text", "text": "Who is Alice?"}] * 3
-    assert http.post(CHAT, json={"messages": [{"role": "user", "content": parts}], "max_tokens": 1}).status_code == 200
-    assert set(threads) == {"chat_input", "sampling"}
-    assert all(name.startswith("asyncio") for name in threads.values()), threads
-    threads.clear()
-    assert http.post(COMP, json={"prompt": "Alice", "max_tokens": 1, "n": 2}).status_code == 200
-    assert threads["sampling"].startswith("asyncio"), threads
+    assert not sampled_in_a_thread(CHAT, {"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert threads["chat_input"].startswith("asyncio"), threads
+    assert not sampled_in_a_thread(COMP, {"prompt": "Alice", "max_tokens": 1, "n": 2})
+    assert sampled_in_a_thread(COMP, {"prompt": "Alice", "max_tokens": 1, "logit_bias": {"5": 1}})
+    assert sampled_in_a_thread(CHAT, {"messages": USER, "max_tokens": 1, "logit_bias": {"5": 1}})
+    assert sampled_in_a_thread(CHAT, {"messages": USER, "max_tokens": 1,
+                                      "response_format": {"type": "json_object"}})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert sampled_in_a_thread(CHAT, {"messages": USER, "max_tokens": 1, "tools": [tool]})
 
 
 def test_logit_bias_has_a_limit(http):

@@ -29,7 +29,7 @@ from orinfer.server.structured import structured_outputs
 from orinfer.structured.params import StructuredOutputsParams
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, stream_usage_options, usage)
-from orinfer.server.state import ServerState
+from orinfer.server.state import INLINE_SAMPLING_SEQUENCES, ServerState
 from orinfer.server.tools import NO_TOOLS, ChatTools, chat_tools, finish_reason
 from orinfer.tool_calls import constrain_tool_choice
 
@@ -127,7 +127,8 @@ async def chat(request: Request, srv: ServerState, req: ChatCompletionRequest) -
         except RequestError as exc:  # the choice against the request's constraint, or a tool the grammar can't take
             raise APIError(400, str(exc), param=getattr(exc, "param", None) or "tools") from None
 
-    params = await asyncio.to_thread(sampling)
+    params = await srv.build_sampling(sampling, spec is None and not req.logit_bias and not tools.prompt_tools
+                                      and n <= INLINE_SAMPLING_SEQUENCES)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, [ids] * n, params, images=images, max_pixels=max_pixels)
     prompt_tokens = group.accepted.result()[0]  # as the engine counts it (visual tokens included)

@@ -6,7 +6,6 @@ the prompt only (scoring a text by its logprobs, as vLLM allows): the engine sam
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -20,7 +19,7 @@ from orinfer.server.errors import APIError, engine_error
 from orinfer.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from orinfer.server.responses import (AbortingStream, ClientGone, collect, finish_stream, json_in_worker,
                                       stream_chunk, stream_usage_options, usage)
-from orinfer.server.state import ServerState
+from orinfer.server.state import INLINE_SAMPLING_SEQUENCES, ServerState
 from orinfer.server.structured import structured_outputs
 
 
@@ -79,7 +78,8 @@ async def complete(request: Request, srv: ServerState, req: CompletionRequest) -
                                     prompt_logprobs=req.logprobs if req.echo else None) for i in range(n)]
         return params
 
-    params = await asyncio.to_thread(sampling)
+    params = await srv.build_sampling(sampling, spec is None and not req.logit_bias
+                                      and len(prompts_rep) <= INLINE_SAMPLING_SEQUENCES)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     group = await srv.submit(request_id, prompts_rep, params)
     created = int(time.time())

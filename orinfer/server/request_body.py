@@ -21,9 +21,13 @@ from orinfer.server.errors import APIError
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token",
                              "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}
 
-# A body up to this size is parsed and validated on the event loop (at most a few thousand values: well under a
-# millisecond, about what the hand-off to a thread costs); a larger one in a worker thread.
-SMALL_BODY_BYTES = 16 * 1024
+# A body of at most this many bytes and (by `json_count.count_upper_bound`) values is parsed and validated on the
+# event loop: a long prompt string is tens of KB but a dozen values, parsed in well under a millisecond, about what
+# the hand-off to a worker thread costs when idle and far less than it cost under a burst of requests (bodies over the
+# old 16 KB bound waited 10-14 ms, up to 44, in the one-at-a-time thread slot: NOTES run 356). Any other body goes to a
+# worker thread.
+SMALL_BODY_BYTES = 256 * 1024
+SMALL_BODY_VALUES = 2048
 
 # The pydantic model of a body, or a function choosing it from the parsed body (/tokenize takes two kinds).
 BodyModel = type[BaseModel] | Callable[[Any], type[BaseModel]]
@@ -107,8 +111,8 @@ def parse_request(raw: bytes, model: BodyModel, max_values: int) -> Any:
 
 
 class BodyReader:
-    """Reads, parses and validates request bodies for the handlers, under the server's limits: small bodies on the
-    event loop, the others in worker threads, `max_concurrent` at a time (the interpreter lock lets one run at a
+    """Reads, parses and validates request bodies for the handlers, under the server's limits: small bodies (in bytes
+    and values) on the event loop, the others in worker threads, `max_concurrent` at a time (the interpreter lock lets one run at a
     time anyway, and the default thread pool also tokenizes, renders prompts and decodes images)."""
 
     def __init__(self, max_bytes: int, max_values: int, max_concurrent: int = 1) -> None:
@@ -118,7 +122,7 @@ class BodyReader:
     async def read(self, request: Request, model: BodyModel) -> Any:
         """The body of `request` as a validated `model` (APIError: 4xx)."""
         raw = await read_body(request, self.max_bytes)
-        if len(raw) <= SMALL_BODY_BYTES:
+        if len(raw) <= SMALL_BODY_BYTES and json_count.count_upper_bound(raw) <= SMALL_BODY_VALUES:
             return parse_request(raw, model, self.max_values)
         async with self._slots:
             return await asyncio.to_thread(parse_request, raw, model, self.max_values)

@@ -212,14 +212,20 @@ def test_the_sweep_bench_runs_end_to_end_with_a_stand_in_timer(monkeypatch):
         "down": (1024, 3072, False), "lm_head": (151936, 1024, False)}
 
 
-def test_the_sweep_takes_hybrid_and_moe_shapes():
+def test_the_sweep_takes_hybrid_moe_and_tensor_parallel_shapes():
     """Qwen3.5-35B-A3B: the gated attention's qkv rows (q and its gate, k, v), linear attention's packed in_proj
-    (q, k, v, z, b, a) and out_proj, and no dense MLP (every layer routes to experts)."""
+    (q, k, v, z, b, a) and out_proj, and no dense MLP (every layer routes to experts); one GPU's share under tensor
+    parallelism."""
     from orinfer.bench.gemv_sweep import decode_shapes
     from orinfer.config import preset
     assert decode_shapes(preset("qwen3.5-35b-a3b")) == {
         "qkv": (2 * 4096 + 2 * 512, 2048, False), "o": (2048, 4096, False),
         "in_proj": (2 * 2048 + 4096 + 4096 + 2 * 32, 2048, False), "out_proj": (2048, 4096, False)}
+    # One GPU's share at TP2 (Qwen3-8B: 32 query and 8 KV heads of 128) and TP16 (KV heads replicated).
+    assert decode_shapes(preset("qwen3-8b"), lm_head=True, tp=2) == {
+        "qkv": (2048 + 2 * 512, 4096, False), "o": (4096, 2048, False), "gate_up": (6144, 4096, True),
+        "down": (4096, 6144, False), "lm_head": (75968, 4096, False)}
+    assert decode_shapes(preset("qwen3-8b"), tp=16)["qkv"] == (256 + 2 * 128, 4096, False)
 
 
 @pytest.mark.slow

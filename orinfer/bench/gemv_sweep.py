@@ -12,8 +12,8 @@ each loop's default is ("default": what `gemv` or `fp8_gemv` runs today; "fma de
 ORINFER_GEMV_FEW_ROWS=fma runs). Timing as bench/fp8_kernels.py: the calls over enough copies of the weight (4x L2)
 captured in one CUDA graph, so every call reads its weight from HBM; median of --iters replays per call.
 
-Run: `python -m orinfer.bench.gemv_sweep [--preset qwen3.5-35b-a3b] [--fp8] [--lm-head] [--rows 1,2,4,8] [--iters 20]
-[--out DIR] [--json FILE]` (needs a CUDA device; importing this module does not); --out writes DIR/gemv-sweep.md and
+Run: `python -m orinfer.bench.gemv_sweep [--preset qwen3.5-35b-a3b] [--fp8] [--lm-head] [--rows 1,2,4,8]
+[--tensor-parallel-size N] [--iters 20] [--out DIR] [--json FILE]` (needs a CUDA device; importing this module does not); --out writes DIR/gemv-sweep.md and
 DIR/gemv-sweep.json.
 """
 
@@ -29,21 +29,24 @@ from orinfer.bench.kernels import markdown, read_bandwidth_gbps, report
 from orinfer.config import ModelConfig, preset
 
 
-def decode_shapes(cfg: ModelConfig, lm_head: bool = False) -> dict[str, tuple[int, int, bool]]:
+def decode_shapes(cfg: ModelConfig, lm_head: bool = False, tp: int = 1) -> dict[str, tuple[int, int, bool]]:
     """A model's decode GEMVs: name -> (outputs N, K, gated: the weight is [2N, K]). Full attention's qkv (with the
     Qwen3.5 output gate's rows when it has one) and o; linear attention's packed in_proj (qkv | z | b | a) and out_proj
-    (hybrid models); the dense MLP's gate_up and down unless every layer routes to experts."""
-    q = cfg.q_size * (2 if cfg.attn_output_gate else 1)
-    shapes = {"qkv": (q + 2 * cfg.kv_size, cfg.hidden_size, False), "o": (cfg.hidden_size, cfg.q_size, False)}
+    (hybrid models); the dense MLP's gate_up and down unless every layer routes to experts. `tp`: one GPU's share
+    under tensor parallelism of that size (qkv, in_proj, gate_up and the lm_head split by rows, o, out_proj and down
+    by columns; KV heads replicated when fewer than `tp`)."""
+    kv = max(cfg.num_key_value_heads // tp, 1) * cfg.head_dim
+    q = cfg.q_size * (2 if cfg.attn_output_gate else 1) // tp
+    shapes = {"qkv": (q + 2 * kv, cfg.hidden_size, False), "o": (cfg.hidden_size, cfg.q_size // tp, False)}
     if cfg.is_hybrid:
-        shapes["in_proj"] = (cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
+        shapes["in_proj"] = ((cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads) // tp,
                              cfg.hidden_size, False)
-        shapes["out_proj"] = (cfg.hidden_size, cfg.linear_value_dim, False)
+        shapes["out_proj"] = (cfg.hidden_size, cfg.linear_value_dim // tp, False)
     if cfg.num_sparse_layers < cfg.num_hidden_layers:
-        shapes["gate_up"] = (cfg.intermediate_size, cfg.hidden_size, True)
-        shapes["down"] = (cfg.hidden_size, cfg.intermediate_size, False)
+        shapes["gate_up"] = (cfg.intermediate_size // tp, cfg.hidden_size, True)
+        shapes["down"] = (cfg.hidden_size, cfg.intermediate_size // tp, False)
     if lm_head:
-        shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size, False)
+        shapes["lm_head"] = (-(-cfg.vocab_size // tp), cfg.hidden_size, False)
     return shapes
 
 
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lm-head", action="store_true", help="also the lm_head (vocab x hidden)")
     p.add_argument("--rows", default="1,2,4,8", help="comma-separated row counts of x (1..16)")
     p.add_argument("--fp8", action="store_true", help="FP8 block-wise weights: the one-row `fp8_gemv` tiles (rows 1)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="one GPU's share of each matrix under tensor parallelism of size N")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--out", help="also write gemv-sweep.md (the table) and gemv-sweep.json (the rows) in this folder")
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the GEMV sweep needs a CUDA device")
         return 1
-    shapes = decode_shapes(preset(args.preset), args.lm_head)
+    shapes = decode_shapes(preset(args.preset), args.lm_head, args.tensor_parallel_size)
     if args.fp8:
         rows, args.rows = run_fp8_gemv_sweep(args.device, args.iters, shapes), "1"
     else:
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     table = (summary(rows) + "\n\nEvery config, fastest first per shape and row count:\n\n"
              + markdown(rows, speedup="vs 1 row (1-row default us / us)"))
     weights = "FP8 128x128 blocks" if args.fp8 else "bf16"
-    report(rows, table, f"GEMV configs on {{device}} ({args.preset} shapes, {weights}, rows {args.rows}; torch "
+    share = f", one GPU's share at TP{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    report(rows, table, f"GEMV configs on {{device}} ({args.preset} shapes{share}, {weights}, rows {args.rows}; torch "
            f"{torch.__version__})", args.device, args.json or out("json"), out("md"), torch=torch.__version__)
     return 0
 

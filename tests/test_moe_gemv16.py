@@ -18,6 +18,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
+from test_moe_fp8_decode import PAIRS, STEPS, gemv
 from test_moe_kernels import DECODE_FMA, QWEN3_30B, QWEN3_5_35B, experts, poison, routing  # noqa: F401 (autouse)
 from orinfer.kernels import moe_config, moe_ops, moe_tune
 from orinfer.kernels.moe import fused_moe_ref
@@ -30,14 +31,9 @@ skip_module_without_kernels()
 slow = pytest.mark.slow
 
 
-def gemv(up: tuple[int, ...], down: tuple[int, ...]) -> MoeConfig:
-    return MoeConfig("gemv", 1, Tile(*up, 1), Tile(*down, 1))
-
-
-# Explicit tiles (H = 72/80, I = 40/48): up in 32-input steps (the last one partial at H = 72); down in 32-input steps
-# of one pair (two I steps), and 64-input steps of two pairs (two pair groups for k = 3, the second with an empty slot).
-STEPS = gemv((4, 32, 2), (2, 32, 2))
-PAIRS = gemv((2, 64, 1), (4, 128, 2))
+# The FP8 gemv tests' explicit tiles: STEPS, up in 32-input steps (the last one partial at H = 72) and down in
+# 32-input steps of one pair (two I steps); PAIRS, down in 64-input steps of two pairs (two pair groups for k = 3, the
+# second with an empty slot).
 
 
 def check(n_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, cfg: MoeConfig | None,

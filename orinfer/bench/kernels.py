@@ -2,7 +2,8 @@
 Qwen3-VL-8B vision tower's kernels at the shapes of one 1024x768 image, `_vision_rows`; the MoE router and experts of
 Qwen3-30B-A3B, `_moe_rows`, and its FP8 experts against the 16-bit ones, `_moe_fp8_rows`, and its 4-bit ones,
 bench/moe_w4_rows.py: their "torch" row is the 16-bit `fused_moe`; the FP8 experts of Qwen3.5-35B-A3B and Qwen3-30B-A3B
-at one token, the gemv path against the old decode path, bench/moe_fp8_gemv_rows.py).
+at one token, the gemv path against the old decode path, bench/moe_fp8_gemv_rows.py; the 16-bit experts of
+Qwen3-30B-A3B at one token likewise, bench/moe_gemv16_rows.py).
 
 Every row reports the median time (CUDA events around the op alone, after warm-up, with the L2 cache flushed
 before each timed call so weights come from HBM as they do in a real decode step), the bytes the op must move at
@@ -294,6 +295,8 @@ def _moe_rows(add: Callable, randn: Callable, dev: torch.device, esize: int) -> 
     torch.cuda.empty_cache()
     from orinfer.bench.moe_fp8_gemv_rows import moe_fp8_gemv_rows
     moe_fp8_gemv_rows(add, randn, esize)
+    from orinfer.bench.moe_gemv16_rows import moe_gemv16_rows
+    moe_gemv16_rows(add, randn, esize)
 
 
 def _moe_router_rows(add: Callable, randn: Callable, hidden: int, top_k: int, esize: int) -> None:

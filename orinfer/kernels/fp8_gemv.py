@@ -29,6 +29,10 @@ shape and strides as the scales; or one zero point for all, a constexpr: symmetr
 sum_{k in chunk c} (q[n, k] - z[n, c]) x[k], q - z formed exactly in fp32 (`tiles.code_values`: the byte put into
 2^23's mantissa by one prmt and one FADD per weight, then the FMA; about 4.2 SASS instructions per weight). Traffic:
 N*K bytes + 2 bytes of scale (+ 2 of zero point) per (row, group): 1.6% (3.1%) at groups of 128.
+
+16-bit float weights (CODES = FLOAT16, bf16 or fp16 with no scales): the helpers `_rows_loop`, `_chunk_sums` and
+`_load_x_chunks` take a chunk width VEC = 8, so that a chunk is still one 16-byte load, and skip the scales; the
+MoE experts' one-token path of `kernels/moe_gemv16.py` uses them so (the dense bf16 GEMV is `kernels/gemv.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import triton.language as tl
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.tiles import UINT8, code_args, code_values, epilogue, zero_offsets
+from orinfer.kernels.tiles import FLOAT16, UINT8, code_args, code_values, epilogue, zero_offsets
 
 VEC = 16  # FP8 weights per thread per load: 16 bytes, one LDG.128
 
@@ -90,13 +94,13 @@ def _scale_rows(rb_ptr, rows, BN: tl.constexpr, HAS_RB: tl.constexpr):
 
 
 @triton.jit
-def _load_x_chunks(starts, ks, K, ok, CH: tl.constexpr, EVEN_K: tl.constexpr):
-    """x chunks as fp32 [CH, 16]: chunk c is the 16 inputs at pointer starts[c] [CH], inputs ks[c] .. ks[c] + 15 of a
-    row of K; unless EVEN_K, inputs at or past K and every input of a chunk whose ok[c] is false (ok None: all are
-    true) read 0. Loaded as [CH, 2, 8] so that a thread holds a whole chunk (two 16-byte loads of bf16) in the layout
-    of the weight tile's chunks; a plain [CH, 16] load would spread a chunk over two threads and cost a shuffle or a
-    shared-memory round trip per step."""
-    v = tl.arange(0, 2)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+def _load_x_chunks(starts, ks, K, ok, CH: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr = 16):
+    """x chunks as fp32 [CH, VEC]: chunk c is the VEC inputs at pointer starts[c] [CH], inputs ks[c] .. ks[c] + VEC-1
+    of a row of K; unless EVEN_K, inputs at or past K and every input of a chunk whose ok[c] is false (ok None: all
+    are true) read 0. Loaded as [CH, VEC / 8, 8] so that a thread holds a whole chunk (two 16-byte loads of bf16 for
+    VEC = 16) in the layout of the weight tile's chunks; a plain [CH, 16] load would spread a chunk over two threads
+    and cost a shuffle or a shared-memory round trip per step. VEC = 8 (16-bit weights): one 16-byte load."""
+    v = tl.arange(0, VEC // 8)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     ptrs = starts[:, None, None] + v
     if EVEN_K:
         x = tl.load(ptrs)
@@ -105,63 +109,70 @@ def _load_x_chunks(starts, ks, K, ok, CH: tl.constexpr, EVEN_K: tl.constexpr):
         if ok is not None:
             mask = mask & ok[:, None, None]
         x = tl.load(ptrs, mask=mask, other=0.0)
-    return tl.reshape(x, [CH, 16]).to(tl.float32)
+    return tl.reshape(x, [CH, VEC]).to(tl.float32)
 
 
 @triton.jit
-def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr):
-    """x[k0 + 16c + v] as fp32 [CH, 16] (`_load_x_chunks` of one contiguous row)."""
-    ks = k0 + tl.arange(0, CH) * 16
-    return _load_x_chunks(x_ptr + ks, ks, K, None, CH, EVEN_K)
+def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr = 16):
+    """x[k0 + VEC c + v] as fp32 [CH, VEC] (`_load_x_chunks` of one contiguous row)."""
+    ks = k0 + tl.arange(0, CH) * VEC
+    return _load_x_chunks(x_ptr + ks, ks, K, None, CH, EVEN_K, VEC)
 
 
 @triton.jit
 def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexpr, ZERO: tl.constexpr,
                 EVEN_K: tl.constexpr):
     """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights (uint8 codes:
-    of (q - z) * x)."""
+    of (q - z) * x; FLOAT16: 16-bit weights, no scale: s_ptrs and smask are not read)."""
     zoff = 0.0
+    s = 1.0
     if EVEN_K:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
-        s = tl.load(s_ptrs)
+        if CODES != FLOAT16:
+            s = tl.load(s_ptrs)
         if CODES == UINT8:
             zoff = zero_offsets(z_ptrs, None, ZERO)
     else:
         w = tl.load(w_ptrs, mask=kmask[:, None, :], other=0.0, eviction_policy="evict_first")
-        s = tl.load(s_ptrs, mask=smask[:, None], other=0.0)
+        if CODES != FLOAT16:
+            s = tl.load(s_ptrs, mask=smask[:, None], other=0.0)
         if CODES == UINT8:       # masked inputs have x = 0: any value of q - z times it is 0
             zoff = zero_offsets(z_ptrs, smask[:, None], ZERO)
     if CODES == UINT8 and ZERO < 0:
         zoff = zoff[:, :, None]
-    return acc + tl.sum(code_values(w, zoff, CODES) * x[:, None, :], axis=2) * s.to(tl.float32)
+    sums = tl.sum(code_values(w, zoff, CODES) * x[:, None, :], axis=2)
+    if CODES != FLOAT16:
+        sums = sums * s.to(tl.float32)
+    return acc + sums
 
 
 @triton.jit
-def _chunk_inputs(CH: tl.constexpr):
-    """[CH, VEC]: the inputs of a step's chunks, 16c + v."""
-    return tl.arange(0, CH)[:, None] * 16 + tl.arange(0, 16)[None, :]
+def _chunk_inputs(CH: tl.constexpr, VEC: tl.constexpr = 16):
+    """[CH, VEC]: the inputs of a step's chunks, VEC c + v."""
+    return tl.arange(0, CH)[:, None] * VEC + tl.arange(0, VEC)[None, :]
 
 
 @triton.jit
 def _rows_loop(x_ptr, wg_ptrs, wu_ptrs, s_ptr, z_ptr, sg_offs, su_offs, K, BK: tl.constexpr, CODES: tl.constexpr,
                ZERO: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr):
+               EVEN_K: tl.constexpr, VEC: tl.constexpr = 16):
     """The main loop of a one-row GEMV over all of K: (acc_g, acc_u) [CH, BLOCK_N] fp32 per-chunk partial sums (CH =
-    BLOCK_K / 16; acc_u only when GATED) of the weight rows at wg_ptrs (and wu_ptrs) [CH, BLOCK_N, VEC] (pointers of
-    input 16c + v) against x [K] contiguous; the rows' scales (and zero points) at s_ptr (z_ptr) + sg_offs (su_offs)
-    [1, BLOCK_N] + scale column. Tiles are [CH, BLOCK_N, VEC]: chunks first, so that the lanes of a warp take
-    consecutive chunks of one row (512 contiguous bytes per load instruction) and each thread's rows share its x
-    chunk. The caller reduces over the chunks (after signalling PDL dependents, say)."""
-    CH: tl.constexpr = BLOCK_K // 16
+    BLOCK_K / VEC; acc_u only when GATED) of the weight rows at wg_ptrs (and wu_ptrs) [CH, BLOCK_N, VEC] (pointers of
+    input VEC c + v) against x [K] contiguous; the rows' scales (and zero points) at s_ptr (z_ptr) + sg_offs (su_offs)
+    [1, BLOCK_N] + scale column (none for FLOAT16 weights, whose chunks are VEC = 8). Tiles are [CH, BLOCK_N, VEC]:
+    chunks first, so that the lanes of a warp take consecutive chunks of one row (512 contiguous bytes per load
+    instruction) and each thread's rows share its x chunk. The caller reduces over the chunks (after signalling PDL
+    dependents, say)."""
+    CH: tl.constexpr = BLOCK_K // VEC
     offs_c = tl.arange(0, CH)
-    kk = _chunk_inputs(CH)                                                   # [CH, VEC] inputs of a step
+    kk = _chunk_inputs(CH, VEC)                                              # [CH, VEC] inputs of a step
     acc_g = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + kk) < K
-        smask = (k0 + offs_c * 16) < K
-        sc = ((k0 + offs_c * 16) // BK)[:, None]                              # each chunk's scale column
-        x = _load_x(x_ptr, k0, K, CH, EVEN_K)
+        smask = (k0 + offs_c * VEC) < K
+        sc = ((k0 + offs_c * VEC) // BK)[:, None]                             # each chunk's scale column
+        x = _load_x(x_ptr, k0, K, CH, EVEN_K, VEC)
         acc_g = _chunk_sums(acc_g, wg_ptrs + k0, s_ptr + sg_offs + sc, z_ptr + sg_offs + sc, x, kmask, smask,
                             CODES, ZERO, EVEN_K)
         if GATED:

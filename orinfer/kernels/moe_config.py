@@ -3,8 +3,9 @@
 A `MoeConfig` says which path runs a call of `fused_moe` and how its two GEMMs are tiled:
 
     path     "decode" (`moe_decode`: per-expert GEMVs over the pairs as routed, few tokens) or "grouped"
-             (`moe_align` + the grouped GEMMs of `moe_gemm` + the combine), or "gemv" (FP8 experts only, one token:
-             `moe_fp8_decode`, one-row FP8 GEMVs in 16-byte chunks; block_m 1)
+             (`moe_align` + the grouped GEMMs of `moe_gemm` + the combine), or "gemv" (one token, FP8 experts or
+             16-bit ones with x of their dtype: `moe_fp8_decode` / `moe_gemv16`, one-row GEMVs in 16-byte chunks;
+             block_m 1)
     block_m  grouped: rows per expert block (16, 32, 64 or 128); decode: 1 = one token, FMA loop on the CUDA cores,
              16 = up to 16 tokens, tensor-core dots with the tokens padded to 16
     up       Tile of the gate/up + SwiGLU GEMM: (block_n, block_k, num_warps, num_stages)
@@ -25,7 +26,7 @@ Keys are token counts T; a call with T tokens takes the entry of the smallest ke
 table's range). Extra fields (the measured "us") are ignored. A table applies to 16-bit activations with weights of its
 dtype; fp32 and mixed (fp32 x, 16-bit weights) calls, and shapes or GPUs without a table, take `default_config`.
 FP8 experts with 16-bit x at T = 1 run the gemv path whatever the table says; a "gemv" entry gives its tiles
-(`kernels/moe_ops.py`).
+(`kernels/moe_ops.py`). 16-bit experts at T = 1 run it only where their table's entry is a "gemv" config.
 Experts with a folded shared expert (layers/moe.py: E routed experts + 1 slot, k + 1 pairs a token) take the table of
 their own shape (E + 1, k + 1) when there is one, else that of the routed experts (E, k): the same weights per pair
 and one more pair a token (the shared slot's, chosen by every token), which tiles tuned for k pairs run well.
@@ -43,7 +44,7 @@ import torch
 
 TABLE_DIR = Path(__file__).with_name("moe_configs")
 DECODE_MAX_TOKENS = 16          # the decode path's dot pads the tokens to 16
-GEMV = "gemv"                   # the path of FP8 experts' one-token kernels (`moe_fp8_decode`)
+GEMV = "gemv"                   # the path of the one-token GEMV kernels (`moe_fp8_decode`, `moe_gemv16`)
 GROUPED_BLOCK_M = (16, 32, 64, 128)
 
 

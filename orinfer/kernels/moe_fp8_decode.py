@@ -34,6 +34,10 @@ Traffic at batch 1: k * 3 * I * H bytes of weights + their scales (1/bn/bk * 4 p
 from L2) + h (2 * PAIRS * BLOCK_I per down program and step, from L2). Qwen3.5-35B-A3B FP8 (E 256, H 2048, I 512,
 k 8): 16.8 MB up + 8.4 MB down per layer, 3.9 + 2.0 us at 4.3 TB/s (H200); Qwen3-30B-A3B-FP8 (E 128, I 768): 25.2 +
 12.6 MB.
+
+The same two kernels run 16-bit experts (bf16 / fp16 weights of x's dtype, no scales; `kernels/moe_gemv16.py` holds
+their tiles and entry point): CODES = FLOAT16 and chunks of VEC = 8 weights, still one 16-byte load; the scale
+pointers are never read. `gemv_up` / `gemv_down` take that form when called without scales (s = None).
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ from orinfer.kernels.fp8_gemv import _chunk_inputs, _chunk_sums, _load_x_chunks,
 from orinfer.kernels.moe_config import GEMV, MoeConfig, Tile
 from orinfer.kernels.moe_gemm import _swiglu
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
-from orinfer.kernels.tiles import E4M3
+from orinfer.kernels.tiles import E4M3, FLOAT16
 
-VEC = 16        # FP8 weights per chunk: one 16-byte load (the kernels write it out: a jit function reads no globals)
+VEC = 16        # FP8 weights per chunk: one 16-byte load (16-bit weights: 8; the kernels take it as a constexpr)
 
 # Tiles (block_n, block_k, num_warps, num_stages = 1), chosen as `fp8_gemv`'s defaults (8 16-byte weight loads in
 # flight per thread, all of a row's K in one step). Up: DEFAULT_GATED's 2 gate + 2 up rows x 2048 inputs on 2 warps:
@@ -65,34 +69,37 @@ DOWN_CANDIDATES = [Tile(*t) for t in [(4, 4096, 4, 1), (2, 4096, 2, 1), (1, 4096
                                       (4, 2048, 2, 1), (8, 2048, 4, 1), (1, 8192, 4, 1), (8, 4096, 8, 1)]]
 
 
-def default_gemv_config(top_k: int, inter: int) -> MoeConfig:
-    """The gemv path's config for k pairs of width I: `UP`, and a down tile whose steps take every pair side by side
-    (up to 8192 inputs a step), with as many rows (a power of two, at most 8) as keep a program's tile of all its
-    steps (padded pair slots and inputs included) within `DOWN_BYTES`."""
-    tile = DOWN._replace(block_k=min(triton.next_power_of_2(top_k) * triton.next_power_of_2(inter), 2 * DOWN.block_k))
+def default_gemv_config(top_k: int, inter: int, up: Tile = UP, down: Tile = DOWN) -> MoeConfig:
+    """The gemv path's config for k pairs of width I: `up`, and a down tile whose steps take every pair side by side
+    (up to 2 * down.block_k inputs a step), with as many rows (a power of two, at most 8) as keep a program's tile of
+    all its steps (padded pair slots and inputs included) within down's weights (FP8: `DOWN_BYTES`; the 16-bit
+    tiles of `moe_gemv16` pass theirs)."""
+    tile = down._replace(block_k=min(triton.next_power_of_2(top_k) * triton.next_power_of_2(inter), 2 * down.block_k))
     pairs, block_i = down_steps(top_k, inter, tile)
-    rows = min(8, max(1, DOWN_BYTES // (triton.cdiv(top_k, pairs) * pairs * block_i)))
-    return MoeConfig(GEMV, 1, UP, tile._replace(block_n=1 << (rows.bit_length() - 1)))
+    rows = min(8, max(1, down.block_n * down.block_k // (triton.cdiv(top_k, pairs) * pairs * block_i)))
+    return MoeConfig(GEMV, 1, up, tile._replace(block_n=1 << (rows.bit_length() - 1)))
 
 
 @triton.jit
 def _gemv_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, E, I, H, stride_we, stride_wn, stride_se, stride_sn,
                     UP_SROW, stride_hm, BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CODES: tl.constexpr, VEC: tl.constexpr,
+                    PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < E):                       # an id outside 0..E-1 selects no expert: nothing read or stored
-        CH: tl.constexpr = BLOCK_K // 16
+        CH: tl.constexpr = BLOCK_K // VEC
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rn = tl.minimum(offs_n, I - 1)           # rows past I re-read row I-1 and are not stored
         w_e = w_ptr + e.to(tl.int64) * stride_we
         s_e = s_ptr + e.to(tl.int64) * stride_se
-        wg_ptrs = w_e + rn.to(tl.int64)[None, :, None] * stride_wn + _chunk_inputs(CH)[:, None, :]
+        wg_ptrs = w_e + rn.to(tl.int64)[None, :, None] * stride_wn + _chunk_inputs(CH, VEC)[:, None, :]
         sg_offs = _scale_rows(s_ptr, rn, BN, False)[None, :] * stride_sn
         acc_g, acc_u = _rows_loop(x_ptr, wg_ptrs, wg_ptrs + I * stride_wn, s_e, s_e, sg_offs,
-                                  sg_offs + UP_SROW * stride_sn, H, BK, E4M3, -1, True, BLOCK_N, BLOCK_K, EVEN_K)
+                                  sg_offs + UP_SROW * stride_sn, H, BK, CODES, -1, True, BLOCK_N, BLOCK_K, EVEN_K,
+                                  VEC)
         if PDL:
             gdc_launch_dependents()
         h = _swiglu(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), h_ptr.dtype.element_ty)
@@ -102,20 +109,20 @@ def _gemv_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, E, I, H, stride_we, str
 @triton.jit
 def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, wts_ptr, ids_ptr, out_ptr, E, H, stride_hm, stride_we, stride_wn,
                       stride_se, stride_sn, TOP_K: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      PAIRS: tl.constexpr,
-                      BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                      PAIRS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, CODES: tl.constexpr,
+                      VEC: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
-    CHI: tl.constexpr = BLOCK_I // 16           # chunks of one pair per step
-    CH: tl.constexpr = PAIRS * CHI               # chunk c: pair slot c // CHI, inputs 16 (c % CHI) .. of the step
+    CHI: tl.constexpr = BLOCK_I // VEC          # chunks of one pair per step
+    CH: tl.constexpr = PAIRS * CHI               # chunk c: pair slot c // CHI, inputs VEC (c % CHI) .. of the step
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, H - 1)               # rows past H re-read row H-1 and are not stored
     w_rows = rn.to(tl.int64)[None, :, None] * stride_wn
     s_rows = _scale_rows(s_ptr, rn, BN, False)[None, :] * stride_sn
     offs_c = tl.arange(0, CH)
     slot_c = offs_c // CHI
-    in_c = (offs_c % CHI) * 16                  # a chunk's first input within its pair's step
-    kk = in_c[:, None] + tl.arange(0, 16)[None, :]
+    in_c = (offs_c % CHI) * VEC                 # a chunk's first input within its pair's step
+    kk = in_c[:, None] + tl.arange(0, VEC)[None, :]
     offs_j = tl.arange(0, PAIRS)
     act_ty = h_ptr.dtype.element_ty
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -131,9 +138,9 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, wts_ptr, ids_ptr, out_ptr, E, H, stri
         for i0 in tl.static_range(0, I, BLOCK_I):
             kmask = ((i0 + kk) < I) & ok_c[:, None]
             smask = ((i0 + in_c) < I) & ok_c
-            x = _load_x_chunks(h_ptrs + i0, i0 + in_c, I, ok_c, CH, False)
+            x = _load_x_chunks(h_ptrs + i0, i0 + in_c, I, ok_c, CH, False, VEC)
             acc = _chunk_sums(acc, w_ptrs + i0, s_ptrs + ((i0 + in_c) // BK)[:, None], s_ptrs, x, kmask, smask,
-                              E4M3, -1, False)
+                              CODES, -1, False)
         y = tl.sum(tl.reshape(acc, [PAIRS, CHI, BLOCK_N]), axis=1)             # [PAIRS, BLOCK_N] per pair
         pair_j = j0 + offs_j
         e_j = tl.load(ids_ptr + pair_j, mask=pair_j < TOP_K, other=-1)
@@ -147,18 +154,28 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, wts_ptr, ids_ptr, out_ptr, E, H, stri
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_size: tuple[int, int],
+def _codes(w: torch.Tensor, s: torch.Tensor | None, block_size: tuple[int, int] | None
+           ) -> tuple[dict[str, int], torch.Tensor, tuple[int, int], tuple[int, int]]:
+    """(CODES and VEC, the scale tensor or a stand-in pointer, its two strides, (bn, bk)) for e4m3 experts with block
+    scales s, or for 16-bit experts (s None: the scale pointers are never read; chunks of 8 weights, 16 bytes)."""
+    if s is None:
+        return {"CODES": FLOAT16.value, "VEC": 16 // w.element_size()}, w, (0, 0), (1, 1 << 30)
+    return {"CODES": E4M3.value, "VEC": VEC}, s, (s.stride(0), s.stride(1)), tuple(block_size)
+
+
+def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None, block_size: tuple[int, int] | None,
             topk_ids: torch.Tensor, tile: Tile = UP) -> torch.Tensor:
-    """h [k, I] in x's dtype: row j = SwiGLU of x [1, H] through expert ids[0, j] (rows of invalid ids unwritten)."""
+    """h [k, I] in x's dtype: row j = SwiGLU of x [1, H] through expert ids[0, j] (rows of invalid ids unwritten);
+    s13 / block_size None: w13 holds 16-bit weights (x's dtype)."""
     top_k, hidden, inter = topk_ids.shape[1], x.shape[1], w13.shape[1] // 2
-    bn, bk = block_size
+    codes, s13, s_strides, (bn, bk) = _codes(w13, s13, block_size)
     h = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
     block_k = min(tile.block_k, max(VEC, triton.next_power_of_2(hidden)))   # short rows: no masked-off chunks
     pdl = use_pdl(x)
     _gemv_up_kernel[(top_k, triton.cdiv(inter, tile.block_n))](
-        x, w13, s13, h, topk_ids, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1), s13.stride(0),
-        s13.stride(1), triton.cdiv(inter, bn), h.stride(0), BN=bn, BK=bk, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        EVEN_K=hidden % block_k == 0, PDL=pdl, num_warps=tile.num_warps, num_stages=1, launch_pdl=pdl)
+        x, w13, s13, h, topk_ids, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1), *s_strides,
+        triton.cdiv(inter, bn), h.stride(0), BN=bn, BK=bk, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        EVEN_K=hidden % block_k == 0, **codes, PDL=pdl, num_warps=tile.num_warps, num_stages=1, launch_pdl=pdl)
     return h
 
 
@@ -171,18 +188,19 @@ def down_steps(top_k: int, inter: int, tile: Tile) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(top_k), tile.block_k // block_i)), block_i
 
 
-def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block_size: tuple[int, int],
+def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor | None, block_size: tuple[int, int] | None,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, tile: Tile = DOWN) -> torch.Tensor:
-    """out [1, H] in h's dtype: sum_j weights[0, j] * round(h[j] Wd_{ids[0, j]}^T), fp32 in pair order."""
+    """out [1, H] in h's dtype: sum_j weights[0, j] * round(h[j] Wd_{ids[0, j]}^T), fp32 in pair order; s2 /
+    block_size None: w2 holds 16-bit weights (h's dtype)."""
     top_k, hidden, inter = topk_ids.shape[1], w2.shape[1], w2.shape[2]
-    bn, bk = block_size
+    codes, s2, s_strides, (bn, bk) = _codes(w2, s2, block_size)
     pairs, block_i = down_steps(top_k, inter, tile)
     out = torch.empty(1, hidden, dtype=h.dtype, device=h.device)
     pdl = use_pdl(h)
     _gemv_down_kernel[(triton.cdiv(hidden, tile.block_n),)](
         h, w2, s2, topk_weights, topk_ids, out, w2.shape[0], hidden, h.stride(0), w2.stride(0), w2.stride(1),
-        s2.stride(0), s2.stride(1), TOP_K=top_k, I=inter, BN=bn, BK=bk, PAIRS=pairs, BLOCK_I=block_i,
-        BLOCK_N=tile.block_n, PDL=pdl, num_warps=tile.num_warps, num_stages=1, launch_pdl=pdl)
+        *s_strides, TOP_K=top_k, I=inter, BN=bn, BK=bk, PAIRS=pairs, BLOCK_I=block_i, BLOCK_N=tile.block_n,
+        **codes, PDL=pdl, num_warps=tile.num_warps, num_stages=1, launch_pdl=pdl)
     return out
 
 

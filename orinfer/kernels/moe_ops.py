@@ -3,6 +3,9 @@ inputs and runs the path its config names (kernels/moe_config.py: the current GP
 
   decode  (a few tokens)   `moe_decode`: per-expert GEMVs over the pairs as routed, two launches (three with a split)
   grouped (larger batches) `moe_align` + `moe_gemm`: expert-sorted blocks, grouped gate/up and down GEMMs, the sum
+  gemv    (one token, bf16 / fp16 experts with x of their dtype) `moe_gemv16`: one-row GEMVs in 16-byte chunks, two
+          launches; only where the config names it (a table entry, or a forced config): without a "gemv" entry T = 1
+          keeps the decode path
 
 Both have `fused_moe_ref`'s contract and are CUDA-graph capturable: no host sync, and every buffer, grid and loop
 bound comes from the shapes (T, k, E, H, I) and the config (picked from T on the host), never from the routing, so a
@@ -32,6 +35,7 @@ from orinfer.kernels.moe_decode import fused_moe_decode
 from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_fp8_decode import default_gemv_config, fused_moe_fp8_gemv
 from orinfer.kernels.moe_gemm import fused_moe_grouped
+from orinfer.kernels.moe_gemv16 import fused_moe_gemv16, gemv16_supported
 from orinfer.kernels.moe_route import moe_route
 from orinfer.kernels.moe_w4 import W4Experts, check_w4_experts, fused_moe_w4_ref, w4_config
 from orinfer.kernels.moe_w4_gemm import fused_moe_w4_decode, fused_moe_w4_grouped
@@ -151,8 +155,13 @@ def _run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: tor
     cfg = pick_config(x, w13, top_k) if config is None else config
     if scales is not None and config is None and tokens == 1 and x.dtype != torch.float32 and cfg.path != GEMV:
         cfg = default_gemv_config(top_k, w2.shape[2])              # the table's T = 1 entry is for another path
-    if not valid(cfg, tokens) or (cfg.path == GEMV and scales is None):
-        raise ValueError(f"config {cfg} cannot run {tokens} tokens{'' if scales else ' of 16-bit experts'}")
+    if not valid(cfg, tokens):
+        raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    if cfg.path == GEMV and scales is None:
+        if not gemv16_supported(x, w13):
+            raise ValueError(f"config {cfg} cannot run {x.dtype} x with {w13.dtype} experts: the gemv path of 16-bit "
+                             "experts takes bf16 / fp16 weights with x of their dtype")
+        return fused_moe_gemv16(x, w13, w2, topk_weights, topk_ids, cfg)
     if cfg.path == GEMV:
         return fused_moe_fp8_gemv(x, w13, scales[0], w2, scales[1], block_size, topk_weights, topk_ids, cfg)
     if scales is not None:

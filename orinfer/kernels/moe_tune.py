@@ -12,7 +12,9 @@ in the last, and the table is named for E + 1 and k + 1), then every candidate o
                     down kernel per (tile, split), the split's sum included;
   grouped:          per block_m, the up GEMM per tile and the down GEMM per tile;
   FP8 at T = 1:     only the gemv path (`moe_fp8_decode`, which `fused_moe_fp8` runs for one token with 16-bit x
-                    whatever the table says): the up kernel per tile, then the down kernel per tile.
+                    whatever the table says): the up kernel per tile, then the down kernel per tile;
+  gemv (16-bit, T = 1): the gemv path of bf16 / fp16 experts (`moe_gemv16`) beside decode and grouped, likewise; it
+                    and its default config join the whole-call race (`gemv_candidates` lists the stage tiles).
 Those configs and the default are then timed as whole `fused_moe` calls, and the fastest call wins: a sum of stages
 timed apart (each with its own cold L2 and launch) misranked them (run 306: tables slower than the default at 32-128
 tokens), and the whole call is what a step runs. 4-bit experts (--dtype w4: AWQ / GPTQ-Int4 in groups of 128) have
@@ -141,6 +143,10 @@ def tune_tokens(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top
     if scales is not None and tokens == 1:
         return _tune_gemv(x, weights, ids, banks, scales, few)
     candidates: list[MoeConfig] = []
+    if gemv_candidates(tokens, w13.dtype) is not None:                 # 16-bit experts at T = 1
+        from orinfer.kernels.moe_gemv16 import default_gemv16_config
+
+        candidates += [_gemv_stages(x, weights, ids, banks, None, few), default_gemv16_config(top_k, w2.shape[2])]
     if tokens <= DECODE_MAX_TOKENS:
         for block_m in ((1, 16) if tokens == 1 else (16,)):
             ups, downs = (FMA_UP, FMA_DOWN) if block_m == 1 else (DOT_DECODE, DOT_DECODE)
@@ -188,16 +194,42 @@ def _tune_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, banks:
     from orinfer.kernels.moe_ops import fused_moe_fp8
 
     (s13, s2), (w13, w2) = scales, banks[0]
-    up, _ = _best({t: _time(lambda a, b, t=t: gemv.gemv_up(x, a, s13, FP8_BLOCK, ids, t), banks)
-                   for t in few(gemv.UP_CANDIDATES)})
-    h = gemv.gemv_up(x, w13, s13, FP8_BLOCK, ids, up)
-    down, _ = _best({t: _time(lambda a, b, t=t: gemv.gemv_down(h, b, s2, FP8_BLOCK, weights, ids, t), banks)
-                     for t in few(gemv.DOWN_CANDIDATES)})
     default = gemv.default_gemv_config(ids.shape[1], w2.shape[2])
     whole = {cfg: _time(lambda a, b, cfg=cfg: fused_moe_fp8(x, a, s13, b, s2, FP8_BLOCK, weights, ids, config=cfg),
-                        banks) for cfg in dict.fromkeys([MoeConfig(GEMV, 1, up, down), default])}
+                        banks) for cfg in dict.fromkeys([_gemv_stages(x, weights, ids, banks, scales, few), default])}
     best, best_us = _best(whole)
     return best, best_us, whole[default]
+
+
+def gemv_candidates(tokens: int, dtype: torch.dtype) -> tuple[list[Tile], list[Tile]] | None:
+    """The gemv path's (up, down) stage tiles that `tune_tokens` times at `tokens` for experts of `dtype`: FP8's
+    (`moe_fp8_decode`) or bf16 / fp16's (`moe_gemv16`) at T = 1; None where the path does not run (more tokens,
+    fp32)."""
+    from orinfer.kernels import moe_fp8_decode, moe_gemv16
+
+    if tokens != 1:
+        return None
+    if dtype == FP8_DTYPE:
+        return moe_fp8_decode.UP_CANDIDATES, moe_fp8_decode.DOWN_CANDIDATES
+    if dtype in moe_gemv16.DTYPES:
+        return moe_gemv16.UP16_CANDIDATES, moe_gemv16.DOWN16_CANDIDATES
+    return None
+
+
+def _gemv_stages(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, banks: list,
+                 scales: tuple | None, few: Callable[[list], list]) -> MoeConfig:
+    """The gemv config of the fastest up tile, then of the fastest down tile on its h, each stage timed alone over
+    `gemv_candidates`; scales: FP8 experts' (s13, s2), None for 16-bit ones."""
+    from orinfer.kernels import moe_fp8_decode as gemv
+
+    (s13, s2), block = (scales, FP8_BLOCK) if scales is not None else ((None, None), None)
+    w13 = banks[0][0]
+    ups, downs = gemv_candidates(1, w13.dtype)
+    up, _ = _best({t: _time(lambda a, b, t=t: gemv.gemv_up(x, a, s13, block, ids, t), banks) for t in few(ups)})
+    h = gemv.gemv_up(x, w13, s13, block, ids, up)
+    down, _ = _best({t: _time(lambda a, b, t=t: gemv.gemv_down(h, b, s2, block, weights, ids, t), banks)
+                     for t in few(downs)})
+    return MoeConfig(GEMV, 1, up, down)
 
 
 def tune_tokens_w4(tokens: int, banks: list, top_k: int, quick: bool = False, shared_slot: bool = False

@@ -1,6 +1,7 @@
 """Triton helpers shared by the quantized matmul kernels (W4, FP8, W8): the grouped order of output tiles, the epilogue
 that turns fp32 sums into stored values (bias, fused SwiGLU with the unfused path's roundings, fp16 clamp), and the
-conversion of 8-bit weight codes (e4m3, or uint8 with a zero point) to fp32."""
+conversion of 8-bit weight codes (e4m3, or uint8 with a zero point) to fp32, and of 16-bit float weights (no scales:
+the one-row GEMV helpers of `kernels/fp8_gemv.py` read those too, for `kernels/moe_gemv16.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import triton.language as tl
 
 
 E4M3, UINT8 = tl.constexpr(0), tl.constexpr(1)      # the 8-bit code types (`code_values`' CODES)
+FLOAT16 = tl.constexpr(2)        # 16-bit float weights (bf16 or fp16: the values themselves, no scales, no zeros)
 _TWO_23 = tl.constexpr(8388608.0)
 
 
@@ -51,13 +53,14 @@ def zero_offsets(z_ptrs, mask, ZERO: tl.constexpr):
 
 @triton.jit
 def code_values(w, zoff, CODES: tl.constexpr, PACK: tl.constexpr = 4):
-    """8-bit weight codes w as fp32, before their scale. CODES == E4M3: the float8_e4m3fn values (zoff unused).
+    """8-bit weight codes w as fp32, before their scale. CODES == E4M3 (or FLOAT16, 16-bit weights): the values
+    (zoff unused).
     CODES == UINT8: code - zero, exact, for zoff = 2^23 + zero (`zero_offsets`) broadcastable to w: the byte or-ed
     into the low mantissa bits of 2^23 reads as 2^23 + code, and one subtraction leaves code - zero (no integer ->
     float convert, which runs at a quarter of the FMA rate on sm_90). PACK (2 or 4): codes per PTX instance, as many
     as a thread holds contiguous in w's layout (16-byte loads: 4; an MMA operand of kWidth 2: 2), so that no bytes
     are shuffled into place first."""
-    if CODES == E4M3:
+    if CODES != UINT8:
         return w.to(tl.float32)
     elif _INTERPRETED:
         return (w.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - zoff

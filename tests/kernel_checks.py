@@ -112,3 +112,37 @@ def compile_in_children(script: str, arg_lists: list[tuple[str, ...]], timeout: 
                 proc.kill()
                 proc.communicate()
     return results
+
+
+def spy_on(monkeypatch, module, name: str) -> list:
+    """Replaces `module.name` (a function) by a wrapper that records each call's last argument (a config, say) and
+    calls through; returns the list of recorded arguments."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def moe_want_over_valid_pairs(ids: torch.Tensor, n_experts: int, hidden: int, reference) -> torch.Tensor:
+    """The fp64 reference of one token's MoE output over its pairs whose ids are valid experts (an id outside
+    0..E-1, a CUDA graph's padding, adds nothing): reference(keep) for those pair indices, zeros when none is."""
+    keep = [j for j in range(ids.shape[1]) if 0 <= int(ids[0, j]) < n_experts]
+    if not keep:
+        return torch.zeros(1, hidden, dtype=torch.float64, device=ids.device)
+    return reference(keep)
+
+
+def captured(step):
+    """(graph, out): step() run once eagerly (compiles and tunes outside the capture), then captured in a CUDA graph
+    whose replays rewrite `out`, the captured call's output."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, gpu, moe_want_over_valid_pairs, randn, skip_module_without_kernels, spy_on, tol
 from test_moe_fp8_kernels import fp8_experts
 from test_moe_kernels import DECODE_FMA, QWEN3_30B, QWEN3_5_35B, poison, routing  # noqa: F401 (poison: autouse)
 from orinfer.kernels import moe_ops
@@ -47,11 +47,8 @@ def check(n_experts: int, hidden: int, inter: int, top_k: int, block: tuple[int,
     for j, e in (bad or {}).items():
         ids[0, j] = e
     got = fused_moe_fp8(x, w13, s13, w2, s2, block, weights, ids, config=cfg)
-    keep = [j for j in range(top_k) if 0 <= int(ids[0, j]) < n_experts]
-    if keep:
-        want = fused_moe_fp8_ref(x.double(), w13, s13, w2, s2, block, weights[:, keep], ids[:, keep])
-    else:
-        want = torch.zeros(1, hidden, dtype=torch.float64, device=DEVICE)
+    want = moe_want_over_valid_pairs(ids, n_experts, hidden, lambda keep: fused_moe_fp8_ref(
+        x.double(), w13, s13, w2, s2, block, weights[:, keep], ids[:, keep]))
     assert got.dtype == dtype and got.shape == (1, hidden)
     torch.testing.assert_close(got.double(), want, **tol(dtype, 2))
     return got
@@ -89,22 +86,10 @@ def test_down_steps_and_default_tiles():
     assert fp8_config(PAIRS, 128) == PAIRS                    # chunks of 16 need no fitting to the scale columns
 
 
-def _spy(monkeypatch) -> list:
-    calls = []
-    real = moe_ops.fused_moe_fp8_gemv
-
-    def spy(*args):
-        calls.append(args[-1])
-        return real(*args)
-
-    monkeypatch.setattr(moe_ops, "fused_moe_fp8_gemv", spy)
-    return calls
-
-
 def test_one_token_with_16_bit_x_takes_the_gemv_path(monkeypatch):
     """T = 1 with bf16/fp16 x runs the gemv kernels whatever the table names (an entry of the old 128-wide path gives
     way to the defaults; a "gemv" entry's tiles run); a forced config, more tokens and fp32 x do not."""
-    calls = _spy(monkeypatch)
+    calls = spy_on(monkeypatch, moe_ops, "fused_moe_fp8_gemv")
     block = (16, 32)
     (w13, s13, w2, s2), _ = fp8_experts(4, 72, 40, block)
 
@@ -127,7 +112,7 @@ def test_one_token_with_16_bit_x_takes_the_gemv_path(monkeypatch):
 
 def test_fp32_x_and_more_tokens_keep_their_paths(monkeypatch):
     """fp32 x at T = 1 and T = 2 keep the decode path (a forced gemv config runs fp32 x too)."""
-    calls = _spy(monkeypatch)
+    calls = spy_on(monkeypatch, moe_ops, "fused_moe_fp8_gemv")
     block = (16, 32)
     (w13, s13, w2, s2), _ = fp8_experts(4, 72, 40, block)
     for tokens, dtype in ((1, torch.float32), (2, torch.bfloat16)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, captured, gpu, randn, skip_module_without_kernels, tol
 from quant_packers import fp8_pack
 from test_moe_kernels import (DECODE_DOT, DECODE_DOT_SPLIT, DECODE_FMA, DECODE_FMA_SPLIT, GROUPED_16, GROUPED_32,
                               GROUPED_64, QWEN3_30B, QWEN3_5_35B, check_tuning_candidates, poison, routing)  # noqa: F401 (poison: autouse)
@@ -176,11 +176,7 @@ def test_gpu_fused_moe_fp8_cuda_graph(tokens, shape):
         weights, ids = moe_route(logits, top_k, True)
         return fused_moe_fp8(x, w13, s13, w2, s2, (128, 128), weights, torch.where(bad, -1, ids))
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for replay in range(3):
         x.copy_(randn(tokens, hidden, dtype=torch.bfloat16))
         logits.copy_(randn(tokens, n_experts))

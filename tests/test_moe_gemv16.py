@@ -17,7 +17,8 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
+from kernel_checks import (DEVICE, captured, gpu, moe_want_over_valid_pairs, randn,
+                           skip_module_without_kernels, spy_on, tol)
 from test_moe_fp8_decode import PAIRS, STEPS, gemv
 from test_moe_kernels import DECODE_FMA, QWEN3_30B, QWEN3_5_35B, experts, poison, routing  # noqa: F401 (autouse)
 from orinfer.kernels import moe_config, moe_ops, moe_tune
@@ -47,11 +48,8 @@ def check(n_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtyp
     for j, e in (bad or {}).items():
         ids[0, j] = e
     got = fused_moe(x, w13, w2, weights, ids, config=cfg or default_gemv16_config(top_k, inter))
-    keep = [j for j in range(top_k) if 0 <= int(ids[0, j]) < n_experts]
-    if keep:
-        want = fused_moe_ref(x.double(), w13.double(), w2.double(), weights[:, keep], ids[:, keep])
-    else:
-        want = torch.zeros(1, hidden, dtype=torch.float64, device=DEVICE)
+    want = moe_want_over_valid_pairs(ids, n_experts, hidden, lambda keep: fused_moe_ref(
+        x.double(), w13.double(), w2.double(), weights[:, keep], ids[:, keep]))
     assert got.dtype == dtype and got.shape == (1, hidden)
     torch.testing.assert_close(got.double(), want, **tol(dtype, 2))
     return got
@@ -89,22 +87,10 @@ def test_default_tiles():
     assert UP16 in UP16_CANDIDATES and all(t.num_stages == 1 for t in UP16_CANDIDATES + DOWN16_CANDIDATES)
 
 
-def _spy(monkeypatch) -> list:
-    calls = []
-    real = moe_ops.fused_moe_gemv16
-
-    def spy(*args):
-        calls.append(args[-1])
-        return real(*args)
-
-    monkeypatch.setattr(moe_ops, "fused_moe_gemv16", spy)
-    return calls
-
-
 def test_dispatch_runs_gemv_only_where_the_config_names_it(monkeypatch, tmp_path):
     """Without a table T = 1 keeps the decode path; a "gemv" table entry (a table file's, as `pick_config` reads it
     on a GPU) and a forced gemv config run the gemv kernels, in bf16 and fp16."""
-    calls = _spy(monkeypatch)
+    calls = spy_on(monkeypatch, moe_ops, "fused_moe_gemv16")
     w13, w2 = experts(4, 72, 40, torch.bfloat16)
 
     def run(cfg: MoeConfig | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -219,7 +205,7 @@ def test_gpu_every_gemv16_tuning_candidate_is_correct():
 def test_gpu_gemv16_cuda_graph(monkeypatch):
     """Route + experts on the gemv path captured (no host sync), replayed on new x and routing, the last replay with
     one pair of padding (id -1): the eager results, bit for bit, and the reference without that pair."""
-    calls = _spy(monkeypatch)
+    calls = spy_on(monkeypatch, moe_ops, "fused_moe_gemv16")
     n_experts, hidden, inter, top_k = QWEN3_30B
     w13, w2 = experts(n_experts, hidden, inter, torch.bfloat16)
     x, logits = randn(1, hidden, dtype=torch.bfloat16), randn(1, n_experts)
@@ -230,11 +216,7 @@ def test_gpu_gemv16_cuda_graph(monkeypatch):
         weights, ids = moe_route(logits, top_k, True)
         return fused_moe(x, w13, w2, weights, torch.where(bad, -1, ids), config=cfg)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for replay in range(3):
         x.copy_(randn(1, hidden, dtype=torch.bfloat16))
         logits.copy_(randn(1, n_experts))

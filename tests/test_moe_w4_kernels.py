@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, gpu, randn, skip_module_without_kernels, tol
+from kernel_checks import DEVICE, captured, gpu, randn, skip_module_without_kernels, tol
 from test_moe_kernels import (DECODE_DOT, DECODE_DOT_SPLIT, DECODE_FMA, DECODE_FMA_SPLIT, GROUPED_16, GROUPED_32,
                               GROUPED_64, QWEN3_30B, QWEN3_5_35B, check_tuning_candidates, poison, routing)  # noqa: F401 (poison: autouse)
 from orinfer.kernels.moe import fused_moe_ref
@@ -162,11 +162,7 @@ def test_gpu_fused_moe_w4_cuda_graph(tokens):
     def step():
         return fused_moe_w4(x, w13, w2, *moe_route(logits, top_k, True))
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for _ in range(2):
         x.copy_(randn(tokens, hidden, dtype=torch.bfloat16))
         logits.copy_(randn(tokens, n_experts))

@@ -89,6 +89,19 @@ def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: floa
     torch.testing.assert_close(got.double(), want, **tol(dtype, scale))
 
 
+def test_one_row_tile_by_shape():
+    """`fp8_gemv.default_config`: 2 rows x 2048 on 4 warps when a side is <= 2048 and rows are >= 2048 inputs (the
+    H100 sweep of NOTES run 349: Qwen3.5-35B-A3B's projections), the older tile for wider weights (Qwen3-8B) and for
+    short rows (not measured), the gated tile for a packed gate_up."""
+    from orinfer.kernels import fp8_gemv
+
+    for n, k in ((9216, 2048), (12352, 2048), (2048, 4096)):
+        assert fp8_gemv.default_config(n, k) == fp8_gemv.SHORT
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 12288), (4096, 1024), (2048, 1024)):
+        assert fp8_gemv.default_config(n, k) == fp8_gemv.DEFAULT
+    assert fp8_gemv.default_config(12288, 4096, gated=True) == fp8_gemv.DEFAULT_GATED
+
+
 def test_e4m3_to_bf16_bits():
     """The W8A16 MMA's unpacking (`fp8_mm._E4M3_TO_BF16`, PTX the interpreter cannot run): per byte b, the 16 bits
     (b << 4) + (b & 0x80) * 240 read as bf16 are the e4m3 value of b times 2^-120, for every code but NaN."""

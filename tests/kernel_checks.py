@@ -146,3 +146,21 @@ def captured(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def check_bench_stage_rows(fill, names: list[str], up_label: str) -> None:
+    """A kernel bench's rows of one MoE path against another (`fill(add)`, e.g. bench/moe_fp8_gemv_rows.py): the
+    ops are `names` (whole call, up, down) in order, the whole call's bytes are its stages', the whole call's config
+    names `up_label`, and each row's two callables (new path, old path) compute the same bf16 values."""
+    got = []
+
+    def add(op, shape, nbytes, new, old, flops=None, config=""):
+        got.append((op, nbytes, new(), old(), config))
+
+    fill(add)
+    assert [op.split(" T=1")[0] for op, *_ in got] == names
+    assert got[0][1] == got[1][1] + got[2][1] and up_label in got[0][4]
+    for op, _, new, old, _ in got:
+        assert new.shape == old.shape and new.dtype == old.dtype == torch.bfloat16
+        torch.testing.assert_close(new.double(), old.double(), **tol(torch.bfloat16, 2), msg=lambda m: f"{op}: {m}")
+

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, gpu, moe_want_over_valid_pairs, randn, skip_module_without_kernels, spy_on, tol
+from kernel_checks import (DEVICE, check_bench_stage_rows, gpu, moe_want_over_valid_pairs, randn,
+                           skip_module_without_kernels, spy_on, tol)
 from test_moe_fp8_kernels import fp8_experts
 from test_moe_kernels import DECODE_FMA, QWEN3_30B, QWEN3_5_35B, poison, routing  # noqa: F401 (poison: autouse)
 from orinfer.kernels import moe_ops
@@ -140,17 +141,9 @@ def test_kernel_bench_rows_time_the_gemv_and_the_old_path_on_the_same_work(monke
     from orinfer.bench import moe_fp8_gemv_rows as rows
 
     monkeypatch.setattr(rows, "SHAPES", {"small": (6, 72, 40, 3)})
-    got = []
-
-    def add(op, shape, nbytes, new, old, flops=None, config=""):
-        got.append((op, nbytes, new(), old(), config))
-
-    rows.moe_fp8_gemv_rows(add, lambda *shape: randn(*shape, dtype=torch.bfloat16), 2)
-    assert [op.split(" T=1")[0] for op, *_ in got] == ["fused_moe_fp8", "moe fp8 up (gate/up+SwiGLU)", "moe fp8 down"]
-    assert got[0][1] == got[1][1] + got[2][1] and "new up=(2, 2048, 2)" in got[0][4]
-    for op, _, new, old, _ in got:
-        assert new.shape == old.shape and new.dtype == old.dtype == torch.bfloat16
-        torch.testing.assert_close(new.double(), old.double(), **tol(torch.bfloat16, 2), msg=lambda m: f"{op}: {m}")
+    check_bench_stage_rows(lambda add: rows.moe_fp8_gemv_rows(
+        add, lambda *shape: randn(*shape, dtype=torch.bfloat16), 2),
+        ["fused_moe_fp8", "moe fp8 up (gate/up+SwiGLU)", "moe fp8 down"], "new up=(2, 2048, 2)")
 
 
 # --- GPU: real shapes (every tuning candidate and CUDA-graph replay: test_moe_fp8_kernels.py) ----------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernel_checks import (DEVICE, captured, gpu, moe_want_over_valid_pairs, randn,
+from kernel_checks import (DEVICE, captured, check_bench_stage_rows, gpu, moe_want_over_valid_pairs, randn,
                            skip_module_without_kernels, spy_on, tol)
 from test_moe_fp8_decode import PAIRS, STEPS, gemv
 from test_moe_kernels import DECODE_FMA, QWEN3_30B, QWEN3_5_35B, experts, poison, routing  # noqa: F401 (autouse)
@@ -150,18 +150,9 @@ def test_kernel_bench_rows_time_the_gemv16_and_the_decode_path_on_the_same_work(
     from orinfer.bench import moe_gemv16_rows as rows
 
     monkeypatch.setattr(rows, "SHAPES", {"small": (6, 72, 40, 3)})
-    got = []
-
-    def add(op, shape, nbytes, new, old, flops=None, config=""):
-        got.append((op, nbytes, new(), old(), config))
-
-    rows.moe_gemv16_rows(add, lambda *shape, scale=1.0: randn(*shape, dtype=torch.bfloat16, scale=scale), 2)
-    assert [op.split(" T=1")[0] for op, *_ in got] == ["fused_moe bf16", "moe bf16 up (gate/up+SwiGLU)",
-                                                       "moe bf16 down"]
-    assert got[0][1] == got[1][1] + got[2][1] and "new up=(1, 2048, 2)" in got[0][4]
-    for op, _, new, old, _ in got:
-        assert new.shape == old.shape and new.dtype == old.dtype == torch.bfloat16
-        torch.testing.assert_close(new.double(), old.double(), **tol(torch.bfloat16, 2), msg=lambda m: f"{op}: {m}")
+    check_bench_stage_rows(lambda add: rows.moe_gemv16_rows(
+        add, lambda *shape, scale=1.0: randn(*shape, dtype=torch.bfloat16, scale=scale), 2),
+        ["fused_moe bf16", "moe bf16 up (gate/up+SwiGLU)", "moe bf16 down"], "new up=(1, 2048, 2)")
 
 
 # --- GPU: real shapes, every tuning candidate, CUDA-graph replay -----------------------------------------------------

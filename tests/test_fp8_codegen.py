@@ -95,8 +95,8 @@ def _checked(recorded: list[dict]) -> list[int]:
 
 def test_recorded_launches_cover_the_split_k_and_gated_variants(recorded):
     """The launches include what the first merge got wrong: split-K (SPLIT > 1) at one row of x (M = 1, a constexpr
-    for the launcher), gated and not, in the W8A16 MMA; and split-K in the W8A8 GEMM. Six kernels in all, the prefill
-    dequantiser included."""
+    for the launcher), gated and not, in the W8A16 MMA; and split-K on and off in the W8A8 GEMM, quantizing x itself
+    (A_QUANT) or not. Six kernels in all, the prefill dequantiser included."""
     mm = [r["features"] for r in recorded if r["kernel"] == "_fp8_mm_kernel"]
     gemm = [r["features"] for r in recorded if r["kernel"] == "_fp8_gemm_kernel"]
     split = [f for f in mm if f["SPLIT"] != "('constexpr', 1)"]

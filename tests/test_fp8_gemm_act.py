@@ -72,7 +72,7 @@ def test_fp8_gemm_act(rows, n, k, block, dtype, bias, shards, cfg, poison):
     weight, scale, row_block, _ = fp8_weight(n, k, block, shards)
     b = randn(n, dtype=dtype, scale=0.1) if bias else None
     x = with_zero_group(rows, k, dtype, block[1])
-    assert fuses_act_quant(block, cfg or gemm_module.default_config(rows))
+    assert fuses_act_quant(block, cfg or gemm_module.default_config(rows, a_quant=True))
     got = fp8_gemm_act(x, weight, scale, block, dtype, row_block, b, cfg=cfg)
     want = two_launches(x, weight, scale, block, dtype, row_block, b, cfg=cfg)
     assert got.dtype == dtype and got.shape == (rows, n) and not got.isnan().any()

@@ -123,6 +123,7 @@ class Fp8GemmConfig(NamedTuple):
 # does less of it per output (64 x 128 on 8 warps: 503 a step, 136 registers; 64 x 256: 610, 228 registers).
 PREFILL = Fp8GemmConfig(128, 128, 128, 8, 4)
 SMALL_M = Fp8GemmConfig(64, 64, 128, 4, 4, 0)
+SMALL_M_ACT = SMALL_M     # `fp8_gemm_act`'s, apart so that its own sweep rows can promote another (none measured yet)
 CANDIDATES = [Fp8GemmConfig(*c) for c in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
                                           (64, 128, 128, 4, 4), (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0),
                                           (64, 32, 128, 4, 4, 0), (64, 64, 128, 4, 6, 0), (64, 64, 128, 4, 3, 0),
@@ -151,9 +152,10 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
                    min(cfg.block_k, bk & -bk), a_quant=False)
 
 
-def default_config(m: int) -> Fp8GemmConfig:
-    """The tile for M rows of x: SMALL_M up to 64 (decode batches), PREFILL beyond."""
-    return PREFILL if m > 64 else SMALL_M
+def default_config(m: int, a_quant: bool = False) -> Fp8GemmConfig:
+    """The tile for M rows of x: up to 64 (decode batches) SMALL_M, or SMALL_M_ACT when the GEMM quantizes x; PREFILL
+    beyond."""
+    return PREFILL if m > 64 else SMALL_M_ACT if a_quant else SMALL_M
 
 
 def fuses_act_quant(block_size: tuple[int, int], cfg: Fp8GemmConfig) -> bool:
@@ -178,7 +180,7 @@ def fp8_gemm_act(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     bk = block_size[1]
     if bk < 32 or bk & (bk - 1):
         raise ValueError(f"fp8_gemm_act needs a power-of-two bk >= 32 (one K step a group), got bk {bk}")
-    cfg = cfg or default_config(m)
+    cfg = cfg or default_config(m, a_quant=True)
     if not fuses_act_quant(block_size, cfg):
         xq, xs = fp8_quantize_act(x, bk)
         return fp8_gemm(xq, xs[:m], weight, scale, block_size, out_dtype, row_block, bias, cfg)

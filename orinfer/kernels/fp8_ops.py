@@ -130,7 +130,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
         # Gated, SMALL_M = "w8a8" / "w8a8q" leaves the fused kernel at one row too (ONE_ROW = "mma"): the unfused
         # W8A16 MMA.
         return "mma+silu" if gated and small_m_a8 else "mma"
-    if SMALL_M == "w8a8q" and a8 and rows <= MMA_MAX_ROWS and fuses_act_quant(block_size, default_config(rows)):
+    if SMALL_M == "w8a8q" and a8 and rows <= MMA_MAX_ROWS and fuses_act_quant(block_size, default_config(rows, True)):
         path = "w8a8q"                  # 2..MMA_MAX_ROWS rows: the GEMM quantizes x itself, whatever PREFILL says
     else:
         path = _wide_path(x, weight, scale, block_size, row_block, a8)

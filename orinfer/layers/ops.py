@@ -24,6 +24,7 @@ from orinfer.kernels.moe import fused_moe_ref, moe_route_ref, moe_router_ref, sh
 from orinfer.kernels.moe_fp8 import fused_moe_fp8_ref
 from orinfer.kernels.moe_w4 import fused_moe_w4_ref
 from orinfer.kernels.norm import rms_norm_ref
+from orinfer.kernels.output_gate import attn_output_gate_ref
 from orinfer.kernels.rotary import qk_norm_rope_ref
 from orinfer.kernels.w4 import w4_gate_up_silu_ref, w4_linear_ref
 from orinfer.kernels.w8 import w8_gate_up_silu_ref, w8_linear_ref
@@ -135,6 +136,10 @@ class Ops:
     gated_delta_decode_step: Callable = gated_delta_decode_step_ref
     gated_delta_advance: Callable = gated_delta_advance_ref
     gated_delta_step_max_rows: int = FUSED_STEP_MAX_ROWS
+    # attn_output_gate(out [T, H D], q_and_gate [T, H, 2D]) -> out * sigmoid(q_and_gate[:, :, D:]) [T, H D]: Qwen3.5's
+    # gated attention output (kernels/output_gate.py). It may write over `out`: pass attention's fresh output and use
+    # only the result.
+    attn_output_gate: Callable = attn_output_gate_ref
     # Mixture of experts (kernels/moe.py documents both): moe_route(router_logits, top_k, renormalize,
     # shared_logit=None) -> (weights, ids), a folded shared expert's pair appended when shared_logit is given;
     # fused_moe(x, w13, w2, weights, ids) -> the experts' weighted sum.

@@ -29,6 +29,7 @@ from orinfer.kernels.moe import moe_router_ref
 from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8, fused_moe_w4, moe_route
 from orinfer.kernels.moe_shared import shared_expert_combine
 from orinfer.kernels.norm import rms_norm
+from orinfer.kernels.output_gate import attn_output_gate
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
 from orinfer.kernels.fp8_ops import fp8_block_linear, fp8_gate_up_silu, unfused_fp8_gate_up_silu
@@ -141,6 +142,7 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         graph_hooks=GRAPH_HOOKS, materializes_attention=False, causal_conv1d=causal_conv1d,
         gated_delta_rule=gated_delta_rule, gated_rms_norm=gated_rms_norm,
         gated_delta_decode_step=gated_delta_decode_step, gated_delta_advance=gated_delta_advance,
+        attn_output_gate=attn_output_gate,
         moe_route=moe_route, fused_moe=fused_moe, fused_moe_fp8=fused_moe_fp8, fused_moe_w4=fused_moe_w4,
         moe_router=triton_moe_router, shared_expert_combine=shared_expert_combine,
     )

@@ -74,7 +74,7 @@ class GatedAttentionBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.q_width = 2 * cfg.q_size if cfg.attn_output_gate else cfg.q_size
         self.qkv_proj = make_linear(cfg.quantization, cfg.hidden_size,
                                     {"q": self.q_width, "k": cfg.kv_size, "v": cfg.kv_size}, cfg.attention_bias,
@@ -89,16 +89,16 @@ class GatedAttentionBlock(nn.Module):
                 cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         cfg, tokens = self.cfg, hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_width, cfg.kv_size, cfg.kv_size], dim=-1)
-        gate = None
+        q_and_gate = None
         if cfg.attn_output_gate:
-            per_head = q.view(tokens, cfg.num_attention_heads, 2 * cfg.head_dim)
-            q = per_head[..., :cfg.head_dim].reshape(tokens, cfg.q_size)
-            gate = per_head[..., cfg.head_dim:].reshape(tokens, cfg.q_size)
+            # Under tensor parallelism cfg counts this rank's heads: each head's query and gate rows stay together.
+            q_and_gate = q.view(tokens, cfg.num_attention_heads, 2 * cfg.head_dim)
+            q = q_and_gate[..., :cfg.head_dim].reshape(tokens, cfg.q_size)
         kv_store = self.attn.kv_store(v, meta)
         q, k = self.rotary[0](positions, q, k, self.q_norm, self.k_norm, cos_sin, kv_store)
         out = self.attn(q, k, v, meta, kv_stored=kv_store is not None)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
+        if q_and_gate is not None:
+            out = self.ops.attn_output_gate(out, q_and_gate)  # the gate read through q_and_gate's strides
         return self.o_proj(out)
 
 

@@ -8,8 +8,7 @@ met `int.to` in its split-K reduction. So the launches here come from the host f
     counts, in fp32 / fp16 / bf16, under each of its settings (ONE_ROW, SMALL_M, PREFILL), gate/up fused and not;
   - odd shapes (partial blocks, one scale column, packed shards with row_block, bias) through the dispatch;
   - every candidate tile of each kernel (what `orinfer.bench.fp8_kernels --sweep` and the GPU tests launch);
-  - the explicit tiles and shapes of tests/test_fp8_kernels.py's and tests/test_fp8_gemm_act.py's parametrized tests,
-    which the GPU runs too;
+  - the explicit tiles and shapes of tests/test_fp8_kernels.py's parametrized tests, which the GPU runs too;
   - the same kernels on uint8 codes (W8, GPTQ-Int8: `w8_ops`) over Qwen3-8B's shapes in groups of 128, odd shapes and
     groups, every dtype and row count, and tests/test_w8_kernels.py's explicit tiles.
 Launches the launcher would compile to the same kernel are kept once (`sm90.launch_key`).
@@ -34,8 +33,7 @@ from orinfer.kernels.w8 import W8Weight
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-SETTINGS = ({}, {"ONE_ROW": "mma"}, {"SMALL_M": "w8a8"}, {"SMALL_M": "w8a8q"}, {"PREFILL": "w8a16"},
-            {"PREFILL": "triton"})
+SETTINGS = ({}, {"ONE_ROW": "mma"}, {"SMALL_M": "w8a8"}, {"PREFILL": "w8a16"}, {"PREFILL": "triton"})
 DECODE_ROWS = (1, 2, 8, 16, 17, 32, 33, 64)
 PREFILL_ROWS = (65, 300, 2048)
 # (n, k, block, packed): partial blocks and K steps, one scale column (its row stride 1: a constexpr), the probe's
@@ -144,9 +142,6 @@ def _candidate_calls():
         for (n, k), rows in itertools.product(((1536, 2048), QWEN3_8B["o"]), (1, 64, 300, 2048)):
             for cfg in fp8_gemm.CANDIDATES:
                 yield partial(_w8a8, _x(rows, k, dtype), *weight(n, k, block)[:2], block, cfg=cfg)
-                if rows <= 64:      # the fused quantization: decode batches (the bench's M = 64 section)
-                    yield partial(fp8_gemm.fp8_gemm_act, _x(rows, k, dtype), *weight(n, k, block)[:2], block, dtype,
-                                  cfg=cfg)
 
 
 def _parametrized(test: Callable) -> list[dict]:
@@ -157,8 +152,7 @@ def _parametrized(test: Callable) -> list[dict]:
 
 
 def _test_file_calls():
-    """The explicit tiles and shapes of tests/test_fp8_kernels.py and tests/test_fp8_gemm_act.py (run on the GPU as
-    on the interpreter)."""
+    """The explicit tiles and shapes of tests/test_fp8_kernels.py (run on the GPU as on the interpreter)."""
     import test_fp8_kernels as t
 
     for case in _parametrized(t.test_fp8_gemv) + _parametrized(t.test_fp8_mm) + _parametrized(t.test_fp8_gemm):
@@ -173,13 +167,6 @@ def _test_file_calls():
             yield partial(kernel, x, w, s, c["block"], rb, bias, gated=c["gated"], cfg=c["cfg"])
     for case in _parametrized(t.test_fp8_quantize_act):
         yield partial(fp8_quant.fp8_quantize_act, _x(case["rows"], case["k"], case["dtype"]), case["group"])
-    import test_fp8_gemm_act as a
-
-    for c in _parametrized(a.test_fp8_gemm_act):
-        w, s, rb = weight(c["n"], c["k"], c["block"], c["shards"] > 1)
-        bias = torch.empty(c["n"], dtype=c["dtype"]) if c["bias"] else None
-        yield partial(fp8_gemm.fp8_gemm_act, _x(c["rows"], c["k"], c["dtype"]), w, s, c["block"], c["dtype"], rb,
-                      bias, cfg=c["cfg"])
 
 
 @cache
@@ -246,7 +233,7 @@ def _dispatch_with(setting: dict, args: tuple) -> Callable[[], None]:
 
 
 PATH_SETTINGS = [dict(zip(("ONE_ROW", "SMALL_M", "PREFILL"), values))
-                 for values in itertools.product(("fma", "mma"), ("w8a16", "w8a8", "w8a8q"),
+                 for values in itertools.product(("fma", "mma"), ("w8a16", "w8a8"),
                                                  ("auto", "scaled_mm", "triton", "w8a16", "dequant"))]
 # (n, k, block, packed): Qwen3-8B's o, partial blocks, a bk of 32 (the smallest W8A8 takes), a bk of 48 (no W8A8), a
 # bk of 24 (no kernel), packed shards.
@@ -262,8 +249,6 @@ def _event(launch: sm90.Launch | str) -> str:
     name = launch.kernel.fn.__name__.strip("_").removesuffix("_kernel")
     if launch.kwargs.get("GATED"):
         name += " gated"
-    if launch.kwargs.get("A_QUANT"):
-        name += " A_QUANT"
     return f"{name} BLOCK_M={launch.kwargs['BLOCK_M']}" if name.startswith("fp8_mm") else name
 
 
@@ -311,8 +296,7 @@ def features(launch: sm90.Launch) -> dict[str, str]:
 
 def named_launches() -> dict[str, sm90.Launch]:
     """The default tiles' launches whose SASS tests/test_fp8_codegen.py reads, by name: the one-row GEMV (o and the
-    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows (and
-    at 64 quantizing x itself), and
+    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows, and
     the GEMV and MMA on W8's uint8 codes (symmetric: one zero point; the GEMV also with a tensor of them)."""
     block = (128, 128)
     o, gate_up = weight(*QWEN3_8B["o"], block), weight(*QWEN3_8B["gate_up"], block)
@@ -325,7 +309,6 @@ def named_launches() -> dict[str, sm90.Launch]:
         "mm_64": partial(fp8_mm.fp8_mm, _x(64, 4096, torch.bfloat16), *o[:2], block),
         "gemm": partial(_w8a8, _x(2048, 4096, torch.bfloat16), *o[:2], block),
         "gemm_small_m": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block),
-        "gemm_act": partial(fp8_gemm.fp8_gemm_act, _x(64, 4096, torch.bfloat16), *o[:2], block, torch.bfloat16),
         "w8_gemv": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128)),
         "w8_gemv_gated": partial(w8_ops.w8_gate_up_silu, _x(1, 4096, torch.bfloat16), w8_weight(24576, 4096, 128)),
         "w8_gemv_zeros": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128, False)),

@@ -17,8 +17,7 @@ Default tiles, from their launches on Qwen3-8B's shapes:
   HADD2.F32 and FFMA per weight, the rest shared by the rows of a tile).
 - The W8A16 MMA unpacks the FP8 tile into the registers Hopper's wgmma reads (the unpacked tile never goes through
   shared memory) for bf16 x, converts with cvt for fp16 x, and nothing spills.
-- The W8A8 GEMM runs FP8 wgmma (QGMMA) and nothing spills; so does its mode quantizing x itself (A_QUANT), whose K
-  loop stores nothing to global memory (the codes go from registers through shared memory to the wgmma).
+- The W8A8 GEMM runs FP8 wgmma (QGMMA) and nothing spills.
 - On W8's uint8 codes (GPTQ-Int8), the one-row GEMV streams the same loads with one prmt per weight (the byte into
   2^23's mantissa), then FADD (- 2^23 - zero) and FFMA: about 4.0 instructions per weight with symmetric GPTQ's one
   zero point, 4.2 with a zero point per group; the MMA unpacks in the wgmma operand layout, two codes per prmt
@@ -95,17 +94,15 @@ def _checked(recorded: list[dict]) -> list[int]:
 
 def test_recorded_launches_cover_the_split_k_and_gated_variants(recorded):
     """The launches include what the first merge got wrong: split-K (SPLIT > 1) at one row of x (M = 1, a constexpr
-    for the launcher), gated and not, in the W8A16 MMA; and split-K on and off in the W8A8 GEMM, quantizing x itself
-    (A_QUANT) or not. Six kernels in all, the prefill dequantiser included."""
+    for the launcher), gated and not, in the W8A16 MMA; and split-K in the W8A8 GEMM. Six kernels in all, the prefill
+    dequantiser included."""
     mm = [r["features"] for r in recorded if r["kernel"] == "_fp8_mm_kernel"]
     gemm = [r["features"] for r in recorded if r["kernel"] == "_fp8_gemm_kernel"]
     split = [f for f in mm if f["SPLIT"] != "('constexpr', 1)"]
     for gated in ("True", "False"):
         assert any(f["M"] == "('constexpr', 1)" and f["GATED"] == f"('constexpr', {gated})" for f in split)
     assert {f["MODE"] for f in split} == {f"('constexpr', {mode})" for mode in (0, 1, 2)}
-    for quant in ("True", "False"):
-        splits = {f["SPLIT"] == "('constexpr', 1)" for f in gemm if f["A_QUANT"] == f"('constexpr', {quant})"}
-        assert splits == {True, False}, f"A_QUANT={quant}: split-K only on or only off"
+    assert any(f["SPLIT"] != "('constexpr', 1)" for f in gemm) and any(f["SPLIT"] == "('constexpr', 1)" for f in gemm)
     assert len({r["kernel"] for r in recorded}) == 6 and len(recorded) > 500
 
 
@@ -170,13 +167,10 @@ def test_w8a16_mma_unpacks_into_wgmma_registers(compiled, name):
 def test_w8a16_mma_fp16_and_w8a8_gemm(compiled):
     fp16 = compiled["mm_fp16"]
     assert fp16["stack"] == 0 and any(op.startswith("F2FP.F16.E4M3") for op in fp16["ops"])
-    for name in ("gemm", "gemm_small_m", "gemm_act"):
+    for name in ("gemm", "gemm_small_m"):
         assert compiled[name]["stack"] == 0, f"{name}: {compiled[name]['stack']} bytes of spills"
         assert any(op.startswith("QGMMA") for op in compiled[name]["ops"]), f"{name}: no FP8 wgmma"
     assert compiled["gemm"]["loops"], "no K loop"
-    (k_loop,) = [loop for loop in compiled["gemm_act"]["loops"] if any(op.startswith("QGMMA") for op in loop)]
-    assert any(op.startswith("F2FP.SATFINITE.E4M3") for op in k_loop), "x not quantized in the K loop"
-    assert not [op for op in k_loop if op.startswith(("STG", "ST.E"))], "the K loop stores to global memory"
 
 
 @pytest.mark.parametrize("name,most", [("w8_gemv", 4.1), ("w8_gemv_gated", 4.1), ("w8_gemv_zeros", 4.4)])

@@ -73,15 +73,12 @@ def w8a16_ref(x: torch.Tensor, deq: torch.Tensor, bias: torch.Tensor | None, gat
     return y
 
 
-W8A8_PATHS = ("scaled_mm", "w8a8", "w8a8q")     # the paths that quantize x
-
-
 def dispatch_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, deq: torch.Tensor,
                  block: tuple[int, int], gated: bool = False) -> torch.Tensor:
     """The fp64 reference of the path `fp8_ops.linear_path` names for this call (no row_block, no bias): x quantized
-    (W8A8) on W8A8_PATHS, else `w8a16_ref`; gated, the linear rounded to x's dtype, then SwiGLU, as the dispatch
-    applies `silu_and_mul` after it."""
-    if fp8_ops.linear_path(x, weight, scale, block, None, gated).removesuffix("+silu") not in W8A8_PATHS:
+    (W8A8) on "scaled_mm" / "w8a8", else `w8a16_ref`; gated, the linear rounded to x's dtype, then SwiGLU, as the
+    dispatch applies `silu_and_mul` after it."""
+    if fp8_ops.linear_path(x, weight, scale, block, None, gated).removesuffix("+silu") not in ("scaled_mm", "w8a8"):
         return w8a16_ref(x, deq, None, gated)
     y = fp8_block_linear_a8_ref(x.double(), weight, scale, block)
     return silu_and_mul_ref(y.to(x.dtype)).double() if gated else y
@@ -233,7 +230,6 @@ def _path_events(path: str, rows: int, gated: bool) -> list[str]:
     events = {"ref": ["gate_up_ref" if fused else "linear_ref"], "gemv": [f"fp8_gemv{fused}"],
               "mma": [f"fp8_mm{fused} BLOCK_M={decode_config(rows).block_m}"],
               "mma128": [f"fp8_mm BLOCK_M={DECODE_128.block_m}"], "w8a8": ["quant", "fp8_gemm"],
-              "w8a8q": ["fp8_gemm A_QUANT"],
               "scaled_mm": ["quant", "scaled_mm"], "dequant": ["dequant", "linear"]}[linear]
     return events + ["silu_and_mul"] * unfused
 
@@ -251,7 +247,7 @@ def test_linear_path_names_what_the_dispatch_runs(dispatch_paths):
     cases = dispatch_paths
     wrong = [c for c in cases if c["events"] != _path_events(c["path"], c["rows"], c["gated"])]
     assert not wrong, f"{len(wrong)} of {len(cases)} calls run another path than linear_path names: {wrong[:3]}"
-    paths = {"ref", "gemv", "mma", "mma128", "w8a8", "w8a8q", "scaled_mm", "dequant"}
+    paths = {"ref", "gemv", "mma", "mma128", "w8a8", "scaled_mm", "dequant"}
     assert {c["path"] for c in cases} == paths | {f"{p}+silu" for p in paths - {"gemv"}}
 
 
@@ -262,7 +258,9 @@ _DOCUMENTED_PATHS = [
     ({"ONE_ROW": "mma", "SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 1, False, "mma"),
     ({"ONE_ROW": "mma", "SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 1, True, "mma+silu"),
     ({}, True, "bfloat16", (128, 128), 64, True, "mma"),
-    ({"SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 8, False, "scaled_mm"),
+    # Decode rows where _scaled_mm would run take the Triton GEMM's small-M tile (faster at M = 64, runs 359/363).
+    ({"SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 8, False, "w8a8"),
+    ({"SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 64, True, "w8a8+silu"),
     # W8A8 decode rows without a block-scaled _scaled_mm (fp16 x, or the probe failing) keep the W8A16 kernel
     # rather than dequantising whole weights every step; more rows than a decode batch do dequantise.
     ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 8, True, "mma"),
@@ -272,17 +270,6 @@ _DOCUMENTED_PATHS = [
     ({"SMALL_M": "w8a8", "PREFILL": "w8a16"}, True, "bfloat16", (128, 128), 8, False, "mma"),
     ({"SMALL_M": "w8a8"}, True, "float32", (128, 128), 8, True, "mma"),
     ({"SMALL_M": "w8a8"}, True, "bfloat16", (16, 48), 8, False, "mma"),
-    # SMALL_M = "w8a8q": the GEMM quantizing x for 2..64 rows wherever W8A8 runs (any PREFILL, probe or not, fp16),
-    # one row and prefill as before, bk of 32..128 (a 256-wide group is deeper than the tile's K step: as "w8a8").
-    ({"SMALL_M": "w8a8q"}, True, "bfloat16", (128, 128), 2, False, "w8a8q"),
-    ({"SMALL_M": "w8a8q"}, False, "float16", (128, 128), 64, True, "w8a8q+silu"),
-    ({"SMALL_M": "w8a8q", "PREFILL": "w8a16"}, True, "bfloat16", (128, 128), 8, False, "w8a8q"),
-    ({"SMALL_M": "w8a8q"}, True, "bfloat16", (16, 32), 8, True, "w8a8q+silu"),
-    ({"SMALL_M": "w8a8q"}, True, "bfloat16", (16, 48), 8, False, "mma"),
-    ({"SMALL_M": "w8a8q"}, True, "float32", (128, 128), 8, False, "mma"),
-    ({"SMALL_M": "w8a8q"}, True, "bfloat16", (128, 128), 1, True, "gemv"),
-    ({"ONE_ROW": "mma", "SMALL_M": "w8a8q"}, True, "bfloat16", (128, 128), 1, True, "mma+silu"),
-    ({"SMALL_M": "w8a8q"}, True, "bfloat16", (128, 128), 65, False, "scaled_mm"),
     ({}, True, "bfloat16", (128, 128), 300, True, "scaled_mm+silu"),
     ({}, False, "bfloat16", (128, 128), 65, False, "dequant"),
     ({"PREFILL": "scaled_mm"}, False, "float16", (128, 128), 300, False, "w8a8"),
@@ -376,7 +363,7 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288)}
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("small_m", ["w8a16", "w8a8", "w8a8q"])
+@pytest.mark.parametrize("small_m", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 8, 17, 64])
 @pytest.mark.parametrize("shape", sorted(QWEN3_8B))
@@ -394,7 +381,7 @@ def test_gpu_fp8_decode_qwen3_8b_shapes(dtype, rows, shape, small_m, monkeypatch
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("small_m", ["w8a16", "w8a8", "w8a8q"])
+@pytest.mark.parametrize("small_m", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_gpu_fp8_gate_up_qwen3_8b(dtype, rows, small_m, monkeypatch):
@@ -444,7 +431,7 @@ def test_gpu_every_fp8_config_is_correct(dtype):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("small_m", ["w8a16", "w8a8", "w8a8q"])
+@pytest.mark.parametrize("small_m", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_gpu_fp8_kernels_replay_in_cuda_graphs(rows, small_m, monkeypatch):
     """Captured once, replayed with new inputs: the split-K counters reset, the results equal eager calls (SMALL_M
@@ -497,8 +484,6 @@ def test_gpu_fp8_kernel_bench_runs(monkeypatch, tmp_path):
     assert fp8_kernels.main(["--iters", "2", "--sweep", "--out", str(tmp_path / "out")]) == 0
     rows = json.loads((tmp_path / "out" / "fp8-kernels.json").read_text())["rows"]
     assert {r["section"] for r in rows} == {"ceiling", "decode", "M=64", "prefill"}
-    fused = [r for r in rows if r["impl"] == "fp8 W8A8 Triton fused quantize"]      # every tile of both shapes at M=64
-    assert {r["section"] for r in fused} == {"M=64"} and len(fused) == 2 * len(GEMM_CANDIDATES)
     assert all(r["us"] > 0 for r in rows if r.get("us") is not None)
     assert "| decode: gate_up |" in (tmp_path / "out" / "fp8-kernels.md").read_text()
 

@@ -5,9 +5,8 @@
                     read bandwidth measured in the same run, FP8 speedup; the per-layer sum (qkv + o + gate/up + down);
                     and the W8 dispatch (GPTQ-Int8's layout, groups of 128: kernels/w8_ops.py, the same kernels on
                     uint8 codes with zero points)
-  M = 64            bf16 cuBLAS vs FP8 W8A16 (`fp8_mm`) vs W8A8 (quantize + Triton `fp8_gemm`, the Triton GEMM
-                    quantizing x itself `fp8_gemm_act`, and quantize + torch._scaled_mm) vs the weight dequantised
-                    (`fp8_dequantize`) + cuBLAS
+  M = 64            bf16 cuBLAS vs FP8 W8A16 (`fp8_mm`) vs W8A8 (quantize + Triton `fp8_gemm`, and + torch._scaled_mm)
+                    vs the weight dequantised (`fp8_dequantize`) + cuBLAS
   M = 2048          bf16 cuBLAS vs W8A8 Triton vs torch._scaled_mm (each with and without the activation
                     quantization) vs dequantise + cuBLAS, TFLOP/s
 --sweep adds every candidate tile of each FP8 kernel, per shape, for promoting defaults.
@@ -178,10 +177,6 @@ def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) ->
                     return fp8_gemm.fp8_gemm(xq_, xs_[:m], q, s, BLOCK, torch.bfloat16, cfg=cfg)
                 add(section, name, shape, "fp8 W8A8 Triton (+quantize)", timed(w, "fp8", w8a8), fp8_bytes + act,
                     flops, base, str(cfg or "default"))
-                if m == 64:     # the same tile quantizing x itself: one launch (SMALL_M = "w8a8q")
-                    add(section, name, shape, "fp8 W8A8 Triton fused quantize", timed(
-                        w, "fp8", lambda q, s, cfg=cfg: fp8_gemm.fp8_gemm_act(x, q, s, BLOCK, torch.bfloat16, cfg=cfg)),
-                        fp8_bytes + act, flops, base, str(cfg or "default"))
             add(section, name, shape, "fp8 W8A8 Triton GEMM only", timed(w, "fp8", lambda q, s: fp8_gemm.fp8_gemm(
                 xq, xs[:m], q, s, BLOCK, torch.bfloat16)), fp8_bytes + act, flops, base)
             if fp8_ops._scaled_mm_runs(dev):

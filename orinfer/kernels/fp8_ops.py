@@ -2,12 +2,11 @@
 
   1 row                  -> `fp8_gemv` (CUDA cores, one 16-byte load per thread per row chunk, thousands of programs:
                             decode at batch 1; ONE_ROW = "mma": `fp8_mm` instead)
-  2..MMA_MAX_ROWS rows   -> W8A8 as prefill (SMALL_M = "w8a8", the default: runs 338 and 341 measured Qwen3-8B
-                            decode batch 8 / 64 at 1859-1875 / 11894-11936 tok/s on an H200 against 1585 / 7981
-                            for the W8A16 kernel); SMALL_M = "w8a8q": W8A8 in one launch, the Triton GEMM quantizing
-                            x itself (`fp8_gemm_act`, whatever PREFILL says; where its tile cannot take a whole
-                            group a K step, as "w8a8"); SMALL_M = "w8a16": `fp8_mm` (W8A16 on tensor cores,
-                            split-K, x exact)
+  2..MMA_MAX_ROWS rows   -> W8A8 as prefill (SMALL_M = "w8a8", the default), except that where prefill would take
+                            torch._scaled_mm the Triton `fp8_gemm` runs on its small-M tile (Qwen3-8B decode batch
+                            64 on an H200, run 360: 13234 tok/s against 11999 through _scaled_mm; 7981 for the
+                            W8A16 kernel, run 341); SMALL_M = "w8a16": `fp8_mm` (W8A16 on tensor cores, split-K,
+                            x exact)
   more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
                             with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
                             this torch and GPU run it: sm_90, 128 x 128 blocks, bf16, probed once per device outside
@@ -34,14 +33,14 @@ import torch.nn.functional as F
 from orinfer.kernels.activation import silu_and_mul
 from orinfer.kernels.fp8_block import fp16_guard, fp8_block_linear_ref, fp8_gate_up_silu_ref
 from orinfer.kernels.fp8_dequant import fp8_dequantize
-from orinfer.kernels.fp8_gemm import default_config, fp8_gemm, fp8_gemm_act, fuses_act_quant
+from orinfer.kernels.fp8_gemm import fp8_gemm
 from orinfer.kernels.fp8_gemv import fp8_gemv
 from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
 from orinfer.kernels.fp8_quant import fp8_quantize_act
 
 MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
 ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
-SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a8")         # w8a8 | w8a8q | w8a16
+SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a8")         # w8a8 | w8a16
 PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 log = logging.getLogger(__name__)
@@ -115,25 +114,24 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
                 row_block: torch.Tensor | None = None, gated: bool = False) -> str:
     """The path `fp8_block_linear` (gated: `fp8_gate_up_silu`) takes for these arguments under the module's settings:
     "ref" (the torch reference), "gemv" (`fp8_gemv`), "mma" (`fp8_mm`, tiles by row count), "mma128" (`fp8_mm`,
-    128-row tiles), "scaled_mm" (quantize x + torch._scaled_mm), "w8a8" (quantize x + `fp8_gemm`), "w8a8q"
-    (`fp8_gemm_act`: the GEMM quantizing x, one launch) or "dequant" (the weight dequantised, cuBLAS). Gated, "gemv"
-    and "mma" are the fused kernels; the linear then `silu_and_mul` is that linear's path + "+silu". W8A8 numerics
-    (x quantized): "scaled_mm", "w8a8" and "w8a8q"; the others are W8A16."""
+    128-row tiles), "scaled_mm" (quantize x + torch._scaled_mm), "w8a8" (quantize x + `fp8_gemm`) or "dequant" (the
+    weight dequantised, cuBLAS). Gated, "gemv" and "mma" are the fused kernels; the linear then `silu_and_mul` is
+    that linear's path + "+silu". W8A8 numerics (x quantized): "scaled_mm" and "w8a8"; the others are W8A16."""
     rows = _rows(x)
     if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
         return "ref"
     if rows == 1 and ONE_ROW == "fma":
         return "gemv"
     a8 = _a8_fits(block_size) and x.dtype != torch.float32
-    small_m_a8 = SMALL_M in ("w8a8", "w8a8q") and a8
+    small_m_a8 = SMALL_M == "w8a8" and a8
     if rows <= MMA_MAX_ROWS and not (small_m_a8 and rows > 1):
-        # Gated, SMALL_M = "w8a8" / "w8a8q" leaves the fused kernel at one row too (ONE_ROW = "mma"): the unfused
-        # W8A16 MMA.
+        # Gated, SMALL_M = "w8a8" leaves the fused kernel at one row too (ONE_ROW = "mma"): the unfused W8A16 MMA.
         return "mma+silu" if gated and small_m_a8 else "mma"
-    if SMALL_M == "w8a8q" and a8 and rows <= MMA_MAX_ROWS and fuses_act_quant(block_size, default_config(rows, True)):
-        path = "w8a8q"                  # 2..MMA_MAX_ROWS rows: the GEMM quantizes x itself, whatever PREFILL says
-    else:
-        path = _wide_path(x, weight, scale, block_size, row_block, a8)
+    path = _wide_path(x, weight, scale, block_size, row_block, a8)
+    if rows <= MMA_MAX_ROWS and path == "scaled_mm":
+        # A decode batch where _scaled_mm runs (an sm_90 GPU): the Triton GEMM's small-M tile beat it at M = 64 on
+        # both Hopper parts (runs 359 and 363: the layer's four GEMMs 118 / 123 us on an H100, 99 / 113 on an H200).
+        path = "w8a8"
     if path == "dequant" and rows <= MMA_MAX_ROWS and PREFILL == "auto":
         # No block-scaled _scaled_mm here: a decode batch keeps the W8A16 kernel (fused when gated) rather than
         # dequantising whole weights every step.
@@ -143,8 +141,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
 
 def _wide_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                row_block: torch.Tensor | None, a8: bool) -> str:
-    """`linear_path` beyond MMA_MAX_ROWS rows (and for 2..MMA_MAX_ROWS under SMALL_M = "w8a8", or "w8a8q" where its
-    tile cannot take a whole group a K step): PREFILL's choice."""
+    """`linear_path` beyond MMA_MAX_ROWS rows (and for 2..MMA_MAX_ROWS under SMALL_M = "w8a8"): PREFILL's choice."""
     scaled_mm = a8 and _use_scaled_mm(x, weight, scale, block_size, row_block)
     # "auto" without _scaled_mm: dequantise + cuBLAS prefilled Qwen3-8B 14% faster than the Triton W8A8 GEMM on an
     # H100 (run 295: 35.7k against 31.3k tok/s at 2048 tokens; bf16 40.3k).
@@ -180,8 +177,6 @@ def _linear(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         y = fp16_guard(F.linear(x2, fp8_dequantize(weight, scale, block_size, row_block, x.dtype), bias))
     elif path == "mma128":
         y = fp8_mm(x2, weight, scale, block_size, row_block, bias, cfg=DECODE_128)
-    elif path == "w8a8q":
-        y = fp8_gemm_act(x2, weight, scale, block_size, x2.dtype, row_block, bias)
     else:
         y = _w8a8(x2, weight, scale, block_size, row_block, bias, scaled_mm=path == "scaled_mm")
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -26,19 +26,6 @@ from orinfer.kernels.gemv import check_device
 
 
 @triton.jit
-def quantize_groups(x, AXIS: tl.constexpr):
-    """(q float8e4nv, s fp32) of fp32 x whose axis AXIS is one whole group (padding zeros leave amax unchanged):
-    s = amax |x| / 448 over the axis (1 for an all-zero group) and q = e4m3(clamp(x * (1 / s), +-448)), with IEEE
-    division for s and for the one reciprocal a group (the reference's values: `fp8_quantize_act_ref`). Shared by
-    `_quant_kernel` and the W8A8 GEMM's fused mode (`fp8_gemm.fp8_gemm_act`), so both give the same bits."""
-    amax = tl.max(tl.abs(x), axis=AXIS)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = x * tl.expand_dims(tl.math.div_rn(1.0, s), AXIS)     # IEEE reciprocal and product
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return q.to(tl.float8e4nv), s
-
-
-@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sg, G: tl.constexpr, ROWS: tl.constexpr,
                   GROUPS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -48,8 +35,11 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sg, G:
     # Padding rows (row >= M) read nothing: zeros, scale 1.
     mask = (ks < K)[None, :, :] & (r3 < M)
     x = tl.load(x_ptr + r3 * stride_xm + ks[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    q, s = quantize_groups(x, 2)                                           # s [ROWS, GROUPS]
-    tl.store(q_ptr + r3 * stride_qm + ks[None, :, :], q, mask=(ks < K)[None, :, :])
+    amax = tl.max(tl.abs(x), axis=2)                                       # [ROWS, GROUPS]
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = x * tl.math.div_rn(1.0, s)[:, :, None]        # IEEE reciprocal and product: the reference's values
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    tl.store(q_ptr + r3 * stride_qm + ks[None, :, :], q.to(tl.float8e4nv), mask=(ks < K)[None, :, :])
     kb = tl.cdiv(K, G)
     tl.store(s_ptr + g.to(tl.int64)[None, :] * stride_sg + rows[:, None], s, mask=(g < kb)[None, :])
 

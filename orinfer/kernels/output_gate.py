@@ -20,8 +20,6 @@ the per-head view of a column slice of the packed qkv output), one float dtype. 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -29,11 +27,9 @@ from triton.language.extra import libdevice
 
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import small_kernel_prologue, use_pdl
+from orinfer.kernels.tiles import INTERPRETED
 
 BLOCK = 1024  # channels a program: Qwen3.5-35B-A3B's 16 x 256 = 4096 is four programs a token
-# The CPU interpreter runs no libdevice: it takes numpy's expf (so its fp32 sigmoid may differ from torch's CPU one in
-# the last bit; tests/test_output_gate.py checks the roundings against the interpreter's own arithmetic).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def attn_output_gate_ref(out: torch.Tensor, q_and_gate: torch.Tensor) -> torch.Tensor:
@@ -47,7 +43,7 @@ def attn_output_gate_ref(out: torch.Tensor, q_and_gate: torch.Tensor) -> torch.T
 @triton.jit
 def _sigmoid_as_torch(x):
     """1 / (1 + expf(-x)) in fp32 with CUDA's expf and an IEEE division: torch's sigmoid kernel, bit for bit."""
-    if _INTERPRETED:
+    if INTERPRETED:  # numpy's expf there (tests/test_output_gate.py checks the roundings in its arithmetic)
         e = tl.exp(-x)
     else:
         e = libdevice.exp(-x)

@@ -26,8 +26,8 @@ def _u8_to_f32_asm(pack: int) -> str:
 
 _U8_TO_F32_2 = tl.constexpr(_u8_to_f32_asm(2))
 _U8_TO_F32_4 = tl.constexpr(_u8_to_f32_asm(4))
-# The CPU interpreter runs no PTX: it takes the plain Triton form of the same bit operations.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# The CPU interpreter runs no PTX (nor libdevice): kernels take plain Triton forms of the same operations there.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def code_args(zeros: object) -> dict[str, int]:
@@ -62,7 +62,7 @@ def code_values(w, zoff, CODES: tl.constexpr, PACK: tl.constexpr = 4):
     are shuffled into place first."""
     if CODES != UINT8:
         return w.to(tl.float32)
-    elif _INTERPRETED:
+    elif INTERPRETED:
         return (w.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - zoff
     elif PACK == 2:
         return tl.inline_asm_elementwise(_U8_TO_F32_2, "=r,=r,r", [w], dtype=tl.float32, is_pure=True,

@@ -16,24 +16,24 @@ Traffic: M*K (x, FP8) per BLOCK_N weight rows + N*K per BLOCK_M rows + M*N*2 out
 rate (989 TFLOP/s dense bf16 -> 1979 FP8 on an H100 SXM), the target ~1.3x+ the bf16 GEMM's time.
 
 TMA (`Fp8GemmConfig.tma`, off in every default; candidates for decode batches, M <= 64): the same kernel (constexpr
-TMA) with the x and W tiles fetched by the Tensor Memory Accelerator, the same dots in the same order (the tests
-check the pointer path's result bit for bit at the same tile and split). At M = 64 the pointer path reads Qwen3-8B's FP8 weights at
-23-62% of the HBM bandwidth (H200 run 363) with ~8 K steps a program after split-K, so each step's load latency
-counts: there every thread computes clamped (masked, for a partial last K block) addresses and issues 8 16-byte
+TMA) with the x and W tiles fetched by the Tensor Memory Accelerator, the same dots in the same order (the tests check
+the pointer path's result bit for bit at the same tile and split). At M = 64 the pointer path reads Qwen3-8B's FP8
+weights at 23-62% of the HBM bandwidth (H200 run 363) with ~8 K steps a program after split-K, so each step's load
+latency counts: there every thread computes clamped (masked, for a partial last K block) addresses and issues 8 16-byte
 cp.async a step (64 x 64 tile: 8 KB of x + 8 KB of W), here one thread issues one bulk copy per operand (UTMALDG,
-completion counted on an mbarrier), boxes past M, N or K read as zeros (no clamps, no masks, nothing stored from
-them), the loop is the same length in SASS (129 instructions a step against 124, sm_90) on 92 registers against 122,
-and deeper pipelines cost only shared memory (16 KB a stage at 64 x 64). Bytes moved are unchanged. The descriptors are
+completion counted on an mbarrier), boxes past M, N or K read as zeros (no clamps, no masks, nothing stored from them),
+the loop is the same length in SASS (129 instructions a step against 124, sm_90) on 92 registers against 122, and
+deeper pipelines cost only shared memory (16 KB a stage at 64 x 64). Bytes moved are unchanged. The descriptors are
 host-side (`triton.tools.tensor_descriptor.TensorDescriptor`): the launcher encodes each 128-byte CUtensorMap on the
 host and passes it as a __grid_constant__ kernel parameter, which a CUDA graph captures by value like a pointer
 argument: no device memory, no host sync, nothing built per program (the cost: encoding two descriptors per eager
 launch on the CPU, none in a replayed graph). In-kernel `tl.make_tensor_descriptor` would need the process-wide
 `triton.set_allocator` hook (called at every launch for grid x 128 bytes of scratch, from the graph's pool during
-capture) and every program to write and fence its descriptors before its first load: latency on the short programs
-TMA is meant to help. TMA needs a 16-byte aligned base and row stride (FP8: K % 16 == 0): otherwise the pointer path
-runs (`_tma_operands`). A row_block only remaps the scale rows (pointer loads on both paths), so TMA takes it. Not
-built: 256-deep K steps. FP8 boxes are at most 128 wide in K (the 128-byte swizzle; Triton splits a wider box into
-copies of 128), so a 256 step would save loop overhead only; num_stages 4-8 already deepen the prefetch.
+capture) and every program to write and fence its descriptors before its first load: latency on the short programs TMA
+is meant to help. TMA needs a 16-byte aligned base and row stride (FP8: K % 16 == 0): otherwise the pointer path runs
+(`_tma_operands`). A row_block only remaps the scale rows (pointer loads on both paths), so TMA takes it. Not built:
+256-deep K steps. FP8 boxes are at most 128 wide in K (the 128-byte swizzle; Triton splits a wider box into copies of
+128), so a 256 step would save loop overhead only; num_stages 4-8 already deepen the prefetch.
 """
 
 from __future__ import annotations

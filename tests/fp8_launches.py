@@ -8,7 +8,8 @@ met `int.to` in its split-K reduction. So the launches here come from the host f
     counts, in fp32 / fp16 / bf16, under each of its settings (ONE_ROW, SMALL_M, PREFILL), gate/up fused and not;
   - odd shapes (partial blocks, one scale column, packed shards with row_block, bias) through the dispatch;
   - every candidate tile of each kernel (what `orinfer.bench.fp8_kernels --sweep` and the GPU tests launch);
-  - the explicit tiles and shapes of tests/test_fp8_kernels.py's parametrized tests, which the GPU runs too;
+  - the explicit tiles and shapes of tests/test_fp8_kernels.py's parametrized tests, which the GPU runs too, and of
+    tests/test_fp8_gemm_tma.py (the W8A8 GEMM fed by TMA descriptors, and its pointer twins);
   - the same kernels on uint8 codes (W8, GPTQ-Int8: `w8_ops`) over Qwen3-8B's shapes in groups of 128, odd shapes and
     groups, every dtype and row count, and tests/test_w8_kernels.py's explicit tiles.
 Launches the launcher would compile to the same kernel are kept once (`sm90.launch_key`).
@@ -167,6 +168,23 @@ def _test_file_calls():
             yield partial(kernel, x, w, s, c["block"], rb, bias, gated=c["gated"], cfg=c["cfg"])
     for case in _parametrized(t.test_fp8_quantize_act):
         yield partial(fp8_quant.fp8_quantize_act, _x(case["rows"], case["k"], case["dtype"]), case["group"])
+    yield from _tma_test_calls()
+
+
+def _tma_test_calls():
+    """tests/test_fp8_gemm_tma.py's launches: each case's tile with and without TMA, and on the GPU every TMA
+    candidate and its pointer twin over Qwen3-8B's shapes and its row counts."""
+    import test_fp8_gemm_tma as t
+
+    for c in _parametrized(t.test_tma_matches_the_pointer_path_bit_for_bit):
+        w, s, rb = weight(c["n"], c["k"], c["block"], c["shards"] > 1)
+        bias = torch.empty(c["n"], dtype=c["dtype"]) if c["bias"] else None
+        for cfg in (c["cfg"], c["cfg"]._replace(tma=True)):
+            yield partial(_w8a8, _x(c["rows"], c["k"], c["dtype"]), w, s, c["block"], rb, bias, cfg)
+    tma = [cfg for cfg in fp8_gemm.CANDIDATES if cfg.tma]
+    for (n, k), rows, cfg in itertools.product(t.QWEN3_8B.values(), (1, 17, 64), tma):
+        for c in (cfg, cfg._replace(tma=False)):
+            yield partial(_w8a8, _x(rows, k, torch.bfloat16), *weight(n, k, (128, 128))[:2], (128, 128), cfg=c)
 
 
 @cache
@@ -296,8 +314,9 @@ def features(launch: sm90.Launch) -> dict[str, str]:
 
 def named_launches() -> dict[str, sm90.Launch]:
     """The default tiles' launches whose SASS tests/test_fp8_codegen.py reads, by name: the one-row GEMV (o and the
-    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows, and
-    the GEMV and MMA on W8's uint8 codes (symmetric: one zero point; the GEMV also with a tensor of them)."""
+    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows (and
+    at 64 with SMALL_M's tile fed by TMA), and the GEMV and MMA on W8's uint8 codes (symmetric: one zero point; the
+    GEMV also with a tensor of them)."""
     block = (128, 128)
     o, gate_up = weight(*QWEN3_8B["o"], block), weight(*QWEN3_8B["gate_up"], block)
     calls = {
@@ -309,6 +328,8 @@ def named_launches() -> dict[str, sm90.Launch]:
         "mm_64": partial(fp8_mm.fp8_mm, _x(64, 4096, torch.bfloat16), *o[:2], block),
         "gemm": partial(_w8a8, _x(2048, 4096, torch.bfloat16), *o[:2], block),
         "gemm_small_m": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block),
+        "gemm_tma": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block,
+                            cfg=fp8_gemm.SMALL_M._replace(tma=True)),
         "w8_gemv": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128)),
         "w8_gemv_gated": partial(w8_ops.w8_gate_up_silu, _x(1, 4096, torch.bfloat16), w8_weight(24576, 4096, 128)),
         "w8_gemv_zeros": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128, False)),

@@ -8,8 +8,9 @@ candidate tile, the kernel tests' tiles), then compiled with the launcher's own 
 argument equal to 1 is a constexpr: the first merge's fp8_mm compiled in the interpreter and in hand-written
 signatures and failed on the device at one row of x. Of the ~800 distinct launches the check compiles the engine's
 own on Qwen3-8B in bf16 (the default settings) and a subset in which every pair of specialization values of a kernel
-meets (`conftest.pairwise_cover`): ~155 kernels, ~2.5 CPU-minutes (two processes on two cores: under 2 minutes). All of
-them with ORINFER_FP8_CODEGEN_ALL=1 (~18 CPU-minutes).
+meets (`conftest.pairwise_cover`), and every launch of the W8A8 GEMM fed by TMA descriptors (89, ~0.5 s each: not yet
+run on a device): ~245 kernels, ~3.5 CPU-minutes (two processes on two cores: under 2.5 minutes). All of them with
+ORINFER_FP8_CODEGEN_ALL=1 (~19 CPU-minutes).
 
 Default tiles, from their launches on Qwen3-8B's shapes:
 - The one-row GEMV streams 16-byte evict-first loads, keeps each x chunk in the thread that multiplies it (no shared
@@ -17,7 +18,8 @@ Default tiles, from their launches on Qwen3-8B's shapes:
   HADD2.F32 and FFMA per weight, the rest shared by the rows of a tile).
 - The W8A16 MMA unpacks the FP8 tile into the registers Hopper's wgmma reads (the unpacked tile never goes through
   shared memory) for bf16 x, converts with cvt for fp16 x, and nothing spills.
-- The W8A8 GEMM runs FP8 wgmma (QGMMA) and nothing spills.
+- The W8A8 GEMM runs FP8 wgmma (QGMMA) and nothing spills; fed by TMA (SMALL_M's tile with `tma`), its K loop
+  issues two bulk tensor copies (UTMALDG: x and W) and no per-thread cp.async (LDGSTS).
 - On W8's uint8 codes (GPTQ-Int8), the one-row GEMV streams the same loads with one prmt per weight (the byte into
   2^23's mantissa), then FADD (- 2^23 - zero) and FFMA: about 4.0 instructions per weight with symmetric GPTQ's one
   zero point, 4.2 with a zero point per group; the MMA unpacks in the wgmma operand layout, two codes per prmt
@@ -83,7 +85,7 @@ def _checked(recorded: list[dict]) -> list[int]:
     """Indices of the launches the check compiles (module docstring)."""
     if os.environ.get("ORINFER_FP8_CODEGEN_ALL") == "1":
         return list(range(len(recorded)))
-    chosen = {i for i, r in enumerate(recorded) if r["default"]}
+    chosen = {i for i, r in enumerate(recorded) if r["default"] or r["features"].get("TMA") == "('constexpr', True)"}
     by_kernel = defaultdict(list)
     for i, r in enumerate(recorded):
         by_kernel[r["kernel"]].append(i)
@@ -103,6 +105,9 @@ def test_recorded_launches_cover_the_split_k_and_gated_variants(recorded):
         assert any(f["M"] == "('constexpr', 1)" and f["GATED"] == f"('constexpr', {gated})" for f in split)
     assert {f["MODE"] for f in split} == {f"('constexpr', {mode})" for mode in (0, 1, 2)}
     assert any(f["SPLIT"] != "('constexpr', 1)" for f in gemm) and any(f["SPLIT"] == "('constexpr', 1)" for f in gemm)
+    tma = [f for f in gemm if f["TMA"] == "('constexpr', True)"]
+    assert any(f["M"] == "('constexpr', 1)" and f["SPLIT"] != "('constexpr', 1)" for f in tma)
+    assert any(f["HAS_RB"] == "('constexpr', True)" for f in tma) and any(f["SPLIT"] == "('constexpr', 1)" for f in tma)
     assert len({r["kernel"] for r in recorded}) == 6 and len(recorded) > 500
 
 
@@ -171,6 +176,17 @@ def test_w8a16_mma_fp16_and_w8a8_gemm(compiled):
         assert compiled[name]["stack"] == 0, f"{name}: {compiled[name]['stack']} bytes of spills"
         assert any(op.startswith("QGMMA") for op in compiled[name]["ops"]), f"{name}: no FP8 wgmma"
     assert compiled["gemm"]["loops"], "no K loop"
+
+
+def test_w8a8_gemm_fed_by_tma(compiled):
+    """The K loop (the shortest loop with the wgmmas: the mbarrier waits' out-of-line retry paths branch back from
+    after the epilogue, which `sm90.loop_bodies` also lists) reads x and W by two TMA copies and no cp.async; nothing
+    spills."""
+    got = compiled["gemm_tma"]
+    assert got["stack"] == 0, f"{got['stack']} bytes of spills"
+    loop = min((loop for loop in got["loops"] if any(op.startswith("QGMMA") for op in loop)), key=len)
+    assert sum(op.startswith("UTMALDG") for op in loop) == 2
+    assert not [op for op in loop if op.startswith("LDGSTS")], "cp.async in the TMA path's K loop"
 
 
 @pytest.mark.parametrize("name,most", [("w8_gemv", 4.1), ("w8_gemv_gated", 4.1), ("w8_gemv_zeros", 4.4)])

@@ -9,7 +9,8 @@
                     vs the weight dequantised (`fp8_dequantize`) + cuBLAS
   M = 2048          bf16 cuBLAS vs W8A8 Triton vs torch._scaled_mm (each with and without the activation
                     quantization) vs dequantise + cuBLAS, TFLOP/s
---sweep adds every candidate tile of each FP8 kernel, per shape, for promoting defaults.
+--sweep adds every candidate tile of each FP8 kernel, per shape, for promoting defaults (the W8A8 GEMM's tiles fed by
+TMA descriptors show `tma=True` at the end of their config, in the "fp8 W8A8 Triton (+quantize)" rows).
 
 Timing: each op is captured in a CUDA graph over enough copies of its weights (rotated call after call, 4x the L2
 size in all) that every call reads its weights from HBM, as a decode step does; a graph replays the calls back to

@@ -14,6 +14,26 @@ Grid (tiles, SPLIT): tiles [BLOCK_M, BLOCK_N] in GROUP_M bands along M (consecut
 SPLIT > 1 splits K (`kernels/splitk.py`) for the few tiles of small M (the W8A8 alternative for decode batches).
 Traffic: M*K (x, FP8) per BLOCK_N weight rows + N*K per BLOCK_M rows + M*N*2 out; at prefill sizes bound by the FP8 MMA
 rate (989 TFLOP/s dense bf16 -> 1979 FP8 on an H100 SXM), the target ~1.3x+ the bf16 GEMM's time.
+
+TMA (`Fp8GemmConfig.tma`, off in every default; candidates for decode batches, M <= 64): the same kernel (constexpr
+TMA) with the x and W tiles fetched by the Tensor Memory Accelerator, the same dots in the same order (the tests check
+the pointer path's result bit for bit at the same tile and split). At M = 64 the pointer path reads Qwen3-8B's FP8
+weights at 23-62% of the HBM bandwidth (H200 run 363) with ~8 K steps a program after split-K, so each step's load
+latency counts: there every thread computes clamped (masked, for a partial last K block) addresses and issues 8 16-byte
+cp.async a step (64 x 64 tile: 8 KB of x + 8 KB of W), here one thread issues one bulk copy per operand (UTMALDG,
+completion counted on an mbarrier), boxes past M, N or K read as zeros (no clamps, no masks, nothing stored from them),
+the loop is the same length in SASS (129 instructions a step against 124, sm_90) on 92 registers against 122, and
+deeper pipelines cost only shared memory (16 KB a stage at 64 x 64). Bytes moved are unchanged. The descriptors are
+host-side (`triton.tools.tensor_descriptor.TensorDescriptor`): the launcher encodes each 128-byte CUtensorMap on the
+host and passes it as a __grid_constant__ kernel parameter, which a CUDA graph captures by value like a pointer
+argument: no device memory, no host sync, nothing built per program (the cost: encoding two descriptors per eager
+launch on the CPU, none in a replayed graph). In-kernel `tl.make_tensor_descriptor` would need the process-wide
+`triton.set_allocator` hook (called at every launch for grid x 128 bytes of scratch, from the graph's pool during
+capture) and every program to write and fence its descriptors before its first load: latency on the short programs TMA
+is meant to help. TMA needs a 16-byte aligned base and row stride (FP8: K % 16 == 0): otherwise the pointer path runs
+(`_tma_operands`). A row_block only remaps the scale rows (pointer loads on both paths), so TMA takes it. Not built:
+256-deep K steps. FP8 boxes are at most 128 wide in K (the 128-byte swizzle; Triton splits a wider box into copies of
+128), so a 256 step would save loop overhead only; num_stages 4-8 already deepen the prefetch.
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
@@ -38,14 +59,15 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr
                      stride_as, stride_wn, stride_sn, stride_om, STEPS, BN: tl.constexpr, BK: tl.constexpr,
                      HAS_RB: tl.constexpr, ROW_UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP16: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr):
     if PDL:  # kernels/pdl.py
         gdc_wait()
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m, offs_n, rm, rn = tile_rows(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + offs_k[None, :]     # x [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]     # W^T [BLOCK_K, BLOCK_N], K-major
+    if not TMA:      # TMA: a_ptr and w_ptr are tensor descriptors of x [M, K] and W [N, K] (`_tma_operands`)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + offs_k[None, :]     # x [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]     # W^T [BLOCK_K, BLOCK_N], K-major
     as_ptrs = as_ptr + rm
     if ROW_UNIFORM:
         sw_ptrs = s_ptr + ((pid_n * BLOCK_N) // BN) * stride_sn
@@ -60,7 +82,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, rb_ptr, b_ptr, out_ptr, ws_ptr
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
         kb = k0 // BK
-        if EVEN_K:
+        if TMA:      # boxes past M, N or K read as zeros: no clamped rows, no K mask
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+            w = w_ptr.load([pid_n * BLOCK_N, k0]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs + k0)
             w = tl.load(w_ptrs + k0)
         else:
@@ -87,6 +112,12 @@ class Fp8GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1     # 0: `splitk.plan`'s choice
+    tma: bool = False    # x and W tiles through TMA descriptors where they can describe them (module docstring)
+
+    def __repr__(self) -> str:
+        """The fields, less `tma` when off: the config strings of the earlier sweep tables stay as they were."""
+        text = ", ".join(f"{name}={value}" for name, value in zip(self._fields, self))
+        return f"Fp8GemmConfig({text.removesuffix(', tma=False')})"
 
 
 # Prefill: 128 x 128 tiles over two warpgroups (acc and the step's dot result 64 + 64 registers a thread, 165 in all;
@@ -103,7 +134,23 @@ SMALL_M = Fp8GemmConfig(64, 64, 128, 4, 3, 0)
 CANDIDATES = [Fp8GemmConfig(*c) for c in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
                                           (64, 128, 128, 4, 4), (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0),
                                           (64, 32, 128, 4, 4, 0), (64, 64, 128, 4, 6, 0), (64, 64, 128, 4, 3, 0),
-                                          (64, 64, 128, 4, 4, 2), (64, 32, 128, 4, 6, 0)]]
+                                          (64, 64, 128, 4, 4, 2), (64, 32, 128, 4, 6, 0),
+                                          # TMA-fed (module docstring), for M <= 64: not timed yet
+                                          (64, 64, 128, 4, 3, 0, True), (64, 64, 128, 4, 4, 0, True),
+                                          (64, 64, 128, 4, 6, 0, True), (64, 32, 128, 4, 4, 0, True),
+                                          (64, 128, 128, 4, 4, 0, True)]]
+
+
+def _tma_operands(xq: torch.Tensor, weight: torch.Tensor, m: int, n: int, k: int, block_m: int, block_n: int,
+                  block_k: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Host-side TMA descriptors of x [m, K] (rows past m, in xq's padding, read as zeros) and W [n, K] in boxes of
+    [block_m, block_k] and [block_n, block_k]; None where TMA cannot address them: a base address or a row stride
+    (FP8: bytes) that is not a multiple of 16 (K % 16 != 0, or a view at an odd offset). Module docstring: why
+    host-side."""
+    if any(t.data_ptr() % 16 or t.stride(0) % 16 for t in (xq, weight)):
+        return None
+    return (TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [block_m, block_k]),
+            TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k]))
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -134,12 +181,15 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     split, per_split = plan(tiles, steps, cfg.split_k, sm_count(xq.device))
     ws = torch.empty(split, 1, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)
+    tma = _tma_operands(xq, weight, m, n, k, cfg.block_m, cfg.block_n, block_k) if cfg.tma else None
+    a_arg, w_arg = tma or (xq, weight)
     _fp8_gemm_kernel[(tiles, split)](
-        xq, x_scale, weight, scale, scale if row_block is None else row_block, out if bias is None else bias, out, ws,
+        a_arg, x_scale, w_arg, scale, scale if row_block is None else row_block, out if bias is None else bias, out,
+        ws,
         counters(xq.device) if split > 1 else scale, m, n, k, xq.stride(0), x_scale.stride(1), weight.stride(0),
         scale.stride(0), out.stride(0), per_split, BN=bn, BK=bk, HAS_RB=row_block is not None,
         ROW_UNIFORM=row_block is None and bn % cfg.block_n == 0, HAS_BIAS=bias is not None,
         CLAMP16=out_dtype == torch.float16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
-        SPLIT=split, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl)
+        SPLIT=split, EVEN_K=tma is not None or k % block_k == 0, PDL=pdl, TMA=tma is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out

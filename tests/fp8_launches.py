@@ -314,8 +314,8 @@ def features(launch: sm90.Launch) -> dict[str, str]:
 
 def named_launches() -> dict[str, sm90.Launch]:
     """The default tiles' launches whose SASS tests/test_fp8_codegen.py reads, by name: the one-row GEMV (o and the
-    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048 and 64 rows (and
-    at 64 with SMALL_M's tile fed by TMA), and the GEMV and MMA on W8's uint8 codes (symmetric: one zero point; the
+    fused gate/up), the W8A16 MMA at 8 rows (bf16, gated, fp16) and 64 rows, the W8A8 GEMM at 2048, 8 and 32 rows (and
+    at 64, fed by TMA), and the GEMV and MMA on W8's uint8 codes (symmetric: one zero point; the
     GEMV also with a tensor of them)."""
     block = (128, 128)
     o, gate_up = weight(*QWEN3_8B["o"], block), weight(*QWEN3_8B["gate_up"], block)
@@ -327,9 +327,9 @@ def named_launches() -> dict[str, sm90.Launch]:
         "mm_fp16": partial(fp8_mm.fp8_mm, _x(8, 4096, torch.float16), *o[:2], block),
         "mm_64": partial(fp8_mm.fp8_mm, _x(64, 4096, torch.bfloat16), *o[:2], block),
         "gemm": partial(_w8a8, _x(2048, 4096, torch.bfloat16), *o[:2], block),
-        "gemm_small_m": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block),
-        "gemm_tma": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block,
-                            cfg=fp8_gemm.SMALL_M._replace(tma=True)),
+        "gemm_small_m": partial(_w8a8, _x(8, 4096, torch.bfloat16), *o[:2], block),
+        "gemm_small_m32": partial(_w8a8, _x(32, 4096, torch.bfloat16), *o[:2], block),
+        "gemm_tma": partial(_w8a8, _x(64, 4096, torch.bfloat16), *o[:2], block, cfg=fp8_gemm.SMALL_M_WIDE),
         "w8_gemv": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128)),
         "w8_gemv_gated": partial(w8_ops.w8_gate_up_silu, _x(1, 4096, torch.bfloat16), w8_weight(24576, 4096, 128)),
         "w8_gemv_zeros": partial(w8_ops.w8_linear, _x(1, 4096, torch.bfloat16), w8_weight(4096, 4096, 128, False)),

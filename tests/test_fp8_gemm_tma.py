@@ -111,10 +111,21 @@ def test_tma_candidates_and_config_strings():
     sweep tables of configs without it read as before."""
     tma = [c for c in CANDIDATES if c.tma]
     assert len(tma) == 5 and all(c.block_m == 64 and c.split_k == 0 for c in tma)
-    assert not fp8_gemm_module.PREFILL.tma and not fp8_gemm_module.SMALL_M.tma
+    assert not fp8_gemm_module.PREFILL.tma
     assert str(Fp8GemmConfig(64, 64, 128, 4, 3, 0)) == ("Fp8GemmConfig(block_m=64, block_n=64, block_k=128, "
                                                         "num_warps=4, num_stages=3, split_k=0)")
     assert str(Fp8GemmConfig(64, 64, 128, 4, 3, 0, True)).endswith("split_k=0, tma=True)")
+
+
+def test_decode_batch_tiles_follow_the_measured_table():
+    """`small_m_config`: 16- and 32-row pointer tiles up to 16 and 32 rows; 64-row TMA tiles beyond, 64 columns wide
+    only where N gives two tiles an SM (Qwen3-8B on 132 SMs: gate_up), else 32 (fp8_gemm.py's table, run 365)."""
+    pick = fp8_gemm_module.small_m_config
+    assert pick(2, 4096, 132) == pick(16, 24576, 132) == Fp8GemmConfig(16, 64, 128, 4, 4, 0)
+    assert pick(17, 4096, 132) == pick(32, 24576, 132) == Fp8GemmConfig(32, 64, 128, 4, 4, 0)
+    assert pick(33, 24576, 132) == pick(64, 24576, 132) == Fp8GemmConfig(64, 64, 128, 4, 4, 0, True)
+    assert pick(64, 6144, 132) == pick(48, 4096, 132) == Fp8GemmConfig(64, 32, 128, 4, 4, 0, True)
+    assert pick(64, 16896, 132).block_n == 64 and pick(64, 16832, 132).block_n == 32
 
 
 # --- GPU: Qwen3-8B's shapes, every TMA candidate, CUDA graphs -------------------------------------------------------

@@ -124,21 +124,39 @@ class Fp8GemmConfig(NamedTuple):
 # 128 x 256, or 128 x 128 on one warpgroup, spill), 32 KB of operands per stage, 4 stages. The loop is 153 SASS
 # instructions a thread per K step, 64 of them the FFMAs that promote the step's dot (Triton waits for each wgmma
 # before them, so they do not overlap the tensor cores; a one-step software pipeline in the source did not change
-# that: Triton still waits at the end of the iteration). Small M (the W8A8 alternative for decode batches): 64-row
-# tiles and split-K: 64 x 64 on 3 stages, the fastest single tile at M = 64 (us a call with the separate quantize,
-# qkv / o / gate_up / down): H100 run 359 19.5 / 18.8 / 45.9 / 33.9 (the 64 x 128 tile before it 36.9 / 27.2 / 60.8 /
-# 73.3; torch._scaled_mm 17.7 / 17.0 / 49.0 / 39.5); H200 run 363 17.2 / 16.9 / 37.6 / 27.4 (_scaled_mm 17.4 / 17.1 /
-# 38.6 / 39.6). Candidates for `orinfer.bench.fp8_kernels --sweep`, the small-M ones for decode batches.
+# that: Triton still waits at the end of the iteration). Candidates for `orinfer.bench.fp8_kernels --sweep`, the
+# small-M ones for decode batches (`small_m_config`).
 PREFILL = Fp8GemmConfig(128, 128, 128, 8, 4)
-SMALL_M = Fp8GemmConfig(64, 64, 128, 4, 3, 0)
 CANDIDATES = [Fp8GemmConfig(*c) for c in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 64, 128, 4, 4),
                                           (64, 128, 128, 4, 4), (64, 128, 128, 4, 4, 0), (64, 64, 128, 4, 4, 0),
                                           (64, 32, 128, 4, 4, 0), (64, 64, 128, 4, 6, 0), (64, 64, 128, 4, 3, 0),
-                                          (64, 64, 128, 4, 4, 2), (64, 32, 128, 4, 6, 0),
-                                          # TMA-fed (module docstring), for M <= 64: not timed yet
+                                          (64, 64, 128, 4, 4, 2), (64, 32, 128, 4, 6, 0), (16, 64, 128, 4, 4, 0),
+                                          (32, 64, 128, 4, 4, 0),
                                           (64, 64, 128, 4, 3, 0, True), (64, 64, 128, 4, 4, 0, True),
                                           (64, 64, 128, 4, 6, 0, True), (64, 32, 128, 4, 4, 0, True),
                                           (64, 128, 128, 4, 4, 0, True)]]
+
+# Decode batches (2-64 rows), all split-K by plan. Per-layer us of Qwen3-8B's four GEMMs with the activation quantize,
+# H200 run 365 (qkv + o + gate_up + down; torch._scaled_mm 98-116, bf16 cuBLAS 114-119 at every M):
+#   M = 8:  16 x 64 tile 83.5; a 64-row tile 192 (its padding rows clamp onto the real ones; gate_up alone 113)
+#   M = 32: 32 x 64 tile 98.3; 64 x 64 148
+#   M = 64: 64-row TMA tiles, 64 columns where N gives >= 2 tiles an SM (gate_up 34.3 us against 46.1 at 32 columns),
+#           else 32 (qkv 14.8, o 13.5, down 23.7 against 17.7, 21.4, 31.3): 86.3; one 64 x 64 pointer tile 98.0
+# The 16- and 32-row tiles are below a warpgroup MMA (64 rows): Triton widens the FP8 tiles to f16 (exact) and runs
+# mma.sync, which these memory-bound shapes do not notice.
+SMALL_M_16 = Fp8GemmConfig(16, 64, 128, 4, 4, 0)
+SMALL_M_32 = Fp8GemmConfig(32, 64, 128, 4, 4, 0)
+SMALL_M_WIDE = Fp8GemmConfig(64, 64, 128, 4, 4, 0, True)
+SMALL_M_NARROW = Fp8GemmConfig(64, 32, 128, 4, 4, 0, True)
+
+
+def small_m_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
+    """The decode-batch tile for m <= 64 rows of x and n output columns on a GPU of `sms` SMs (table above)."""
+    if m <= 16:
+        return SMALL_M_16
+    if m <= 32:
+        return SMALL_M_32
+    return SMALL_M_WIDE if triton.cdiv(n, 64) >= 2 * sms else SMALL_M_NARROW
 
 
 def _tma_operands(xq: torch.Tensor, weight: torch.Tensor, m: int, n: int, k: int, block_m: int, block_n: int,
@@ -174,7 +192,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    cfg = cfg or (PREFILL if m > 64 else SMALL_M)
+    cfg = cfg or (PREFILL if m > 64 else small_m_config(m, n, sm_count(xq.device)))
     block_k = min(cfg.block_k, bk & -bk)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     steps = triton.cdiv(k, block_k)

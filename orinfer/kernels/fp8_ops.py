@@ -3,9 +3,9 @@
   1 row                  -> `fp8_gemv` (CUDA cores, one 16-byte load per thread per row chunk, thousands of programs:
                             decode at batch 1; ONE_ROW = "mma": `fp8_mm` instead)
   2..MMA_MAX_ROWS rows   -> W8A8 as prefill (SMALL_M = "w8a8", the default), except that where prefill would take
-                            torch._scaled_mm the Triton `fp8_gemm` runs on its small-M tile (Qwen3-8B decode batch
-                            64 on an H200, run 360: 13234 tok/s against 11999 through _scaled_mm; 7981 for the
-                            W8A16 kernel, run 341); SMALL_M = "w8a16": `fp8_mm` (W8A16 on tensor cores, split-K,
+                            torch._scaled_mm the Triton `fp8_gemm` runs on its decode-batch tiles
+                            (`fp8_gemm.small_m_config`; Qwen3-8B's four GEMMs a layer at M = 8 / 64 on an H200,
+                            run 365: 83.5 / 86.3 us against _scaled_mm's 97.7 / 115.8); SMALL_M = "w8a16": `fp8_mm` (W8A16 on tensor cores, split-K,
                             x exact)
   more (prefill)         -> W8A8: `fp8_quantize_act` + `fp8_gemm` (Triton, PREFILL = "triton") or torch._scaled_mm
                             with cuBLASLt's block scaling (PREFILL = "scaled_mm"; "auto", the default, takes it where
@@ -129,8 +129,8 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
         return "mma+silu" if gated and small_m_a8 else "mma"
     path = _wide_path(x, weight, scale, block_size, row_block, a8)
     if rows <= MMA_MAX_ROWS and path == "scaled_mm":
-        # A decode batch where _scaled_mm runs (an sm_90 GPU): the Triton GEMM's small-M tile beat it at M = 64 on
-        # both Hopper parts (runs 359 and 363: the layer's four GEMMs 118 / 123 us on an H100, 99 / 113 on an H200).
+        # A decode batch where _scaled_mm runs (an sm_90 GPU): the Triton GEMM's decode-batch tiles beat it at every
+        # M from 2 to 64 on the H200 (run 365; at M = 64 on the H100 too, run 359).
         path = "w8a8"
     if path == "dequant" and rows <= MMA_MAX_ROWS and PREFILL == "auto":
         # No block-scaled _scaled_mm here: a decode batch keeps the W8A16 kernel (fused when gated) rather than

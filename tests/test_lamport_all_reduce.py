@@ -37,7 +37,7 @@ class World:
         self.buffers = [torch.full((SLOTS, world, max_elems), self.sentinel, dtype=self.bits, device=DEVICE)
                         for _ in range(world)]
         peers = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device=DEVICE)
-        state = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        state = torch.zeros(3, dtype=torch.int32, device=DEVICE)
         self.ws = LamportWorkspace(peers, state, rank, world, SLOTS, max_elems, programs)
 
     def pushed(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +198,18 @@ def test_plain_and_fused_calls_share_the_slots():
     _, summed = lamport_all_reduce_add_rms_norm(second[0], residual, weight, 1e-6, sim.ws)
     assert_rank_order_sum(summed, second)  # + a zero residual
     assert sim.slot() == 0
+
+
+def test_abort_releases_a_call_whose_peer_never_pushes():
+    """A dead peer never pushes: once the abort word is set (the group is failing) the poll gives up instead of
+    spinning forever. (Here it is set before the call: the interpreter runs one program at a time.)"""
+    sim = World(2, 0, torch.bfloat16)
+    sim.ws.state[2] = 1
+    x = torch.ones(1, 1000, dtype=torch.bfloat16, device=DEVICE)
+    lamport_all_reduce_(x, sim.ws)
+    residual, weight = torch.zeros_like(x), torch.ones(1000, dtype=torch.bfloat16, device=DEVICE)
+    lamport_all_reduce_add_rms_norm(x, residual, weight, 1e-6, sim.ws)
+    assert sim.ws.state.tolist() == [0, 0, 1]  # both calls finished and moved the slot on
 
 
 def test_tensors_that_do_not_fit_are_refused():

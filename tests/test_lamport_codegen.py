@@ -20,7 +20,7 @@ from orinfer.kernels import lamport_all_reduce as lamport, sm90
 
 result = {}
 for world in (2, 8):
-    ws = lamport.LamportWorkspace(torch.zeros(world, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), 1, world,
+    ws = lamport.LamportWorkspace(torch.zeros(world, dtype=torch.int64), torch.zeros(3, dtype=torch.int32), 1, world,
                                   2, 1 << 19, 132)
     for dtype in (torch.bfloat16, torch.float32):
         for tokens in (1, 64):
@@ -48,13 +48,14 @@ def built() -> dict:
 def test_every_variant_compiles(built):
     assert len(built) == 16
     for name, kernel in built.items():
-        assert kernel["stack"] <= 8, name  # (a register or two of one bf16 variant; no real spilling)
+        assert kernel["stack"] <= 8, name  # at most one spilled register (fp32 fused at T = 1: one STL, one LDL)
         assert kernel["regs"] <= 255, name
 
 
 def test_polls_are_volatile_16_byte_loads(built):
     for name, kernel in built.items():
-        assert kernel["volatile"] == ["ld.volatile.global.v4.b32"], name
+        # the rows 16 bytes a thread; the abort word (one int32)
+        assert kernel["volatile"] == ["ld.volatile.global.b32", "ld.volatile.global.v4.b32"], name
         assert "LDG.E.128.STRONG.SYS" in kernel["ops"], name  # SASS: not cached in L1, 16 bytes a thread
 
 

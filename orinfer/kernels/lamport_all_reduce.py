@@ -20,6 +20,8 @@ Protocol of one call on rank r (slot s = state[0]):
   3. advance: each program counts itself done with an atomic (state[1]); the last one stores s + 1 mod SLOTS into
      state[0] and zeroes state[1]. Every program read state[0] before its atomic (acq_rel), so none reads it late.
      The state lives on the device: a call captured in a CUDA graph advances it on every replay.
+A poll also gives up once state[2] (abort) is nonzero: a peer that died never pushes, and the host sets it from
+another stream when the group fails (`distributed/lamport.py`), as NCCL's abort releases its kernels.
 All ranks make the same calls in the same order (the model's forward runs on every rank), so slot s of call i is
 the same on every rank.
 
@@ -60,8 +62,9 @@ BLOCK = 1024  # elements a program moves at a time (plain all-reduce): 2 KB of b
 @dataclass(frozen=True)
 class LamportWorkspace:
     """What one rank's calls need: `peers` int64 [world], every rank's receive buffer's base address (this rank's
-    own included; readable and writable by this process), `state` int32 [2] on the device (slot, programs done),
-    and the buffers' geometry. `max_programs`: the most programs a launch may have (all must be resident)."""
+    own included; readable and writable by this process), `state` int32 [3] on the device (slot, programs done,
+    abort: nonzero releases calls that wait for a peer), and the buffers' geometry. `max_programs`: the most
+    programs a launch may have (all must be resident)."""
     peers: torch.Tensor
     state: torch.Tensor
     rank: int
@@ -81,8 +84,10 @@ def _check(x: torch.Tensor, ws: LamportWorkspace) -> None:
     if not fits(x, ws):
         raise ValueError(f"lamport all-reduce: x {tuple(x.shape)} {x.dtype} (contiguous {x.is_contiguous()}) does "
                          f"not fit (dtypes {DTYPES}, at most {ws.max_elems} elements)")
-    if ws.peers.shape != (ws.world,) or ws.peers.dtype != torch.int64 or not 0 <= ws.rank < ws.world:
-        raise ValueError(f"lamport all-reduce: rank {ws.rank} of {ws.world}, peers {tuple(ws.peers.shape)}")
+    if (ws.peers.shape != (ws.world,) or ws.peers.dtype != torch.int64 or not 0 <= ws.rank < ws.world
+            or ws.state.shape != (3,) or ws.state.dtype != torch.int32):
+        raise ValueError(f"lamport all-reduce: rank {ws.rank} of {ws.world}, peers {tuple(ws.peers.shape)}, state "
+                         f"{tuple(ws.state.shape)} {ws.state.dtype}")
 
 
 def all_reduce_ref(partials: list[torch.Tensor]) -> torch.Tensor:
@@ -94,13 +99,16 @@ def all_reduce_ref(partials: list[torch.Tensor]) -> torch.Tensor:
 
 
 @triton.jit
-def _poll(row_ptr, mask, SENT: tl.constexpr):
-    """Bits of one received row, read with volatile loads until none is the sentinel (0 where `mask` is off). The
-    whole row is read again while any element is missing: arrived elements do not change until this rank resets
-    them, and a full read keeps the 16-byte loads (a read of only the missing elements is one load per element)."""
+def _poll(row_ptr, mask, abort_ptr, SENT: tl.constexpr):
+    """Bits of one received row, read with volatile loads until none is the sentinel (0 where `mask` is off), or
+    until the abort word is set (a peer died: the group is failing, the result is meaningless). The whole row is read
+    again while any element is missing: arrived elements do not change until this rank resets them, and a full read
+    keeps the 16-byte loads (a read of only the missing elements is one load per element)."""
     v = tl.load(row_ptr, mask=mask, other=0, volatile=True)
-    while tl.max((v == SENT).to(tl.int32)) > 0:  # over every axis
+    waiting = tl.max((v == SENT).to(tl.int32)) > 0  # over every axis
+    while waiting:
         v = tl.load(row_ptr, mask=mask, other=0, volatile=True)
+        waiting = (tl.max((v == SENT).to(tl.int32)) > 0) & (tl.load(abort_ptr, volatile=True) == 0)
     return v
 
 
@@ -124,8 +132,8 @@ def _push(bits_ptr, offs, mask, peers_ptr, slot_base, rank, max_elems, WORLD: tl
 
 
 @triton.jit
-def _gather_sum(bits_ptr, offs, mask, own_buf, slot_base, rank, max_elems, ACT: tl.constexpr, WORLD: tl.constexpr,
-                SENT: tl.constexpr):
+def _gather_sum(bits_ptr, offs, mask, own_buf, slot_base, rank, max_elems, abort_ptr, ACT: tl.constexpr,
+                WORLD: tl.constexpr, SENT: tl.constexpr):
     """The rank-order fp32 sum of every rank's values at `offs` (dtype ACT; this rank's read from x, the others
     polled from the slot, then reset to the sentinel)."""
     own = tl.load(bits_ptr + offs, mask=mask, other=0)
@@ -134,7 +142,7 @@ def _gather_sum(bits_ptr, offs, mask, own_buf, slot_base, rank, max_elems, ACT: 
     for j in tl.static_range(WORLD):
         row = own_buf + slot_base + j * max_elems + offs
         peer_mask = mask & (j != rank)
-        v = _poll(row, peer_mask, SENT)
+        v = _poll(row, peer_mask, abort_ptr, SENT)
         tl.store(row, tl.full(offs.shape, SENT, own.dtype), mask=peer_mask)
         v = tl.where(j == rank, own, v)
         acc += v.to(ACT, bitcast=True).to(tl.float32)
@@ -163,8 +171,8 @@ def _all_reduce_kernel(x_ptr, bits_ptr, peers_ptr, state_ptr, n, max_elems, rank
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = _gather_sum(bits_ptr, offs, mask, own_buf, slot_base, rank, max_elems, x_ptr.dtype.element_ty, WORLD,
-                          SENT)
+        acc = _gather_sum(bits_ptr, offs, mask, own_buf, slot_base, rank, max_elems, state_ptr + 2,
+                          x_ptr.dtype.element_ty, WORLD, SENT)
         tl.store(x_ptr + offs, acc.to(x_ptr.dtype.element_ty), mask=mask)
     _advance(state_ptr, slot, SLOTS)
 
@@ -185,7 +193,8 @@ def _add_rms_norm_kernel(bits_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, peers_ptr
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     for row in range(pid, T, nprog):
         offs = row * H + cols
-        s = _gather_sum(bits_ptr, offs, col_mask, own_buf, slot_base, rank, max_elems, act_ty, WORLD, SENT)
+        s = _gather_sum(bits_ptr, offs, col_mask, own_buf, slot_base, rank, max_elems, state_ptr + 2, act_ty, WORLD,
+                        SENT)
         r = tl.load(r_ptr + offs, mask=col_mask, other=0.0).to(tl.float32)
         # kernels/norm.py's steps from here: the all-reduce's result rounded, the new residual rounded
         x = (s.to(act_ty).to(tl.float32) + r).to(act_ty)

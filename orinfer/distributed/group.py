@@ -11,13 +11,17 @@ import datetime
 import logging
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from orinfer.distributed import lamport
+from orinfer.distributed.lamport import LamportBuffers
 from orinfer.errors import ConfigError
+from orinfer.kernels.lamport_all_reduce import lamport_all_reduce_, lamport_all_reduce_add_rms_norm
+from orinfer.kernels.norm import MAX_FEATURES, rms_norm_ref
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,7 @@ def destroy_group(abort: bool = False) -> None:
     global _group, _symmetric_allowed
     _group = TensorParallelGroup()
     _symmetric.clear()
+    _lamport.clear()
     _symmetric_allowed = False
     if not dist.is_initialized():
         return
@@ -93,9 +98,18 @@ def destroy_group(abort: bool = False) -> None:
 # tensor in a buffer its peers can read over NVLink, then reads theirs and sums), not NCCL: a decode step makes two
 # per layer, of [B, H] each, where NCCL's latency per call dominates (benchmarks/NOTES.md, run 288). Larger ones, and
 # any when ORINFER_TP_ALLREDUCE=nccl, use NCCL. NVLink multicast is never used (no multimem operation).
+# ORINFER_TP_ALLREDUCE=lamport: those of at most lamport.MAX_BYTES go through orinfer's barrier-free one-shot kernel
+# instead (kernels/lamport_all_reduce.py), and the all-reduces that feed a norm with the residual are folded into it
+# (distributed/norm_fold.py: `all_reduce_add_rms_norm`).
 SYMMETRIC_MAX_BYTES = 1 << 20
-_NCCL_ONLY = os.environ.get("ORINFER_TP_ALLREDUCE") == "nccl"  # read once: all_reduce runs twice per layer
+_MODE = os.environ.get("ORINFER_TP_ALLREDUCE", "")  # read once: all_reduce runs twice per layer
+_NCCL_ONLY = _MODE == "nccl"
+_LAMPORT = _MODE == "lamport"
+if _MODE not in ("", "nccl", "lamport", "symm_mem"):
+    logger.warning("ORINFER_TP_ALLREDUCE=%s is not one of nccl, symm_mem (the default), lamport: using the default",
+                   _MODE)
 _symmetric: dict[torch.dtype, torch.Tensor] = {}
+_lamport: dict[torch.dtype, LamportBuffers] = {}
 # torch's symmetric-memory rendezvous numbers its store exchanges per process, not per group: a process that took part
 # in one group's rendezvous and joins a second group (a test, or a script making two engines) is out of step with the
 # fresh workers of the second group, and their rendezvous never meets (the hang of run 292; cf. pytorch/pytorch#196082,
@@ -122,7 +136,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if not _group.enabled:
         return x
     nbytes = x.numel() * x.element_size()
-    if (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
+    if _lamport_takes(x):
+        lamport_all_reduce_(x, _lamport_buffers(x.dtype, x.device).workspace)
+    elif (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
             and x.dtype in (torch.bfloat16, torch.float32) and _symmetric_allowed):
         staging = _symmetric_buffer(x.dtype, x.device)[:x.numel()]
         staging.copy_(x.view(-1))
@@ -146,6 +162,47 @@ def _symmetric_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
         _symmetric[dtype] = buffer
     return buffer
+
+
+def lamport_enabled(device: torch.device) -> bool:
+    """Whether this rank's all-reduces on `device` may take the Lamport kernels (ORINFER_TP_ALLREDUCE=lamport, a GPU,
+    a group that may use symmetric memory); the same answer on every rank."""
+    return _LAMPORT and _group.enabled and device.type == "cuda" and _symmetric_allowed
+
+
+def _lamport_takes(x: torch.Tensor) -> bool:
+    return _LAMPORT and _symmetric_allowed and lamport.fits(x)
+
+
+def _lamport_buffers(dtype: torch.dtype, device: torch.device) -> LamportBuffers:
+    """The Lamport receive buffers of `dtype`, made (a collective, as `_symmetric_buffer`'s) on first use."""
+    buffers = _lamport.get(dtype)
+    if buffers is None:
+        global _rendezvous_done_in_process
+        _rendezvous_done_in_process = True
+        buffers = LamportBuffers(dtype, device, dist.group.WORLD.group_name, _group.rank, _group.world_size)
+        _lamport[dtype] = buffers
+    return buffers
+
+
+def abort_collectives() -> None:
+    """Releases this rank's Lamport all-reduces that wait for a peer (one died: the group is failing), as aborting
+    NCCL's communicators releases theirs. Safe from any thread."""
+    for buffers in list(_lamport.values()):
+        buffers.abort()
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            rms_norm: Callable = rms_norm_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new residual) = rms_norm(all_reduce(partial), weight, eps, residual), as one Lamport kernel where it
+    takes the tensors (`kernels/lamport_all_reduce.py`: the same rounding as the engine's fused add + RMSNorm), else
+    the all-reduce (in place on `partial`) and then `rms_norm` (the backend's, with rms_norm_ref's signature)."""
+    if (_group.enabled and _lamport_takes(partial) and partial.dim() == 2 and partial.shape[1] <= MAX_FEATURES
+            and residual.is_contiguous() and (residual.shape, residual.dtype) == (partial.shape, partial.dtype)
+            and weight.shape == partial.shape[1:]):
+        return lamport_all_reduce_add_rms_norm(partial, residual, weight, eps,
+                                               _lamport_buffers(partial.dtype, partial.device).workspace)
+    return rms_norm(all_reduce(partial), weight, eps, residual)
 
 
 def all_gather_columns(x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,16 @@
 """The Lamport all-reduce (kernels/lamport_all_reduce.py) across GPUs: one spawned process per GPU in an NCCL group
 with ORINFER_TP_ALLREDUCE=lamport, `group.all_reduce` against NCCL's all-reduce of the same tensors (bit for bit on 2
-GPUs: one fp32 add rounded once, either way), eagerly and replayed from CUDA graphs, and the abort that releases a
-call whose peer never pushes. Every run has a deadline: a hang fails the test (the ranks are killed)."""
+GPUs: one fp32 add rounded once, either way), eagerly and replayed from CUDA graphs; the fused all-reduce + add +
+RMSNorm against NCCL then kernels/norm.py; the abort that releases a call whose peer never pushes; and the engine
+with every decoder reduce folded into its norm (distributed/norm_fold.py) against the one-GPU engine. Every run has a
+deadline: a hang fails the test (the ranks are killed)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,7 +26,8 @@ DEADLINE_S = 300.0
 # (shape, dtype): decode's [batch, hidden] shapes, odd ones, the smallest, and the largest the buffers take (1 MiB)
 CASES = [((1, 4096), torch.bfloat16), ((3, 1000), torch.float16), ((8, 4096), torch.bfloat16),
          ((64, 4096), torch.bfloat16), ((1, 5120), torch.bfloat16), ((64, 5120), torch.bfloat16),
-         ((5, 2560), torch.float32), ((1, 8), torch.bfloat16), ((128, 4096), torch.bfloat16), ((2, 4096), torch.float32)]
+         ((5, 2560), torch.float32), ((1, 8), torch.bfloat16), ((128, 4096), torch.bfloat16),
+         ((2, 4096), torch.float32)]
 
 
 def needs(world: int):
@@ -88,7 +94,11 @@ def _assert_like_nccl(got: torch.Tensor, want: torch.Tensor, world: int) -> None
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want)
-    bits = got.view(torch.int16 if got.element_size() == 2 else torch.int32)
+    _same_on_every_rank(got, world)
+
+
+def _same_on_every_rank(t: torch.Tensor, world: int) -> None:
+    bits = t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
     gathered = [torch.empty_like(bits) for _ in range(world)]
     dist.all_gather(gathered, bits)
     assert all(torch.equal(g, gathered[0]) for g in gathered)
@@ -150,7 +160,52 @@ def check_abort(rank: int, world: int, device: torch.device) -> None:
     dist.barrier()
 
 
-CHECKS = {"eager": check_eager, "graphs": check_graphs, "abort": check_abort}
+def check_fused(rank: int, world: int, device: torch.device) -> None:
+    """all_reduce_add_rms_norm against NCCL's sum then kernels/norm.py's add + RMSNorm: the new residual bit for bit,
+    the normed rows within an ulp (the sum of squares may add in another order); eagerly, then replayed from a CUDA
+    graph. The partial is left as it was: the fused kernel took it (the fallback reduces it in place)."""
+    from orinfer.distributed import group
+    from orinfer.kernels.norm import rms_norm
+
+    cases = [((1, 4096), torch.bfloat16, torch.bfloat16), ((8, 4096), torch.bfloat16, torch.float32),
+             ((64, 5120), torch.bfloat16, torch.float32), ((3, 1000), torch.float16, torch.float16),
+             ((5, 2560), torch.float32, torch.bfloat16), ((1, 5120), torch.bfloat16, torch.bfloat16)]
+
+    def inputs(call: int, shape, dtype, weight_dtype):
+        shared = _partial(call, 99, shape, dtype, device)  # the residual and weight: the same on every rank
+        weight = (_partial(call, 98, shape[1:], torch.float32, device) * 0.2 + 1).to(weight_dtype)
+        return _partial(call, rank, shape, dtype, device), shared, weight
+
+    def check(got, partial, residual, weight, given) -> None:
+        assert torch.equal(partial, given)
+        want = rms_norm(_nccl(partial), weight, 1e-6, residual)
+        assert torch.equal(got[1], want[1])
+        ulp = torch.finfo(partial.dtype).eps
+        torch.testing.assert_close(got[0], want[0], atol=ulp, rtol=ulp)
+        for t in got:
+            _same_on_every_rank(t, world)
+
+    for call in range(40):
+        shape, dtype, weight_dtype = cases[call % len(cases)]
+        partial, residual, weight = inputs(call, shape, dtype, weight_dtype)
+        given = partial.clone()
+        check(group.all_reduce_add_rms_norm(partial, residual, weight, 1e-6, rms_norm), partial, residual, weight,
+              given)
+    statics = [inputs(0, shape, dtype, weight_dtype) for shape, dtype, weight_dtype in cases]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [group.all_reduce_add_rms_norm(p, r, w, 1e-6, rms_norm) for p, r, w in statics]
+    for replay in range(4):
+        fresh = [inputs(1000 + replay, shape, dtype, weight_dtype) for shape, dtype, weight_dtype in cases]
+        for static, values in zip(statics, fresh):
+            for buffer, value in zip(static, values):
+                buffer.copy_(value)
+        graph.replay()
+        for out, static, values in zip(outputs, statics, fresh):
+            check(out, *static, values[0])
+
+
+CHECKS = {"eager": check_eager, "graphs": check_graphs, "abort": check_abort, "fused": check_fused}
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=needs(2)), pytest.param(4, marks=needs(4))])
@@ -166,3 +221,63 @@ def test_cuda_graph_replays_match_nccl(tmp_path, monkeypatch):
 @needs(2)
 def test_abort_releases_a_call_whose_peer_never_pushes(tmp_path, monkeypatch):
     run_ranks("abort", 2, tmp_path, monkeypatch)
+
+
+@needs(2)
+def test_fused_add_rms_norm_matches_nccl_then_the_norm(tmp_path, monkeypatch):
+    run_ranks("fused", 2, tmp_path, monkeypatch)
+
+
+# The engine in a fresh process (the switch is read at import, and a process that has made a symmetric-memory
+# rendezvous before cannot make another: group.py), 2 GPUs with the Lamport reduces folded into the norms, then 1.
+_ENGINE = r"""
+import json, sys
+from orinfer import LLM, SamplingParams
+from orinfer.distributed import group
+
+path, text = sys.argv[1], sys.argv[2] == "text"
+prompts = ["Alice was beginning to get very tired of sitting by her sister on the bank", "Down, down, down.",
+           "The rabbit-hole went straight on like a tunnel", "Curiouser and curiouser!", "Off with her head!"]
+if not text:  # a test model without a tokenizer: token ids
+    prompts = [[3, 17, 42, 9, 100, 7], list(range(5, 40)), [200, 1, 2], [7] * 19 + [1, 2, 3], [88]]
+params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+result = {}
+for world in (2, 1):
+    with LLM(path, dtype="float32", device="cuda", backend="triton", progress=False, kv_cache_bytes=64 << 20,
+             max_num_seqs=8, max_num_batched_tokens=64, tensor_parallel_size=world) as llm:
+        got = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+        if world == 2:
+            assert llm.engine.runner.graphs is not None
+            model = llm.engine.runner.model
+            result["folded_norms"] = sum(getattr(m, "input_fold", None) is not None for m in model.modules())
+            result["lamport_dtypes"] = [str(dtype) for dtype in group._lamport]
+    result[world] = [[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in got]
+print(json.dumps(result))
+"""
+
+
+@needs(2)
+@pytest.mark.parametrize("kind", ["tiny_dir", "qwen3.5-mixed-tied-v8"])
+def test_engine_with_folded_reduces_matches_one_gpu(kind, request, tmp_path):
+    """CUDA-graph decode and mixed steps, prefill chunks: every attention and MLP reduce of rank 0's decoder goes into
+    its norm (Qwen3: tiny_dir; Qwen3.5: linear attention, zero-centred norms), and the tokens and log-probabilities
+    are the one-GPU engine's."""
+    if kind == "tiny_dir":
+        path = request.getfixturevalue("tiny_dir")
+    else:
+        from hf_models import save_hf_model
+        from test_tensor_parallel_hybrid import MODELS
+
+        path = save_hf_model(MODELS[kind](), tmp_path / kind)
+    env = dict(os.environ, ORINFER_TP_ALLREDUCE="lamport",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    prompts = "text" if kind == "tiny_dir" else "ids"
+    run = subprocess.run([sys.executable, "-c", _ENGINE, str(path), prompts], env=env, capture_output=True, text=True,
+                         timeout=DEADLINE_S)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["lamport_dtypes"] == ["torch.float32"]
+    assert result["folded_norms"] > 0
+    for (tokens2, logprobs2), (tokens1, logprobs1) in zip(result["2"], result["1"]):
+        assert tokens2 == tokens1
+        assert logprobs2 == pytest.approx(logprobs1, abs=1e-4)

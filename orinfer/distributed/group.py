@@ -20,7 +20,8 @@ import torch.distributed as dist
 from orinfer.distributed import lamport
 from orinfer.distributed.lamport import LamportBuffers
 from orinfer.errors import ConfigError
-from orinfer.kernels.lamport_all_reduce import lamport_all_reduce_, lamport_all_reduce_add_rms_norm
+from orinfer.kernels.lamport_all_reduce import (LamportWorkspace, lamport_all_reduce_,
+                                                lamport_all_reduce_add_rms_norm)
 from orinfer.kernels.norm import MAX_FEATURES, rms_norm_ref
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,12 @@ def _lamport_buffers(dtype: torch.dtype, device: torch.device) -> LamportBuffers
         buffers = LamportBuffers(dtype, device, dist.group.WORLD.group_name, _group.rank, _group.world_size)
         _lamport[dtype] = buffers
     return buffers
+
+
+def lamport_workspace(dtype: torch.dtype, device: torch.device) -> LamportWorkspace:
+    """This rank's Lamport workspace of `dtype`, whatever ORINFER_TP_ALLREDUCE says (for benchmarks and tests); its
+    buffers are made on first use, a collective."""
+    return _lamport_buffers(dtype, device).workspace
 
 
 def abort_collectives() -> None:

@@ -3,15 +3,17 @@
   all-reduce                    NCCL; torch's symmetric-memory one-shot (`group.all_reduce` by default: a copy into
                                 the staging buffer, then one_shot_all_reduce_out); orinfer's Lamport kernel
                                 (kernels/lamport_all_reduce.py, ORINFER_TP_ALLREDUCE=lamport)
-  all-reduce + add + RMSNorm    each of those followed by kernels/norm.py's fused add + RMSNorm (what a decoder layer
-                                runs today), and the Lamport kernel that does all three (what the norms fold into)
+  all-reduce + add + RMSNorm    NCCL and the one-shot, each followed by kernels/norm.py's fused add + RMSNorm (what
+                                a decoder layer runs today), and the Lamport kernel that does all three (what the
+                                norms fold into under ORINFER_TP_ALLREDUCE=lamport)
 
 Shapes: [batch, hidden] bf16 rows, by default [1, 4096], [8, 4096], [64, 4096] (Qwen3-8B at batch 1, 8, 64) and
 [1, 5120] (Qwen3.5-27B). Timing: on every rank, --calls calls of one op (each on its own tensors) captured back to back
-in one CUDA graph, replayed --iters times after a barrier; rank 0's median replay over the calls is the time a call
-(the ranks replay in step: a call waits for its peers' data). The column "vs one-shot" is the symmetric-memory
-one-shot's time (with the norm, for the fused rows) over the row's. Before timing, each op's result is checked
-against NCCL's (+ the norm) once: "check" says whether it matched (bit for bit at 2 ranks).
+in one CUDA graph, replayed --iters times after a barrier (bench/fp8_kernels.py's `replay_us`); rank 0's median replay
+over the calls is the time a call (the ranks replay in step: a call waits for its peers' data). The column "vs
+one-shot" is the symmetric-memory one-shot's time (with the norm, for the fused rows) over the row's. Before timing,
+each op's result is checked against NCCL's (+ the norm) once: "check" says whether it matched (bit for bit at 2
+ranks).
 
 Run: `python3 -m orinfer.bench.all_reduce [--world 2] [--shapes 1x4096,8x4096,64x4096,1x5120] [--calls 32]
 [--iters 50] [--json FILE] [--out DIR]` (needs --world GPUs; importing this module does not); --out writes
@@ -66,31 +68,18 @@ def _ops(shape: tuple[int, int], device: torch.device, calls: int, rank: int):
 
 
 def _graph_us(fn: Callable[[torch.Tensor], object], xs: list[torch.Tensor], iters: int) -> float:
-    """Median microseconds a call of `fn` over the tensors `xs`, captured in one graph (every rank does the same)."""
+    """Median microseconds a call of `fn` over the tensors `xs` (bench/fp8_kernels.py's `replay_us`: run eagerly,
+    captured in one graph, replayed), the ranks starting together (every rank does the same)."""
     import torch.distributed as dist
 
-    for x in xs:  # eager first: buffers, compilation, NCCL's graph registration
-        fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x in xs:
-            fn(x)
-    graph.replay()
+    from orinfer.bench.fp8_kernels import replay_us
+
     torch.cuda.synchronize()
     dist.barrier()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(xs))
+    us = replay_us([lambda x=x: fn(x) for x in xs], iters)
     torch.cuda.synchronize()
     dist.barrier()
-    del graph
-    return sorted(times)[len(times) // 2]
+    return us
 
 
 def _checks(shape: tuple[int, int], device: torch.device, rank: int) -> dict[str, bool]:

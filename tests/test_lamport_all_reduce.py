@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import DEVICE, assert_stored_as_kernels_round, poison_allocations, skip_module_without_kernels
+from kernel_checks import (DEVICE, INTERPRET, assert_stored_as_kernels_round, poison_allocations,
+                           skip_module_without_kernels)
 from orinfer.kernels import norm
 from orinfer.kernels.lamport_all_reduce import (BITS, SENTINEL, LamportWorkspace, all_reduce_ref,
                                                 lamport_all_reduce_, lamport_all_reduce_add_rms_norm)
@@ -66,6 +67,17 @@ class World:
         state = self.ws.state.tolist()
         assert state[1] == 0  # the done-counter is re-armed
         return state[0]
+
+
+def assert_normed_like(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The fused kernel's normed rows against kernels/norm.py's: bit for bit in the interpreter (numpy sums a row's
+    squares in one order); on a GPU within one ulp, where the two kernels' tiles (one row a program here, up to 16
+    there) may add the squares in another order."""
+    if INTERPRET:
+        assert torch.equal(got, want)
+    else:
+        ulp = torch.finfo(got.dtype).eps
+        torch.testing.assert_close(got, want, atol=ulp, rtol=ulp)
 
 
 def partials(world: int, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -163,7 +175,7 @@ def test_fused_add_rms_norm_matches_all_reduce_then_the_engine_norm(world, rank,
     normed, new_residual = lamport_all_reduce_add_rms_norm(partial, residual, weight, 1e-6, sim.ws)
     assert normed.dtype == new_residual.dtype == dtype
     assert torch.equal(new_residual, want_residual)
-    assert torch.equal(normed, want_normed)
+    assert_normed_like(normed, want_normed)
     assert torch.equal(partial, parts[rank]) and torch.equal(residual, residual_in)
     sim.check_after(0, parts[rank])
     assert sim.slot() == 1
@@ -183,7 +195,8 @@ def test_fused_zero_centred_and_mixed_weights(act, weight_dtype):
     sim.arrive(0, parts)
     got = lamport_all_reduce_add_rms_norm(parts[0].clone(), residual, weight, 1e-6, sim.ws)
     assert got[0].dtype == act
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[1], want[1])
+    assert_normed_like(got[0], want[0])
 
 
 def test_plain_and_fused_calls_share_the_slots():

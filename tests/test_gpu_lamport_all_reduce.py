@@ -98,7 +98,8 @@ def _assert_like_nccl(got: torch.Tensor, want: torch.Tensor, world: int) -> None
 
 
 def _same_on_every_rank(t: torch.Tensor, world: int) -> None:
-    bits = t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+    # (NCCL gathers no int16: 2-byte bit patterns are widened to int32, exactly)
+    bits = t.contiguous().view(torch.int16).int() if t.element_size() == 2 else t.contiguous().view(torch.int32)
     gathered = [torch.empty_like(bits) for _ in range(world)]
     dist.all_gather(gathered, bits)
     assert all(torch.equal(g, gathered[0]) for g in gathered)

@@ -95,19 +95,19 @@ def destroy_group(abort: bool = False) -> None:
         dist.destroy_process_group()
 
 
-# All-reduces of at most this many bytes go through torch's symmetric memory on GPUs (one-shot: each rank stages its
-# tensor in a buffer its peers can read over NVLink, then reads theirs and sums), not NCCL: a decode step makes two
-# per layer, of [B, H] each, where NCCL's latency per call dominates (benchmarks/NOTES.md, run 288). Larger ones, and
-# any when ORINFER_TP_ALLREDUCE=nccl, use NCCL. NVLink multicast is never used (no multimem operation).
-# ORINFER_TP_ALLREDUCE=lamport: those of at most lamport.MAX_BYTES go through orinfer's barrier-free one-shot kernel
-# instead (kernels/lamport_all_reduce.py), and the all-reduces that feed a norm with the residual are folded into it
-# (distributed/norm_fold.py: `all_reduce_add_rms_norm`).
+# A decode step makes two all-reduces per layer, of [B, H] each, where NCCL's latency per call dominates
+# (benchmarks/NOTES.md, run 288). On GPUs those of at most lamport.MAX_BYTES go through orinfer's barrier-free
+# one-shot kernel (kernels/lamport_all_reduce.py, the default: 3.3-5.7 us against torch's symm_mem one-shot's
+# 7.6-11.4 and NCCL's 10-14 at [1..64, 4096] bf16 on two H200s, run 367), and the all-reduces that feed a norm with
+# the residual are folded into it (distributed/norm_fold.py: `all_reduce_add_rms_norm`). ORINFER_TP_ALLREDUCE=symm_mem
+# takes torch's symmetric-memory one-shot instead (each rank stages its tensor in a buffer its peers read over NVLink,
+# up to SYMMETRIC_MAX_BYTES), =nccl NCCL for all. Larger ones use NCCL. NVLink multicast is never used.
 SYMMETRIC_MAX_BYTES = 1 << 20
 _MODE = os.environ.get("ORINFER_TP_ALLREDUCE", "")  # read once: all_reduce runs twice per layer
 _NCCL_ONLY = _MODE == "nccl"
-_LAMPORT = _MODE == "lamport"
+_LAMPORT = _MODE in ("", "lamport")
 if _MODE not in ("", "nccl", "lamport", "symm_mem"):
-    logger.warning("ORINFER_TP_ALLREDUCE=%s is not one of nccl, symm_mem (the default), lamport: using the default",
+    logger.warning("ORINFER_TP_ALLREDUCE=%s is not one of lamport (the default), symm_mem, nccl: using the default",
                    _MODE)
 _symmetric: dict[torch.dtype, torch.Tensor] = {}
 _lamport: dict[torch.dtype, LamportBuffers] = {}

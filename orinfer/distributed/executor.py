@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from orinfer.distributed.group import TensorParallelGroup, destroy_group, init_group
+from orinfer.distributed.group import TensorParallelGroup, abort_collectives, destroy_group, init_group
 from orinfer.distributed.mirror import DriverModel, Mirror, runner_hooks
 from orinfer.distributed.shard_source import Shard, ShardSource, build_shard
 
@@ -159,6 +159,7 @@ class TensorParallelExecutor:
             if proc.poll() is None:
                 proc.terminate()
         # A collective rank 0 waits in would never finish: aborting the communicators makes it fail instead.
+        abort_collectives()
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 dist.distributed_c10d._get_default_group().abort()

@@ -11,13 +11,18 @@ import datetime
 import logging
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from orinfer.distributed import lamport
+from orinfer.distributed.lamport import LamportBuffers
 from orinfer.errors import ConfigError
+from orinfer.kernels.lamport_all_reduce import (LamportWorkspace, lamport_all_reduce_,
+                                                lamport_all_reduce_add_rms_norm)
+from orinfer.kernels.norm import MAX_FEATURES, rms_norm_ref
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +85,7 @@ def destroy_group(abort: bool = False) -> None:
     global _group, _symmetric_allowed
     _group = TensorParallelGroup()
     _symmetric.clear()
+    _lamport.clear()
     _symmetric_allowed = False
     if not dist.is_initialized():
         return
@@ -89,13 +95,22 @@ def destroy_group(abort: bool = False) -> None:
         dist.destroy_process_group()
 
 
-# All-reduces of at most this many bytes go through torch's symmetric memory on GPUs (one-shot: each rank stages its
-# tensor in a buffer its peers can read over NVLink, then reads theirs and sums), not NCCL: a decode step makes two
-# per layer, of [B, H] each, where NCCL's latency per call dominates (benchmarks/NOTES.md, run 288). Larger ones, and
-# any when ORINFER_TP_ALLREDUCE=nccl, use NCCL. NVLink multicast is never used (no multimem operation).
+# A decode step makes two all-reduces per layer, of [B, H] each, where NCCL's latency per call dominates
+# (benchmarks/NOTES.md, run 288). On GPUs those of at most lamport.MAX_BYTES go through orinfer's barrier-free
+# one-shot kernel (kernels/lamport_all_reduce.py, the default: 3.3-5.7 us against torch's symm_mem one-shot's
+# 7.6-11.4 and NCCL's 10-14 at [1..64, 4096] bf16 on two H200s, run 367), and the all-reduces that feed a norm with
+# the residual are folded into it (distributed/norm_fold.py: `all_reduce_add_rms_norm`). ORINFER_TP_ALLREDUCE=symm_mem
+# takes torch's symmetric-memory one-shot instead (each rank stages its tensor in a buffer its peers read over NVLink,
+# up to SYMMETRIC_MAX_BYTES), =nccl NCCL for all. Larger ones use NCCL. NVLink multicast is never used.
 SYMMETRIC_MAX_BYTES = 1 << 20
-_NCCL_ONLY = os.environ.get("ORINFER_TP_ALLREDUCE") == "nccl"  # read once: all_reduce runs twice per layer
+_MODE = os.environ.get("ORINFER_TP_ALLREDUCE", "")  # read once: all_reduce runs twice per layer
+_NCCL_ONLY = _MODE == "nccl"
+_LAMPORT = _MODE in ("", "lamport")
+if _MODE not in ("", "nccl", "lamport", "symm_mem"):
+    logger.warning("ORINFER_TP_ALLREDUCE=%s is not one of lamport (the default), symm_mem, nccl: using the default",
+                   _MODE)
 _symmetric: dict[torch.dtype, torch.Tensor] = {}
+_lamport: dict[torch.dtype, LamportBuffers] = {}
 # torch's symmetric-memory rendezvous numbers its store exchanges per process, not per group: a process that took part
 # in one group's rendezvous and joins a second group (a test, or a script making two engines) is out of step with the
 # fresh workers of the second group, and their rendezvous never meets (the hang of run 292; cf. pytorch/pytorch#196082,
@@ -122,7 +137,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if not _group.enabled:
         return x
     nbytes = x.numel() * x.element_size()
-    if (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
+    if _lamport_takes(x):
+        lamport_all_reduce_(x, _lamport_buffers(x.dtype, x.device).workspace)
+    elif (x.is_cuda and x.is_contiguous() and nbytes <= SYMMETRIC_MAX_BYTES and nbytes % 16 == 0
             and x.dtype in (torch.bfloat16, torch.float32) and _symmetric_allowed):
         staging = _symmetric_buffer(x.dtype, x.device)[:x.numel()]
         staging.copy_(x.view(-1))
@@ -146,6 +163,53 @@ def _symmetric_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
         _symmetric[dtype] = buffer
     return buffer
+
+
+def lamport_enabled(device: torch.device) -> bool:
+    """Whether this rank's all-reduces on `device` may take the Lamport kernels (ORINFER_TP_ALLREDUCE=lamport, a GPU,
+    a group that may use symmetric memory); the same answer on every rank."""
+    return _LAMPORT and _group.enabled and device.type == "cuda" and _symmetric_allowed
+
+
+def _lamport_takes(x: torch.Tensor) -> bool:
+    return _LAMPORT and _symmetric_allowed and lamport.fits(x)
+
+
+def _lamport_buffers(dtype: torch.dtype, device: torch.device) -> LamportBuffers:
+    """The Lamport receive buffers of `dtype`, made (a collective, as `_symmetric_buffer`'s) on first use."""
+    buffers = _lamport.get(dtype)
+    if buffers is None:
+        global _rendezvous_done_in_process
+        _rendezvous_done_in_process = True
+        buffers = LamportBuffers(dtype, device, dist.group.WORLD.group_name, _group.rank, _group.world_size)
+        _lamport[dtype] = buffers
+    return buffers
+
+
+def lamport_workspace(dtype: torch.dtype, device: torch.device) -> LamportWorkspace:
+    """This rank's Lamport workspace of `dtype`, whatever ORINFER_TP_ALLREDUCE says (for benchmarks and tests); its
+    buffers are made on first use, a collective."""
+    return _lamport_buffers(dtype, device).workspace
+
+
+def abort_collectives() -> None:
+    """Releases this rank's Lamport all-reduces that wait for a peer (one died: the group is failing), as aborting
+    NCCL's communicators releases theirs. Safe from any thread."""
+    for buffers in list(_lamport.values()):
+        buffers.abort()
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            rms_norm: Callable = rms_norm_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new residual) = rms_norm(all_reduce(partial), weight, eps, residual), as one Lamport kernel where it
+    takes the tensors (`kernels/lamport_all_reduce.py`: the same rounding as the engine's fused add + RMSNorm), else
+    the all-reduce (in place on `partial`) and then `rms_norm` (the backend's, with rms_norm_ref's signature)."""
+    if (_group.enabled and _lamport_takes(partial) and partial.dim() == 2 and partial.shape[1] <= MAX_FEATURES
+            and residual.is_contiguous() and (residual.shape, residual.dtype) == (partial.shape, partial.dtype)
+            and weight.shape == partial.shape[1:]):
+        return lamport_all_reduce_add_rms_norm(partial, residual, weight, eps,
+                                               _lamport_buffers(partial.dtype, partial.device).workspace)
+    return rms_norm(all_reduce(partial), weight, eps, residual)
 
 
 def all_gather_columns(x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from torch import nn
 
 from orinfer.config import ModelConfig
 from orinfer.distributed.group import TensorParallelGroup, all_reduce
+from orinfer.distributed.norm_fold import install_norm_folds
 from orinfer.distributed.slices import (PLAIN, Split, checkpoint_shapes, output_axis, parts_slice, stored_format,
                                         tensor_slice)
 from orinfer.errors import ConfigError, WeightsError
@@ -243,13 +244,16 @@ def fused_expert_slice(name: str, kind: str, shape: tuple[int, ...], cfg: ModelC
     return Then(part, lambda t: t.transpose(1, 2)) if transposed else part
 
 
-def install_reduce_hooks(model: nn.Module, plan: dict[str, Any]) -> None:
+def install_reduce_hooks(model: nn.Module, plan: dict[str, Any], fold_norms: bool = False) -> None:
     """All-reduces the output of every submodule named in plan["reduce_outputs"] (a forward hook: module names, and
-    so checkpoint names and the backends' decode hooks, stay as they are), except inside plan["whole"] ones."""
+    so checkpoint names and the backends' decode hooks, stay as they are), except inside plan["whole"] ones.
+    `fold_norms`: where the model declares that a norm adds such an output to the residual, the all-reduce is deferred
+    into that norm instead (norm_fold.py; `group.lamport_enabled`)."""
     names, whole = set(plan.get("reduce_outputs", ())), set(plan.get("whole", ()))
+    deferred = install_norm_folds(model, names, whole) if fold_norms else set()
     for name, module in model.named_modules():
         path = name.split(".")
-        if path[-1] in names and not whole.intersection(path):
+        if path[-1] in names and not whole.intersection(path) and module not in deferred:
             module.register_forward_hook(_reduce_output)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -23,14 +25,25 @@ class RMSNorm(nn.Module):
         # The linear that reads this norm's output, when the backend wired it (layers/decode_hooks.py); in a list so
         # that it is not registered as a submodule.
         self.consumer: list[nn.Module] = []
+        # Work on x deferred into this norm (tensor parallelism: the all-reduce of a partial x, distributed/
+        # norm_fold.py): fold(norm, x, residual) -> the outputs, or None after doing what the plain path needs.
+        self.input_fold: Callable[[RMSNorm, torch.Tensor, torch.Tensor | None], Any] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With it: (norm(x + residual), x + residual). A consumer that takes words
         (batch-1 AWQ decode) gets them instead of the normed row (`ops.rms_norm_words`)."""
-        if self.consumer and self.ops.rms_norm_words is not None and self.consumer[0].takes_words(x):
+        if self.input_fold is not None:
+            folded = self.input_fold(self, x, residual)
+            if folded is not None:
+                return folded
+        if self.feeds_words(x):
             return self.ops.rms_norm_words(x, self.weight, self.eps, residual)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+    def feeds_words(self, x: torch.Tensor) -> bool:
+        """Whether the norm of x goes to its consumer as words (see forward)."""
+        return bool(self.consumer) and self.ops.rms_norm_words is not None and self.consumer[0].takes_words(x)
 
 
 def _zero_centered_loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None, name: str = "") -> None:

@@ -99,6 +99,10 @@ class QwenDecoderLayer(nn.Module):
     # output, and the projections around the attention section.
     norm_consumers = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.gate_up_proj"}
     attention_section = ("self_attn.qkv_proj", "self_attn.o_proj")
+    # The norm that adds each block's output to the residual stream (in forward it gets nothing else, and always with
+    # the residual): work on that output may be folded into it (tensor parallelism's all-reduce,
+    # distributed/norm_fold.py).
+    residual_norms = {"self_attn": "post_attention_layernorm"}
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype, index: int = 0
                  ) -> None:
@@ -143,6 +147,11 @@ class QwenForCausalLM(nn.Module):
         "rows": ("o_proj", "down_proj"), "vocab": ("embed_tokens", "lm_head"), "reduce_outputs": ("self_attn", "mlp"),
         "fused_experts": ("experts",),
     }
+    # The residual stream between decoder layers, as the layers' residual_norms within them: layer i's mlp output goes
+    # only into layer i + 1's input_layernorm, with the residual, the last layer's into norm; an after_layer hook
+    # given to forward reads the stream in between (distributed/norm_fold.py).
+    layer_stream = {"layers": "layers", "block": "mlp", "next_norm": "input_layernorm", "last_norm": "norm",
+                    "reader": "after_layer"}
 
     def __init__(self, cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
         super().__init__()

@@ -178,6 +178,9 @@ class GatedDeltaNetBlock(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    # As QwenDecoderLayer's: the norm that adds the mixing block's output (whichever the layer has) to the residual.
+    residual_norms = {"self_attn": "post_attention_layernorm", "linear_attn": "post_attention_layernorm"}
+
     def __init__(self, cfg: ModelConfig, kind: str, rotary: RotaryEmbedding, ops: Ops, dtype: torch.dtype,
                  index: int = 0) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from orinfer.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from orinfer.distributed.group import current as current_group
+from orinfer.distributed.group import current as current_group, lamport_enabled
 from orinfer.distributed.sharding import install_reduce_hooks
 from orinfer.errors import ConfigError
 from orinfer.layers.ops import Ops
@@ -48,7 +48,7 @@ def build_model(cfg: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_dtype
     with torch.device(device):
         model = cls(cfg, ops, weight_dtype, act_dtype)
     if current_group().enabled:  # tensor parallelism: `cfg` is this rank's shard (distributed/sharding.py)
-        install_reduce_hooks(model, cls.tensor_parallel_plan)
+        install_reduce_hooks(model, cls.tensor_parallel_plan, fold_norms=lamport_enabled(device))
     if ops.install_hooks is not None:
         ops.install_hooks(model)
     return model.eval()

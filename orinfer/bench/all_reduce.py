@@ -1,11 +1,11 @@
 """Tensor-parallel all-reduce micro-benchmark at decode's shapes, on 2 GPUs (or --world N), in processes it starts:
 
-  all-reduce                    NCCL; torch's symmetric-memory one-shot (`group.all_reduce` by default: a copy into
+  all-reduce                    NCCL; torch's symmetric-memory one-shot (ORINFER_TP_ALLREDUCE=symm_mem: a copy into
                                 the staging buffer, then one_shot_all_reduce_out); orinfer's Lamport kernel
-                                (kernels/lamport_all_reduce.py, ORINFER_TP_ALLREDUCE=lamport)
+                                (kernels/lamport_all_reduce.py, the default)
   all-reduce + add + RMSNorm    NCCL and the one-shot, each followed by kernels/norm.py's fused add + RMSNorm (what
-                                a decoder layer runs today), and the Lamport kernel that does all three (what the
-                                norms fold into under ORINFER_TP_ALLREDUCE=lamport)
+                                ORINFER_TP_ALLREDUCE=symm_mem runs), and the Lamport kernel that does all three
+                                (what the norms fold into by default)
 
 Shapes: [batch, hidden] bf16 rows, by default [1, 4096], [8, 4096], [64, 4096] (Qwen3-8B at batch 1, 8, 64) and
 [1, 5120] (Qwen3.5-27B). Timing: on every rank, --calls calls of one op (each on its own tensors) captured back to back

@@ -166,13 +166,13 @@ def _symmetric_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def lamport_enabled(device: torch.device) -> bool:
-    """Whether this rank's all-reduces on `device` may take the Lamport kernels (ORINFER_TP_ALLREDUCE=lamport, a GPU,
-    a group that may use symmetric memory); the same answer on every rank."""
+    """Whether this rank's all-reduces on `device` may take the Lamport kernels (the default: ORINFER_TP_ALLREDUCE
+    unset or lamport, a GPU, a group that may use symmetric memory); the same answer on every rank."""
     return _LAMPORT and _group.enabled and device.type == "cuda" and _symmetric_allowed
 
 
 def _lamport_takes(x: torch.Tensor) -> bool:
-    return _LAMPORT and _symmetric_allowed and lamport.fits(x)
+    return lamport_enabled(x.device) and lamport.fits(x)
 
 
 def _lamport_buffers(dtype: torch.dtype, device: torch.device) -> LamportBuffers:
@@ -204,7 +204,7 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     """(normed, new residual) = rms_norm(all_reduce(partial), weight, eps, residual), as one Lamport kernel where it
     takes the tensors (`kernels/lamport_all_reduce.py`: the same rounding as the engine's fused add + RMSNorm), else
     the all-reduce (in place on `partial`) and then `rms_norm` (the backend's, with rms_norm_ref's signature)."""
-    if (_group.enabled and _lamport_takes(partial) and partial.dim() == 2 and partial.shape[1] <= MAX_FEATURES
+    if (_lamport_takes(partial) and partial.dim() == 2 and partial.shape[1] <= MAX_FEATURES
             and residual.is_contiguous() and (residual.shape, residual.dtype) == (partial.shape, partial.dtype)
             and weight.shape == partial.shape[1:]):
         return lamport_all_reduce_add_rms_norm(partial, residual, weight, eps,

@@ -2,7 +2,7 @@
 
 Under tensor parallelism the attention and MLP blocks end in row-parallel linears: their outputs are partial sums,
 all-reduced by a forward hook (sharding.install_reduce_hooks), and the reduced output goes straight into an RMSNorm
-called as `norm(hidden, residual)`. With ORINFER_TP_ALLREDUCE=lamport on GPUs one kernel can do both
+called as `norm(hidden, residual)`. With the Lamport all-reduce (the default on GPUs) one kernel can do both
 (`group.all_reduce_add_rms_norm`: sum the partials, add the residual, normalise), saving a launch and a round trip
 of the row per block. The model says where that holds, in neutral terms, as it declares `norm_consumers` for
 layers/decode_hooks.py:

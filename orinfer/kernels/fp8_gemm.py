@@ -192,11 +192,12 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    cfg = cfg or (PREFILL if m > 64 else small_m_config(m, n, sm_count(xq.device)))
+    sms = sm_count(xq.device)
+    cfg = cfg or (PREFILL if m > 64 else small_m_config(m, n, sms))
     block_k = min(cfg.block_k, bk & -bk)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     steps = triton.cdiv(k, block_k)
-    split, per_split = plan(tiles, steps, cfg.split_k, sm_count(xq.device))
+    split, per_split = plan(tiles, steps, cfg.split_k, sms)
     ws = torch.empty(split, 1, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)
     tma = _tma_operands(xq, weight, m, n, k, cfg.block_m, cfg.block_n, block_k) if cfg.tma else None

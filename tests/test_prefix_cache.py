@@ -238,3 +238,25 @@ def test_triton_backend_reads_a_cached_prefix_like_the_torch_backend(model):
     assert second[0].num_cached_tokens == 12
     want = engine(path, enable_prefix_caching=False).generate(prompts, GREEDY)
     assert [o.token_ids for o in first + second] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_start_up_warm_up_over_a_cached_context_fits_small_blocks(tiny_dir, block_size):
+    """The GPU runner's warm-up of prompt rows over a cached context (run here on the CPU, where a block table too
+    narrow for its context is an IndexError, not an illegal address) must give each row's context a table wide
+    enough: with 4-token blocks, its 32 rows span 8 blocks."""
+    from orinfer import LLM
+
+    with LLM(tiny_dir, dtype="float32", device="cpu", progress=False, block_size=block_size) as llm:
+        runner = llm.engine.runner
+        seen = []
+        forward = runner.model.forward
+
+        def spy(ids, positions, meta, *args, **kwargs):
+            seen.append((int(meta.context_lens.max()), meta.block_tables.shape[1]))
+            return forward(ids, positions, meta, *args, **kwargs)
+
+        runner.model.forward = spy
+        runner._warmup_cached_prefix()
+    assert len(seen) == 4
+    assert all(width * block_size >= context for context, width in seen)

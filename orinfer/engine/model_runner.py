@@ -230,7 +230,10 @@ class ModelRunner:
         serving bench stalled twice for ~0.9 s on a chunk's first extend."""
         i32 = dict(dtype=torch.int32, device=self.device)
         for rows in (2, 2 * VERIFY_MAX_ROWS):
-            for width in (2, 16):
+            # A table must hold the context's blocks: with blocks of fewer than 16 tokens, 32 rows span more than two
+            # (the kernels would read block ids past the table's end: an illegal address on the GPU).
+            needed = -(-rows // self.block_size)
+            for width in (max(2, needed), max(16, needed)):
                 meta = AttentionMetadata(
                     from_start=False, query_start_loc=torch.tensor([0, rows], **i32),
                     context_lens=torch.tensor([rows], **i32), max_query_len=rows, max_context_len=rows,

@@ -158,8 +158,12 @@ class TensorParallelExecutor:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
-        # A collective rank 0 waits in would never finish: aborting the communicators makes it fail instead.
-        abort_collectives()
+        # A collective rank 0 waits in would never finish: aborting the communicators makes it fail instead. The
+        # NCCL abort below must happen even if releasing the Lamport all-reduces fails.
+        try:
+            abort_collectives()
+        except RuntimeError as exc:
+            log.warning("could not release the Lamport all-reduces: %s", exc)
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 dist.distributed_c10d._get_default_group().abort()

@@ -40,15 +40,21 @@ class LamportBuffers:
         state = torch.zeros(3, dtype=torch.int32, device=device)  # slot, programs done, abort
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.workspace = LamportWorkspace(peers, state, rank, world, SLOTS, max_elems, sms)
+        # What abort() needs, made now: it must launch no kernel and take no host-side allocator lock. A spinning
+        # poll holds the device, and anything that waits for the device to go idle would wait for the very call the
+        # abort is meant to release: under CUDA's lazy module loading (the default) the first launch of a kernel
+        # (torch's int32 fill) may, and so may pinned host allocations that another thread makes while holding torch's
+        # host-allocator lock. A device-to-device async copy on a stream of its own needs neither.
+        self._abort_stream = torch.cuda.Stream(device)
+        self._abort_word = torch.ones(1, dtype=torch.int32, device=device)
 
     def abort(self) -> None:
-        """Sets the abort word, from a stream of its own: the stream that runs the all-reduces may be blocked by one
-        waiting for a dead peer (torch's side streams do not synchronise with the default stream)."""
-        device = self.workspace.state.device
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            self.workspace.state[2:].fill_(1)
-        stream.synchronize()
+        """Sets the abort word from a stream of its own (the stream that runs the all-reduces may be blocked by one
+        waiting for a dead peer; torch's side streams do not synchronise with the default stream), by an async copy,
+        not a kernel (see __init__)."""
+        with torch.cuda.stream(self._abort_stream):
+            self.workspace.state[2:].copy_(self._abort_word, non_blocking=True)
+        self._abort_stream.synchronize()
 
 
 def fits(x: torch.Tensor) -> bool:

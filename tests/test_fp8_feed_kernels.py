@@ -125,7 +125,7 @@ def test_silu_and_mul_fp8_strided_input_leading_dims_and_errors(poison):
         silu_and_mul_fp8(randn(2, 7, dtype=torch.bfloat16))
 
 
-# --- GPU: Qwen3-8B's shapes, eager and in CUDA graphs ------------------------------------------------------------------
+# --- GPU: Qwen3-8B's shapes, eager and in CUDA graphs -----------------------------------------------------------------
 
 @gpu
 @pytest.mark.gpu

@@ -331,14 +331,20 @@ def test_gpu_engine_fed_and_unfed_give_the_same_tokens(fp8_model_dir, cuda_graph
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_tensor_parallel_fed_and_unfed_give_the_same_tokens(fp8_model_dir, monkeypatch):
-    """Two ranks (column-parallel qkv and gate_up fed by norms that each rank computes whole, row-parallel down fed by
-    the rank's SwiGLU columns), CUDA graphs: the same tokens and log-probabilities with the feeding on and off. The
-    workers read the settings from the environment at import."""
+@pytest.mark.parametrize("all_reduce", ["lamport", "symm_mem"])
+def test_gpu_tensor_parallel_fed_and_unfed_give_the_same_tokens(fp8_model_dir, all_reduce, monkeypatch):
+    """Two ranks, CUDA graphs: the same tokens and log-probabilities with the feeding on and off. Column-parallel qkv
+    and gate_up read x whole (each rank normalises the whole row), row-parallel down its rank's SwiGLU columns. Under
+    "lamport" (the default) the norms after attention and MLP reduce, add and normalise in one kernel
+    (distributed/norm_fold.py) and hand the normed row, so only the first norm and the SwiGLU feed; under "symm_mem"
+    every norm feeds. The workers read the settings from the environment at import."""
     from orinfer import LLM, SamplingParams
+    from orinfer.distributed import group
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [[5, 17, 42, 99, 3, 150, 7][: 2 + i] for i in range(5)]
+    monkeypatch.setenv("ORINFER_TP_ALLREDUCE", all_reduce)
+    monkeypatch.setattr(group, "_LAMPORT", all_reduce == "lamport")
     monkeypatch.setenv("ORINFER_FP8_PREFILL", "triton")
     monkeypatch.setattr(fp8_ops, "PREFILL", "triton")
     got = {}

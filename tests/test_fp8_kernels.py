@@ -483,7 +483,7 @@ def test_gpu_fp8_kernel_bench_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(fp8_kernels, "SHAPES", {"o": (512, 256), "gate_up": (1024, 256)})
     assert fp8_kernels.main(["--iters", "2", "--sweep", "--out", str(tmp_path / "out")]) == 0
     rows = json.loads((tmp_path / "out" / "fp8-kernels.json").read_text())["rows"]
-    assert {r["section"] for r in rows} == {"ceiling", "decode", "M=64", "prefill"}
+    assert {r["section"] for r in rows} == {"ceiling", "decode", "M=64", "prefill", "feed"}
     assert all(r["us"] > 0 for r in rows if r.get("us") is not None)
     assert "| decode: gate_up |" in (tmp_path / "out" / "fp8-kernels.md").read_text()
 

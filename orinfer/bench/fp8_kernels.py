@@ -9,6 +9,10 @@
                     vs the weight dequantised (`fp8_dequantize`) + cuBLAS
   M = 2048          bf16 cuBLAS vs W8A8 Triton vs torch._scaled_mm (each with and without the activation
                     quantization) vs dequantise + cuBLAS, TFLOP/s
+  feed M = 8 .. 2048  FP8 activation feeding's producers (kernels/fp8_feed.py) against the unfused pair they replace:
+                    RMSNorm + residual then `fp8_quantize_act` vs `rms_norm_fp8`, SwiGLU then `fp8_quantize_act` vs
+                    `silu_and_mul_fp8` (speedup: over the unfused pair; 20 calls a graph, inputs L2-resident as in a
+                    step, where the previous kernel has just written them)
 --sweep adds every candidate tile of each FP8 kernel, per shape, for promoting defaults (the W8A8 GEMM's tiles fed by
 TMA descriptors show `tma=True` at the end of their config, in the "fp8 W8A8 Triton (+quantize)" rows).
 
@@ -192,11 +196,33 @@ def run_fp8_bench(device: str = "cuda", iters: int = 20, sweep: bool = False) ->
                              "(block-wise scales unsupported by this torch / GPU)", "us": None})
         del w
         torch.cuda.empty_cache()
+    feed_rows(add, dev, iters)
     for m, form in itertools.product((1, 8), ("fp8", "w8")):
         rows.append({"section": "decode", "op": "layer (qkv + o + gate_up + down)", "shape": f"M={m}",
                      "impl": f"bf16 -> {form} dispatch", "us": layer[(m, form)], "bf16_us": layer[(m, "bf16")],
                      "speedup": layer[(m, "bf16")] / layer[(m, form)]})
     return rows
+
+
+def feed_rows(add: Callable[..., float], dev: torch.device, iters: int) -> None:
+    """The "feed" section (module docstring): `add(section, op, shape, impl, us, bytes, base=...)` per row."""
+    from orinfer.kernels import activation, fp8_feed, norm
+    from orinfer.kernels.fp8_quant import fp8_quantize_act
+
+    w = (1.0 + 0.1 * torch.randn(HIDDEN, device=dev)).bfloat16()
+    for m in (8, 64, 2048):
+        x, r = (torch.randn(m, HIDDEN, device=dev).bfloat16() for _ in range(2))
+        gate_up = torch.randn(m, 2 * INTER, device=dev).bfloat16()
+        pairs = (("rms_norm + residual -> fp8", f"M={m} H={HIDDEN}", m * HIDDEN * 7,   # read x, r; write r', q
+                  lambda: fp8_quantize_act(norm.rms_norm(x, w, 1e-6, r)[0], 128),
+                  lambda: fp8_feed.rms_norm_fp8(x, w, 1e-6, r, 128), "rms_norm, fp8_quantize_act", "rms_norm_fp8"),
+                 ("SwiGLU -> fp8", f"M={m} I={INTER}", m * INTER * 5,                  # read g, u; write q
+                  lambda: fp8_quantize_act(activation.silu_and_mul(gate_up), 128),
+                  lambda: fp8_feed.silu_and_mul_fp8(gate_up, 128), "silu_and_mul, fp8_quantize_act",
+                  "silu_and_mul_fp8"))
+        for op, shape, nbytes, unfused, fused, unfused_label, fused_label in pairs:
+            base = add("feed", op, shape, unfused_label, replay_us([unfused] * 20, iters), nbytes)
+            add("feed", op, shape, fused_label, replay_us([fused] * 20, iters), nbytes, base=base)
 
 
 def markdown(rows: list[dict]) -> str:

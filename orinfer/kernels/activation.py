@@ -25,6 +25,14 @@ def fused_gate_up_silu_ref(x: torch.Tensor, gate_up_weight: torch.Tensor) -> tor
 
 
 @triton.jit
+def silu_mul(g, u, out_ty: tl.constexpr):
+    """silu(g) * u of fp32 g and u (values of dtype out_ty) in out_ty, rounded as `silu_and_mul_ref` rounds (the SwiGLU
+    of `silu_and_mul` and of the FP8-feeding one, kernels/fp8_feed.py)."""
+    s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)  # F.silu rounds to the dtype before the product
+    return (s * u).to(out_ty)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -32,9 +40,7 @@ def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: t
     in_row = gu_ptr + row * stride_in
     g = tl.load(in_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(in_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    s = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)  # F.silu rounds to the dtype before the product
-    tl.store(out_ptr + row * stride_out + cols, (s * u).to(out_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

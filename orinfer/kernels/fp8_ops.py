@@ -15,10 +15,16 @@
                             (`fp8_dequantize`), then cuBLAS
 Both entry points take the same kernels, fused gate/up + SwiGLU in one pass for decode rows (`fp8_gate_up_silu`);
 `linear_path` names the path a call takes (the dispatch runs what it names; tests pick their reference by it).
-The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL at import (benchmarks
-may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows and the reference (dequantise +
-matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores otherwise), the kernels bk % 16 == 0
-(the reference otherwise).
+
+Feeding (FEED, the default): where a call's path quantizes x itself ("w8a8", "scaled_mm": `takes_act`), the kernel
+that produces x may quantize it instead and pass the `Fp8Act` (kernels/fp8_feed.py: the RMSNorm in front of qkv and
+gate/up, and the SwiGLU of `fp8_gate_up_silu(..., act_group=)` in front of down), bit for bit what the linear would
+have made of x; both entry points take an Fp8Act in place of x on those paths.
+
+The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL / ORINFER_FP8_FEED (0: no
+feeding) at import (benchmarks may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows
+and the reference (dequantise + matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores
+otherwise), the kernels bk % 16 == 0 (the reference otherwise).
 """
 
 from __future__ import annotations
@@ -33,21 +39,24 @@ import torch.nn.functional as F
 from orinfer.kernels.activation import silu_and_mul
 from orinfer.kernels.fp8_block import fp16_guard, fp8_block_linear_ref, fp8_gate_up_silu_ref
 from orinfer.kernels.fp8_dequant import fp8_dequantize
+from orinfer.kernels.fp8_feed import silu_and_mul_fp8
 from orinfer.kernels.fp8_gemm import fp8_gemm
 from orinfer.kernels.fp8_gemv import fp8_gemv
 from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
-from orinfer.kernels.fp8_quant import fp8_quantize_act
+from orinfer.kernels.fp8_quant import Fp8Act, fp8_quantize_act
 
 MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
 ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
 SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a8")         # w8a8 | w8a16
 PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
+FEED = os.environ.get("ORINFER_FP8_FEED", "1") != "0"           # producers hand W8A8 paths their x quantized
+W8A8_PATHS = ("w8a8", "scaled_mm")                              # the paths that quantize x (and take an Fp8Act)
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 log = logging.getLogger(__name__)
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // max(x.shape[-1], 1)
+def _rows(x: torch.Tensor | Fp8Act) -> int:
+    return x.rows if isinstance(x, Fp8Act) else x.numel() // max(x.shape[-1], 1)
 
 
 def _a8_fits(block_size: tuple[int, int]) -> bool:
@@ -92,7 +101,7 @@ def _scaled_mm_runs(device: torch.device) -> bool:
         return False
 
 
-def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+def _use_scaled_mm(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                    row_block: torch.Tensor | None) -> bool:
     if PREFILL not in ("auto", "scaled_mm") or tuple(block_size) != (128, 128) or row_block is not None:
         return False
@@ -101,7 +110,7 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     # multiple of 4 too: other callers of this cuBLASLt mode pad the scales' K-block columns to 4 (16-byte rows);
     # Qwen's 1024 ... 25600 need no padding. The probe's K is 512 for the same reason: its first, 256-wide version
     # declined on torch 2.11 while forced calls at K = 4096 and 12288 ran (run 326); its log now says why.
-    if n % 128 or k % 512 or not scale.is_contiguous() or not x.is_cuda or x.dtype != torch.bfloat16:
+    if n % 128 or k % 512 or not scale.is_contiguous() or x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
     if PREFILL == "scaled_mm":
         return True
@@ -110,13 +119,14 @@ def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     return _scaled_mm_runs(x.device)
 
 
-def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+def linear_path(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                 row_block: torch.Tensor | None = None, gated: bool = False) -> str:
     """The path `fp8_block_linear` (gated: `fp8_gate_up_silu`) takes for these arguments under the module's settings:
     "ref" (the torch reference), "gemv" (`fp8_gemv`), "mma" (`fp8_mm`, tiles by row count), "mma128" (`fp8_mm`,
     128-row tiles), "scaled_mm" (quantize x + torch._scaled_mm), "w8a8" (quantize x + `fp8_gemm`) or "dequant" (the
     weight dequantised, cuBLAS). Gated, "gemv" and "mma" are the fused kernels; the linear then `silu_and_mul` is
-    that linear's path + "+silu". W8A8 numerics (x quantized): "scaled_mm" and "w8a8"; the others are W8A16."""
+    that linear's path + "+silu". W8A8 numerics (x quantized): "scaled_mm" and "w8a8"; the others are W8A16. The path
+    depends on x's rows, dtype and device only (an Fp8Act's: those of the x it holds)."""
     rows = _rows(x)
     if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
         return "ref"
@@ -139,7 +149,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
     return f"{path}+silu" if gated else path
 
 
-def _wide_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+def _wide_path(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                row_block: torch.Tensor | None, a8: bool) -> str:
     """`linear_path` beyond MMA_MAX_ROWS rows (and for 2..MMA_MAX_ROWS under SMALL_M = "w8a8"): PREFILL's choice."""
     scaled_mm = a8 and _use_scaled_mm(x, weight, scale, block_size, row_block)
@@ -154,25 +164,44 @@ def _wide_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     return "mma128" if _rows(x) > MMA_MAX_ROWS else "mma"
 
 
-def _w8a8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+def takes_act(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+              row_block: torch.Tensor | None = None) -> bool:
+    """Whether x's producer may hand `fp8_block_linear` / `fp8_gate_up_silu` an `Fp8Act` in groups of block_size[1]
+    instead of x: FEED is on and the call's path quantizes x itself ("w8a8", "scaled_mm"). Only x's rows, dtype and
+    device count: a producer asks with its own input when it emits as many rows (the SwiGLU)."""
+    return FEED and linear_path(x, weight, scale, block_size, row_block) in W8A8_PATHS
+
+
+def _w8a8(x2: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
           row_block: torch.Tensor | None, bias: torch.Tensor | None, scaled_mm: bool) -> torch.Tensor:
-    m = x2.shape[0]
-    xq, xs = fp8_quantize_act(x2, block_size[1])
+    """y [M, N] for x2 [M, K], or for the Fp8Act of x [..., K] that a producer quantized already."""
+    if isinstance(x2, Fp8Act):
+        m, dtype, (xq, xs) = x2.rows, x2.dtype, x2[:2]
+        if xq.shape[1] != weight.shape[1] or xs.shape[1] != -(-weight.shape[1] // block_size[1]):
+            raise ValueError(f"an Fp8Act of {xq.shape[1]} inputs in {xs.shape[1]} groups does not fit a weight "
+                             f"{tuple(weight.shape)} in blocks {tuple(block_size)}")
+    else:
+        m, dtype = x2.shape[0], x2.dtype
+        xq, xs = fp8_quantize_act(x2, block_size[1])
     if scaled_mm:
-        return fp8_scaled_mm(xq, xs, weight, scale, x2.dtype, bias)[:m]
-    return fp8_gemm(xq, xs[:m], weight, scale, block_size, x2.dtype, row_block, bias)
+        return fp8_scaled_mm(xq, xs, weight, scale, dtype, bias)[:m]
+    return fp8_gemm(xq, xs[:m], weight, scale, block_size, dtype, row_block, bias)
 
 
-def _linear(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-            row_block: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ b) through an ungated `linear_path`."""
+def _linear(path: str, x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor,
+            block_size: tuple[int, int], row_block: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ b) through an ungated `linear_path`; an Fp8Act x on a W8A8 path only."""
+    fed = isinstance(x, Fp8Act)
+    if fed and path not in W8A8_PATHS:
+        raise ValueError(f"an Fp8Act reached the FP8 linear's {path!r} path, which does not quantize x (its producer "
+                         "must ask `takes_act` first)")
     if path == "ref":
         return fp8_block_linear_ref(x, weight, scale, block_size, row_block, bias)
     if path == "gemv":
         return fp8_gemv(x, weight, scale, block_size, row_block, bias)
     if path == "mma":
         return fp8_mm(x, weight, scale, block_size, row_block, bias)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if fed else x.reshape(-1, x.shape[-1])
     if path == "dequant":
         y = fp16_guard(F.linear(x2, fp8_dequantize(weight, scale, block_size, row_block, x.dtype), bias))
     elif path == "mma128":
@@ -182,16 +211,23 @@ def _linear(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+def fp8_block_linear(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
                      row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_block_linear_ref`'s contract (y = x W^T + b in x's dtype) through the kernel for x's row count."""
+    """`fp8_block_linear_ref`'s contract (y = x W^T + b in x's dtype) through the kernel for x's row count; x may be
+    the `Fp8Act` of x where `takes_act` says so."""
     return _linear(linear_path(x, weight, scale, block_size, row_block), x, weight, scale, block_size, row_block, bias)
 
 
-def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-                     row_block: torch.Tensor | None = None) -> torch.Tensor:
+def _swiglu(gate_up: torch.Tensor, act_group: int | None) -> torch.Tensor | Fp8Act:
+    return silu_and_mul(gate_up) if act_group is None else silu_and_mul_fp8(gate_up, act_group)
+
+
+def fp8_gate_up_silu(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                     row_block: torch.Tensor | None = None, act_group: int | None = None) -> torch.Tensor | Fp8Act:
     """`fp8_gate_up_silu_ref`'s contract: decode rows in one pass over the weight (gate and up rows of a tile
-    together, SwiGLU in the epilogue, no [rows, 2I] intermediate); prefill: the linear, then `silu_and_mul`."""
+    together, SwiGLU in the epilogue, no [rows, 2I] intermediate); prefill: the linear, then `silu_and_mul`. x may be
+    an Fp8Act (`takes_act`). act_group (the down projection takes an Fp8Act in such groups: its `takes_act`): where
+    SwiGLU runs as a kernel of its own, it returns its output quantized (`silu_and_mul_fp8`), else the tensor."""
     path = linear_path(x, weight, scale, block_size, row_block, gated=True)
     if path == "ref":
         return fp8_gate_up_silu_ref(x, weight, scale, block_size, row_block)
@@ -199,10 +235,12 @@ def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return fp8_gemv(x, weight, scale, block_size, row_block, gated=True)
     if path == "mma":
         return fp8_mm(x, weight, scale, block_size, row_block, gated=True)
-    return silu_and_mul(_linear(path.removesuffix("+silu"), x, weight, scale, block_size, row_block, None))
+    return _swiglu(_linear(path.removesuffix("+silu"), x, weight, scale, block_size, row_block, None), act_group)
 
 
-def unfused_fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
-                             row_block: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_gate_up_silu` as two kernels: the FP8 linear, then `silu_and_mul` (`--no-fused-ffn`)."""
-    return silu_and_mul(fp8_block_linear(x, weight, scale, block_size, row_block))
+def unfused_fp8_gate_up_silu(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor,
+                             block_size: tuple[int, int], row_block: torch.Tensor | None = None,
+                             act_group: int | None = None) -> torch.Tensor | Fp8Act:
+    """`fp8_gate_up_silu` as two kernels: the FP8 linear, then `silu_and_mul` (`--no-fused-ffn`; its FP8-feeding
+    variant for act_group)."""
+    return _swiglu(fp8_block_linear(x, weight, scale, block_size, row_block), act_group)

@@ -17,12 +17,44 @@ written (~6 us on an H200).
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.gemv import check_device
+
+
+class Fp8Act(NamedTuple):
+    """An activation x [..., K] already quantized for a W8A8 linear (`fp8_quantize_act`'s layout): what a producer
+    (an RMSNorm, the SwiGLU; kernels/fp8_feed.py) hands an FP8 linear in place of x."""
+    q: torch.Tensor            # [M_pad, K] float8_e4m3fn, rows past M zeros
+    scale: torch.Tensor        # [M_pad, Kb] fp32 view of a [Kb, M_pad] tensor (stride(0) == 1), rows past M ones
+    dtype: torch.dtype         # x's dtype: the linear's output dtype
+    shape: tuple[int, ...]     # x's shape [..., K]: the linear's output is [..., N]
+
+    @property
+    def rows(self) -> int:
+        """M, the rows of x (the GEMMs read scale[:M])."""
+        return math.prod(self.shape[:-1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+@triton.jit
+def quantize_groups(x):
+    """(codes, s) of fp32 values x [ROWS, GROUPS, G]: s [ROWS, GROUPS] = amax / 448 (1 for an all-zero group), codes =
+    x * (1 / s) clamped to +-448, still fp32 (the caller stores them as float8e4nv). Every FP8 activation producer
+    quantizes through this, so their codes and scales are the same bits."""
+    amax = tl.max(tl.abs(x), axis=2)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = x * tl.math.div_rn(1.0, s)[:, :, None]        # IEEE reciprocal and product: the reference's values
+    return tl.minimum(tl.maximum(q, -448.0), 448.0), s
 
 
 @triton.jit
@@ -35,13 +67,30 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sg, G:
     # Padding rows (row >= M) read nothing: zeros, scale 1.
     mask = (ks < K)[None, :, :] & (r3 < M)
     x = tl.load(x_ptr + r3 * stride_xm + ks[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=2)                                       # [ROWS, GROUPS]
-    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = x * tl.math.div_rn(1.0, s)[:, :, None]        # IEEE reciprocal and product: the reference's values
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q, s = quantize_groups(x)
     tl.store(q_ptr + r3 * stride_qm + ks[None, :, :], q.to(tl.float8e4nv), mask=(ks < K)[None, :, :])
     kb = tl.cdiv(K, G)
     tl.store(s_ptr + g.to(tl.int64)[None, :] * stride_sg + rows[:, None], s, mask=(g < kb)[None, :])
+
+
+def act_buffers(m: int, k: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M_pad, K] float8_e4m3fn, s [Kb, M_pad] fp32) uninitialised: the buffers of an activation quantized in
+    `group`-wide groups (module docstring; callers return s.t())."""
+    m_pad = -(-m // 4) * 4
+    return (torch.empty(m_pad, k, dtype=FP8_DTYPE, device=device),
+            torch.empty(-(-k // group), m_pad, dtype=torch.float32, device=device))
+
+
+def group_grid(m_pad: int, kb: int, group: int) -> tuple[tuple[int, int], int]:
+    """((programs along rows, along groups), GROUPS) of a kernel quantizing 4 rows x GROUPS groups (2048 inputs) a
+    program: `fp8_quantize_act`'s, and the SwiGLU producer's (kernels/fp8_feed.py)."""
+    groups = max(1, min(2048 // group, triton.next_power_of_2(kb)))
+    return (m_pad // 4, triton.cdiv(kb, groups)), groups
+
+
+def check_group(group: int) -> None:
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"the group size must be a power of two >= 16, got {group}")
 
 
 def fp8_quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,17 +99,13 @@ def fp8_quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, t
     check_device(x)
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"fp8_quantize_act takes a 2-D fp32/fp16/bf16 x, got {tuple(x.shape)} {x.dtype}")
-    if group < 16 or group & (group - 1):
-        raise ValueError(f"the group size must be a power of two >= 16, got {group}")
+    check_group(group)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    m_pad = -(-m // 4) * 4
-    kb = -(-k // group)
-    q = torch.empty(m_pad, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(kb, m_pad, dtype=torch.float32, device=x.device)
-    if m_pad and k:
-        groups = max(1, min(2048 // group, triton.next_power_of_2(kb)))   # 4 rows x 2048 inputs a program
-        _quant_kernel[(m_pad // 4, triton.cdiv(kb, groups))](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), G=group, ROWS=4, GROUPS=groups, num_warps=4)
+    q, s = act_buffers(m, k, group, x.device)
+    if m and k:
+        grid, groups = group_grid(q.shape[0], s.shape[0], group)
+        _quant_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), G=group, ROWS=4, GROUPS=groups,
+                            num_warps=4)
     return q, s.t()

@@ -32,13 +32,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, eps,
-                     stride_xo, stride_xi, stride_ro, stride_ri,
-                     H: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                     PDL: tl.constexpr):
-    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
-        small_kernel_prologue()
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def normed_rows(x_ptr, r_ptr, w_ptr, res_out_ptr, first_row, n_rows, n_inner, eps, stride_xo, stride_xi, stride_ro,
+                stride_ri, H: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(w * (r' / rms(r')) in fp32 [ROWS, BLOCK_H], the rows' offsets in a contiguous [n_rows, H] output, its mask)
+    for rows first_row .. + ROWS (module docstring; r' = x + r stored to res_out_ptr when HAS_RES, else x). Rows past
+    n_rows and columns past H read as zeros and give zeros. `rms_norm` and the FP8-feeding norm
+    (kernels/fp8_feed.py) both normalise through this, so that their sums of squares are reduced alike."""
+    rows = first_row + tl.arange(0, ROWS)
     row_mask = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1).to(tl.int64)
     outer = rows // n_inner
@@ -61,7 +61,27 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner,
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
     y = (x * rstd[:, None]).to(act_ty).to(tl.float32)
-    tl.store(out_ptr + dense, (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+    return w[None, :] * y, dense, mask
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, eps,
+                     stride_xo, stride_xi, stride_ro, stride_ri,
+                     H: tl.constexpr, HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
+        small_kernel_prologue()
+    out, dense, mask = normed_rows(x_ptr, r_ptr, w_ptr, res_out_ptr, tl.program_id(0) * ROWS, n_rows, n_inner, eps,
+                                   stride_xo, stride_xi, stride_ro, stride_ri, H, HAS_RES, ROWS, BLOCK_H)
+    tl.store(out_ptr + dense, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_shape(h: int) -> tuple[int, int, int]:
+    """(BLOCK_H, rows a program, warps) of `rms_norm`'s kernel for rows of h features (kernels reducing through
+    `normed_rows` launch alike, so their reductions are the same)."""
+    block_h = triton.next_power_of_2(h)
+    rows_per_prog = max(1, min(16, 2048 // block_h))
+    return block_h, rows_per_prog, max(1, min(16, rows_per_prog * block_h // 512))
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
@@ -105,9 +125,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         rv, sro, sri, res_out = xv, 0, 0, out
-    block_h = triton.next_power_of_2(h)
-    rows_per_prog = max(1, min(16, 2048 // block_h))
-    num_warps = max(1, min(16, rows_per_prog * block_h // 512))
+    block_h, rows_per_prog, num_warps = launch_shape(h)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
         xv, rv, weight, out, res_out, n_rows, n_inner, eps, sxo, sxi, sro, sri,
         H=h, HAS_RES=residual is not None, ROWS=rows_per_prog, BLOCK_H=block_h, num_warps=num_warps,

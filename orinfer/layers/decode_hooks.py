@@ -1,15 +1,19 @@
-"""Decode-only tricks of a backend, wired into a model from the structure the model declares.
+"""Decode-only tricks of a backend (and activation feeding, for any row count), wired into a model from the structure
+the model declares.
 
 A model file says, in neutral terms, how its layers connect; it does nothing with that itself:
 
   norm_consumers      {norm attribute: linear attribute path}: the linear that reads each RMSNorm's output
+  swiglu_consumers    {packed gate|up linear attribute: linear attribute path}: the linear that reads its SwiGLU
   attention_section   (opening linear, closing linear): the projections around a memory-light stretch of a decode
                       step (QK-norm, RoPE, KV store, attention move a few MB while the next weights wait)
 
 `install_decode_hooks(model)` (the triton backend's `Ops.install_hooks`, run by `models.registry.build_model`) turns
 that into:
   - norm feeding: each such RMSNorm knows its consumer, and hands it int16 words instead of the normed row when the
-    consumer takes them (batch-1 AWQ decode, `kernels/w4_words.py`);
+    consumer takes them (batch-1 AWQ decode, `kernels/w4_words.py`), or the row quantized for W8A8 (FP8 linears,
+    `kernels/fp8_feed.py`);
+  - SwiGLU feeding: each such gate|up knows its consumer, and hands it the SwiGLU quantized when it takes that (FP8);
   - L2 prefetch: after an opening linear, the closing linear's weights and the first NEXT_SECTION_PREFETCH of the next
     section's opening linear are requested into L2 from a side stream (`kernels/l2_prefetch.py`; a no-op outside the
     decode graphs' capture).
@@ -32,8 +36,10 @@ def install_decode_hooks(model: nn.Module) -> None:
         return
     sections: list[tuple[nn.Module, nn.Module]] = []
     for module in model.modules():
-        for norm_name, linear_path in getattr(module, "norm_consumers", {}).items():
-            getattr(module, norm_name).consumer = [module.get_submodule(linear_path)]  # a list: not registered
+        for table in ("norm_consumers", "swiglu_consumers"):
+            for producer, linear_path in getattr(module, table, {}).items():
+                # a list: not registered as a submodule
+                module.get_submodule(producer).consumer = [module.get_submodule(linear_path)]
         section = getattr(module, "attention_section", None)
         if section is not None:
             sections.append((module.get_submodule(section[0]), module.get_submodule(section[1])))

@@ -8,6 +8,11 @@ rows to scale rows. Forward is `ops.fp8_block_linear` (the torch backend dequant
 kernels are chosen by row count in `kernels/fp8_ops.py`), a packed gate|up's `gate_up_silu` is `ops.fp8_gate_up_silu`
 (decode rows: one pass over the weight with SwiGLU in the epilogue).
 
+FP8 activation feeding (triton backend): where the dispatch would quantize x itself (W8A8), `takes_fp8_act` says so
+and x's producer hands the layer an `Fp8Act` instead (the RMSNorm in front of qkv / gate_up, layers/norm.py); a
+packed gate|up whose `consumer` (the down projection, wired by layers/decode_hooks.py) takes one returns its SwiGLU
+quantized. Bit for bit what the layer would have made of x; ORINFER_FP8_FEED=0 turns it off (kernels/fp8_ops.py).
+
 Mixed shards: a packed layer may keep its last shards 16-bit (`dense_shards`, from modules_to_not_convert: Qwen3.5's
 in_proj_b / in_proj_a beside the FP8 in_proj_qkv / in_proj_z). Their rows live in `dense_weight` [rows, K] in the
 model's dtype; the checkpoint's `<name>.weight` of such a shard loads there, it has no scale, and forward concatenates
@@ -27,6 +32,7 @@ from torch import nn
 
 from orinfer.errors import ConfigError, WeightsError
 from orinfer.kernels.fp8_block import FP8_DTYPE, fp8_block_dequantize_ref, fp8_block_quantize
+from orinfer.kernels.fp8_quant import Fp8Act
 from orinfer.layers.linear import LinearBase, shard_offsets
 from orinfer.layers.ops import Ops
 
@@ -71,8 +77,23 @@ class FP8Linear(LinearBase):
         self.register_buffer("row_block", row_block, persistent=False)
         for prm in self.parameters():
             prm.weight_loader = self._load
+        # The linear that reads this packed gate|up's SwiGLU, when the backend wired it (layers/decode_hooks.py); in a
+        # list so that it is not registered as a submodule.
+        self.consumer: list[LinearBase] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def act_group(self) -> int:
+        """The group width of the Fp8Act this layer takes (its weight blocks' width)."""
+        return self.block_size[1]
+
+    def takes_fp8_act(self, x: torch.Tensor | Fp8Act) -> bool:
+        """Whether x (or any activation of its rows, dtype and device) may come as an Fp8Act: the backend feeds and
+        its dispatch would quantize x for this layer (the W8A8 paths), and no 16-bit shard needs x itself."""
+        takes = self.ops.fp8_takes_act
+        return (takes is not None and self.dense_weight is None
+                and takes(x, self.weight, self.weight_scale_inv, self.block_size, self.row_block))
+
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         n8 = self.fp8_rows
         bias = self.bias
         y = self.ops.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.row_block,
@@ -82,10 +103,15 @@ class FP8Linear(LinearBase):
         dense = self.ops.linear(x, self.dense_weight, None if bias is None else bias[n8:])
         return torch.cat([y, dense], dim=-1)
 
-    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_up_silu(self, x: torch.Tensor | Fp8Act) -> torch.Tensor | Fp8Act:
+        """SwiGLU of the packed gate|up; an Fp8Act for the consumer where it takes one and the SwiGLU runs alone."""
         if self.dense_weight is not None or self.bias is not None:
             return self.ops.silu_and_mul(self(x))
-        return self.ops.fp8_gate_up_silu(x, self.weight, self.weight_scale_inv, self.block_size, self.row_block)
+        args = (x, self.weight, self.weight_scale_inv, self.block_size, self.row_block)
+        consumer = self.consumer[0] if self.consumer else None
+        if consumer is not None and consumer.takes_fp8_act(x):    # its input has x's rows, dtype and device
+            return self.ops.fp8_gate_up_silu(*args, act_group=consumer.act_group)
+        return self.ops.fp8_gate_up_silu(*args)
 
     def decode_weights(self) -> tuple[torch.Tensor, ...]:
         dense = () if self.dense_weight is None else (self.dense_weight,)

@@ -44,6 +44,11 @@ class LinearBase(nn.Module):
         """Whether the norm producing x may hand this layer x's int16 words instead (`kernels/w4_words.py`)."""
         return False
 
+    def takes_fp8_act(self, x: object) -> bool:
+        """Whether x's producer may hand this layer x quantized for W8A8, an `Fp8Act` in groups of `act_group`
+        (kernels/fp8_feed.py), instead of x: only x's rows, dtype and device count."""
+        return False
+
     def decode_weights(self) -> tuple[torch.Tensor, ...]:
         """The tensors a decode-sized input streams from memory (what an L2 prefetch brings in)."""
         raise NotImplementedError

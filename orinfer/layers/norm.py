@@ -32,13 +32,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With it: (norm(x + residual), x + residual). A consumer that takes words
-        (batch-1 AWQ decode) gets them instead of the normed row (`ops.rms_norm_words`)."""
+        (batch-1 AWQ decode) gets them instead of the normed row (`ops.rms_norm_words`), one that takes the row
+        quantized for W8A8 (FP8 linears) an Fp8Act (`ops.rms_norm_fp8`). A fold (tensor parallelism) that normalises
+        x itself returns the normed row: the FP8 consumer then quantizes it (the fold saves the launch feeding would)."""
         if self.input_fold is not None:
             folded = self.input_fold(self, x, residual)
             if folded is not None:
                 return folded
         if self.feeds_words(x):
             return self.ops.rms_norm_words(x, self.weight, self.eps, residual)
+        if self.consumer and self.ops.rms_norm_fp8 is not None and self.consumer[0].takes_fp8_act(x):
+            return self.ops.rms_norm_fp8(x, self.weight, self.eps, residual, self.consumer[0].act_group)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
     def feeds_words(self, x: torch.Tensor) -> bool:

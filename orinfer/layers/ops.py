@@ -89,6 +89,13 @@ class Ops:
     # and fp8_gate_up_silu(x, weight, scale, block_size, row_block) for a packed gate_up (as gate_up_silu).
     fp8_block_linear: Callable = fp8_block_linear_ref
     fp8_gate_up_silu: Callable = fp8_gate_up_silu_ref
+    # FP8 activation feeding (kernels/fp8_feed.py): fp8_takes_act(x, weight, scale, block_size, row_block) says whether
+    # those two would quantize x themselves (W8A8) for x's rows, dtype and device; then they take an `Fp8Act` in
+    # place of x, and fp8_gate_up_silu(..., act_group=G) returns its SwiGLU as one where it can (for a down projection
+    # that takes it). rms_norm_fp8(x, weight, eps, residual, group): rms_norm's result as an Fp8Act. None: the
+    # backend does not feed (the torch reference).
+    fp8_takes_act: Callable | None = None
+    rms_norm_fp8: Callable | None = None
     # GPTQ weights (kernels/gptq.py): gptq_linear(x, qweight, qzeros, scales, g_idx, bits, shards, bias).
     gptq_linear: Callable = gptq_linear_ref
     # 8-bit integer linears over the W8 layout (kernels/w8.py, GPTQ-Int8 repacked): w8_linear(x, w8, bias) and

@@ -32,7 +32,8 @@ from orinfer.kernels.norm import rms_norm
 from orinfer.kernels.output_gate import attn_output_gate
 from orinfer.kernels.rotary import qk_norm_rope
 from orinfer.kernels.vision import bias_gelu, bias_residual, layer_norm, qkv_split_rope, vision_attention
-from orinfer.kernels.fp8_ops import fp8_block_linear, fp8_gate_up_silu, unfused_fp8_gate_up_silu
+from orinfer.kernels.fp8_feed import rms_norm_fp8
+from orinfer.kernels.fp8_ops import fp8_block_linear, fp8_gate_up_silu, takes_act, unfused_fp8_gate_up_silu
 from orinfer.kernels.w4 import W4Weight
 from orinfer.kernels.w4_ops import w4_gate_up_silu, w4_linear
 from orinfer.kernels.w8_ops import unfused_w8_gate_up_silu, w8_gate_up_silu, w8_linear
@@ -136,7 +137,8 @@ def triton_ops(fused_ffn: bool = True) -> Ops:
         fp8_block_linear=fp8_block_linear,
         fp8_gate_up_silu=fp8_gate_up_silu if fused_ffn else unfused_fp8_gate_up_silu, w8_linear=w8_linear,
         w8_gate_up_silu=w8_gate_up_silu if fused_ffn else unfused_w8_gate_up_silu,
-        rms_norm_words=rms_norm_words, layer_norm=layer_norm, bias_gelu=bias_gelu, bias_residual=bias_residual,
+        fp8_takes_act=takes_act, rms_norm_fp8=rms_norm_fp8, rms_norm_words=rms_norm_words, layer_norm=layer_norm,
+        bias_gelu=bias_gelu, bias_residual=bias_residual,
         qkv_split_rope=qkv_split_rope, vision_attention=segment_flash_attention, linear_bias_gelu=linear_bias_gelu,
         lm_head=triton_lm_head, prefetch_weights=prefetch_weights, install_hooks=install_decode_hooks,
         graph_hooks=GRAPH_HOOKS, materializes_attention=False, causal_conv1d=causal_conv1d,

@@ -61,6 +61,10 @@ class QwenMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up packed into one [2I, H] weight. I: `intermediate_size`, by default
     the config's (a shared expert has its own)."""
 
+    # Structure for the backends' fusions (layers/decode_hooks.py): the linear that reads gate_up's SwiGLU. Whatever
+    # gate_up_silu returns goes to it untouched.
+    swiglu_consumers = {"gate_up_proj": "down_proj"}
+
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
         quant, width = cfg.quantization, intermediate_size or cfg.intermediate_size

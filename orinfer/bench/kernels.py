@@ -65,10 +65,14 @@ def read_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:
     return gib * 2**30 / us / 1e3
 
 
-def _paged_cache(ctx: int, batch: int, block_size: int, dtype: torch.dtype, device: torch.device):
+def _paged_cache(ctx: int, batch: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM):
+    """Random K/V caches [batch * ceil(ctx / block_size), block_size, kv_heads, head_dim] holding `batch` sequences of
+    `ctx` tokens each, their block tables [batch, ceil(ctx / block_size)] (int32, a random permutation of every
+    block) and context lengths [batch]."""
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = blocks_per_seq * batch
-    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks, as after churn
     block_tables = perm.view(batch, blocks_per_seq)

@@ -9,6 +9,8 @@ fp32 dots. The cache layout and the reference (`paged_attention_ref`) are in `ke
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,53 @@ from orinfer.kernels.gemv import check_device
 from orinfer.kernels.kv_fp8 import check_kv_scales
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, small_kernel_prologue, use_pdl
 from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_attention
+
+
+class DecodeTile(NamedTuple):
+    """A launch tile of the flash-decoding kernel: `block_n` context tokens per loop step (a [BLOCK_N, D] K and V
+    tile each), Triton's `stages` of software pipelining (loads of the next tiles in flight), `warps` per program."""
+    block_n: int
+    stages: int
+    warps: int
+
+
+def default_tile(head_dim: int, fp8: bool, dot_f32: bool) -> DecodeTile:
+    """The tile `paged_decode_attention` runs when given none: from ptxas reports for sm_90 (registers <= 128, no
+    spills); exact fp32 dots are FMA loops, hence their small tiles at head_dim > 128."""
+    if triton.next_power_of_2(head_dim) > 128:
+        return DecodeTile(16 if dot_f32 else 32, 2, 4)
+    if fp8 and not dot_f32:
+        # 128-token fp8 tiles (the bytes of a 64-token bf16 tile), 3 stages: 31.7 us per layer at a 32k context,
+        # batch 1, Qwen3-8B's heads, against 51.9 with the bf16 tiles and 42.8 for the bf16 cache (H200).
+        return DecodeTile(128, 3, 4)
+    return DecodeTile(64, 2, 4)
+
+
+def check_tile(tile: DecodeTile) -> None:
+    """Raises ValueError for a tile the kernel cannot run. block_n: a power of two (tl.arange) from 16 (tl.dot's
+    smallest N and K: the [G, BLOCK_N] scores and the [BLOCK_N, D] V tile) to 256 (a 256 x 128 bf16 K tile is
+    already 128 registers a thread at 4 warps). Tokens are gathered one by one through the block table (block id
+    tok // BS, row tok % BS), so a tile may span several cache blocks or part of one: no relation to the cache's
+    block size is needed. stages: 1 (no pipelining) to 8; warps: a power of two from 1 to 16."""
+    block_n, stages, warps = tile
+    if not (isinstance(block_n, int) and 16 <= block_n <= 256 and block_n & (block_n - 1) == 0):
+        raise ValueError(f"paged_decode_attention: tile block_n {block_n!r} must be a power of two in [16, 256]")
+    if not (isinstance(stages, int) and 1 <= stages <= 8):
+        raise ValueError(f"paged_decode_attention: tile stages {stages!r} must be in [1, 8]")
+    if not (isinstance(warps, int) and 1 <= warps <= 16 and warps & (warps - 1) == 0):
+        raise ValueError(f"paged_decode_attention: tile warps {warps!r} must be a power of two in [1, 16]")
+
+
+def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
+    """Splits of the context when the caller names none: enough (sequence, kv head, split) programs for ~2 per SM,
+    no more than the tiles of the longest possible context (`max_tiles`), at most 64 and, past 16, a power of two."""
+    num_splits = min(triton.cdiv(2 * num_sms(device), batch * kv_heads), max_tiles, 64)
+    if num_splits > 16:
+        # The combine pads the splits to a power of two: 33 splits (batch 1, 8 kv heads, 132 SMs) cost it a
+        # 64-wide tile and the batch-1 step 0.02 ms more than 32; 32 splits also measured faster than 33 at every
+        # context from 256 to 32k tokens (H200; docs/performance.md).
+        num_splits = 1 << (num_splits.bit_length() - 1)
+    return num_splits
 
 
 @triton.jit
@@ -123,7 +172,8 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, st
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           tile: DecodeTile | None = None) -> torch.Tensor:
     """Flash-decoding over the paged cache: one query token per sequence, q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
     Query b attends over the first context_lens[b] cached tokens of its sequence (its own included: decode has
@@ -136,7 +186,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context), so no device->host sync and the launch is CUDA-graph safe; splits past a sequence's end write zeros.
     Any cache block size and any head_dim (masked to the next power of two >= 16) work. An fp8 cache (k_scale,
     v_scale [Hk] fp32) is read as fp8 and widened to q's dtype in registers: the K scale multiplies the scores,
-    the V scale the output.
+    the V scale the output. `tile` overrides kernel 1's launch tile (`default_tile` when None; `check_tile` says
+    which are valid), for benchmarks (bench/decode_attention_sweep.py); the default split rule then counts its tiles.
     Traffic: the context's K and V once (2*ctx*Hk*D elements per sequence; 1 byte each in fp8) + q/out +
     2*splits*Hq*(D+1) fp32.
     """
@@ -159,24 +210,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(16, triton.next_power_of_2(group))
     dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
-    # Tiles chosen from ptxas reports for sm_90 (registers <= 128, no spills); exact fp32 dots are FMA loops.
-    stages = 2
-    if block_d <= 128:
-        block_n = 64
-        if fp8 and not dot_f32:
-            # 128-token fp8 tiles (the bytes of a 64-token bf16 tile), 3 stages: 31.7 us per layer at a 32k context,
-            # batch 1, Qwen3-8B's heads, against 51.9 with the bf16 tiles and 42.8 for the bf16 cache (H200).
-            block_n, stages = 128, 3
+    if tile is None:
+        tile = default_tile(head_dim, fp8, dot_f32)
     else:
-        block_n = 16 if dot_f32 else 32
-    max_tiles = max(1, triton.cdiv(block_tables.shape[1] * block_size, block_n))
+        tile = DecodeTile(*tile)
+        check_tile(tile)
+    max_tiles = max(1, triton.cdiv(block_tables.shape[1] * block_size, tile.block_n))
     if num_splits is None:
-        num_splits = min(triton.cdiv(2 * num_sms(q.device), batch * kv_heads), max_tiles, 64)
-        if num_splits > 16:
-            # The combine pads the splits to a power of two: 33 splits (batch 1, 8 kv heads, 132 SMs) cost it a
-            # 64-wide tile and the batch-1 step 0.02 ms more than 32; 32 splits also measured faster than 33 at every
-            # context from 256 to 32k tokens (H200; docs/performance.md).
-            num_splits = 1 << (num_splits.bit_length() - 1)
+        num_splits = default_num_splits(batch, kv_heads, max_tiles, q.device)
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
     if split:
@@ -190,8 +231,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         heads, group, num_splits, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
-        D=head_dim, BS=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
-        DOT_F32=dot_f32, FP8=fp8, num_warps=4, num_stages=stages, PDL=use_pdl(q), launch_pdl=use_pdl(q))
+        D=head_dim, BS=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=tile.block_n, SPLIT=split,
+        DOT_F32=dot_f32, FP8=fp8, num_warps=tile.warps, num_stages=tile.stages, PDL=use_pdl(q),
+        launch_pdl=use_pdl(q))
     if split:
         _combine_splits_kernel[(batch, heads)](
             part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from orinfer.distributed import lamport
 from orinfer.distributed.lamport import LamportBuffers
 from orinfer.errors import ConfigError
-from orinfer.kernels.lamport_all_reduce import (LamportWorkspace, lamport_all_reduce_,
+from orinfer.kernels.lamport_all_reduce import (LamportWorkspace, fused_fits, lamport_all_reduce_,
                                                 lamport_all_reduce_add_rms_norm)
-from orinfer.kernels.norm import MAX_FEATURES, rms_norm_ref
+from orinfer.kernels.norm import rms_norm_ref
 
 logger = logging.getLogger(__name__)
 
@@ -204,9 +204,7 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     """(normed, new residual) = rms_norm(all_reduce(partial), weight, eps, residual), as one Lamport kernel where it
     takes the tensors (`kernels/lamport_all_reduce.py`: the same rounding as the engine's fused add + RMSNorm), else
     the all-reduce (in place on `partial`) and then `rms_norm` (the backend's, with rms_norm_ref's signature)."""
-    if (_lamport_takes(partial) and partial.dim() == 2 and partial.shape[1] <= MAX_FEATURES
-            and residual.is_contiguous() and (residual.shape, residual.dtype) == (partial.shape, partial.dtype)
-            and weight.shape == partial.shape[1:]):
+    if _lamport_takes(partial) and fused_fits(partial, residual, weight):
         return lamport_all_reduce_add_rms_norm(partial, residual, weight, eps,
                                                _lamport_buffers(partial.dtype, partial.device).workspace)
     return rms_norm(all_reduce(partial), weight, eps, residual)

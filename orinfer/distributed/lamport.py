@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from orinfer.kernels.lamport_all_reduce import BITS, SENTINEL, LamportWorkspace
+from orinfer.kernels.lamport_all_reduce import BITS, DTYPES, SENTINEL, LamportWorkspace
 
 # Receive slots per buffer: two suffice (kernels/lamport_all_reduce.py says why).
 SLOTS = 2
@@ -59,5 +59,4 @@ class LamportBuffers:
 
 def fits(x: torch.Tensor) -> bool:
     """Whether x can go through the Lamport kernels: a contiguous CUDA bf16/fp16/fp32 tensor of at most MAX_BYTES."""
-    return (x.is_cuda and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and 0 < x.numel() * x.element_size() <= MAX_BYTES)
+    return x.is_cuda and x.is_contiguous() and x.dtype in DTYPES and 0 < x.numel() * x.element_size() <= MAX_BYTES

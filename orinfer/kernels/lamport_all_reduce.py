@@ -74,6 +74,13 @@ class LamportWorkspace:
     max_programs: int
 
 
+def fused_fits(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused add + RMSNorm kernel takes these operands (beyond `fits`): partial [T, H] with H at most
+    norm.MAX_FEATURES, a contiguous residual of its shape and dtype, a weight [H]."""
+    return (partial.dim() == 2 and partial.shape[1] <= MAX_FEATURES and residual.is_contiguous()
+            and (residual.shape, residual.dtype) == (partial.shape, partial.dtype) and weight.shape == partial.shape[1:])
+
+
 def fits(x: torch.Tensor, ws: LamportWorkspace) -> bool:
     """Whether the kernels take x (its dtype, layout and size)."""
     return x.dtype in DTYPES and x.is_contiguous() and 0 < x.numel() <= ws.max_elems
@@ -230,11 +237,10 @@ def lamport_all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tenso
     min(T, max_programs) programs, each owning whole rows (a row's sum of squares stays in one program), BLOCK_H =
     next_pow2(H) features in registers."""
     _check(partial, ws)
-    t, h = partial.shape
-    if (residual.shape != partial.shape or residual.dtype != partial.dtype or not residual.is_contiguous()
-            or weight.shape != (h,) or h > MAX_FEATURES):
+    if not fused_fits(partial, residual, weight):
         raise ValueError(f"lamport add + rms_norm: partial {tuple(partial.shape)} {partial.dtype}, residual "
                          f"{tuple(residual.shape)} {residual.dtype}, weight {tuple(weight.shape)}")
+    t, h = partial.shape
     weight = weight.contiguous()
     out = torch.empty_like(partial)
     res_out = torch.empty_like(partial)

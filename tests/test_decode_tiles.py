@@ -14,6 +14,7 @@ import torch
 from kernel_checks import DEVICE, gpu, poison_allocations, randn, skip_module_without_kernels, tol
 from orinfer.bench import decode_attention_sweep as sweep
 from orinfer.kernels import attention
+from orinfer.kernels.attention import num_sms
 from orinfer.kernels.decode_attention import DecodeTile, default_tile, paged_decode_attention
 from test_kernels import make_paged
 from test_kv_fp8_kernels import dequantized_reference, fp8_batch
@@ -72,26 +73,33 @@ def test_every_sweep_block_n_reads_the_fp8_cache(block_n):
         torch.testing.assert_close(got.double(), dequantized_reference(q, b, 32 ** -0.5), **tol(torch.bfloat16))
 
 
-def test_the_default_tile_is_unchanged_and_equals_naming_it():
-    """The tiles chosen before the override existed, and no override == the default named explicitly, bit for bit."""
-    assert default_tile(128, fp8=False, dot_f32=False) == DecodeTile(64, 2, 4)
-    assert default_tile(128, fp8=False, dot_f32=True) == DecodeTile(64, 2, 4)
-    assert default_tile(72, fp8=True, dot_f32=False) == DecodeTile(128, 3, 4)
+def test_the_default_tile_follows_the_measured_rule_and_equals_naming_it():
+    """The default tiles (`default_tile`'s docstring has the H200 measurements), and no override == the default named
+    explicitly, bit for bit."""
+    assert default_tile(128, fp8=False, dot_f32=False) == DecodeTile(64, 2, 4)  # SM count unknown (the interpreter)
+    assert default_tile(128, fp8=False, dot_f32=False, programs=8, sms=132) == DecodeTile(64, 4, 4)    # batch 1
+    assert default_tile(128, fp8=False, dot_f32=False, programs=64, sms=132) == DecodeTile(64, 3, 4)   # batch 8
+    assert default_tile(128, fp8=False, dot_f32=False, programs=256, sms=132) == DecodeTile(64, 3, 4)  # batch 32
+    assert default_tile(128, fp8=False, dot_f32=False, programs=512, sms=132) == DecodeTile(32, 3, 4)  # batch 64
+    assert default_tile(128, fp8=False, dot_f32=True, programs=512, sms=132) == DecodeTile(64, 2, 4)
+    assert default_tile(72, fp8=True, dot_f32=False, programs=8, sms=132) == DecodeTile(128, 3, 4)
     assert default_tile(128, fp8=True, dot_f32=True) == DecodeTile(64, 2, 4)
-    assert default_tile(256, fp8=False, dot_f32=False) == DecodeTile(32, 2, 4)
+    assert default_tile(256, fp8=False, dot_f32=False, programs=512, sms=132) == DecodeTile(32, 2, 4)
     assert default_tile(256, fp8=True, dot_f32=True) == DecodeTile(16, 2, 4)
     k_cache, v_cache, tables, lens = make_paged([9, 70, 150], 2, 64, 16, torch.bfloat16)
     q = randn(3, 4, 64, dtype=torch.bfloat16)
+    default = default_tile(64, fp8=False, dot_f32=False, programs=3 * 2, sms=num_sms(q.device) if q.is_cuda else 0)
     for splits in (None, 1, 3):
         plain = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, splits)
-        named = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, splits, tile=(64, 2, 4))
+        named = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, splits, tile=default)
         assert torch.equal(plain, named)
 
 
 def test_the_override_reaches_the_launch(monkeypatch):
     """The tile's block_n, stages and warps are kernel 1's launch settings (the interpreter would give the same
     numbers for any of them), and the default split rule counts the tile's own tiles: the 176-token table (11 blocks of
-    16) is 11 tiles of 16, 3 of 64, 2 of 128, and the interpreter's 4 SMs ask for min(cdiv(2 * 4, 1), tiles) splits."""
+    16) is 11 tiles of 16, 3 of 64, 2 of 128, and 4 SMs (the interpreter's; patched in on a GPU) ask for min(cdiv(2 * 4, 1), tiles) splits. fp32 caches take
+    exact dots, whose default tile does not depend on the device."""
     from orinfer.kernels import decode_attention
 
     launches = []
@@ -105,6 +113,7 @@ def test_the_override_reaches_the_launch(monkeypatch):
             return launch
 
     monkeypatch.setattr(decode_attention, "_paged_decode_kernel", Recorder())
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 4)  # the interpreter's count, on a GPU too
     k_cache, v_cache, tables, lens = make_paged([150], 1, 16, 16, torch.float32)
     q = randn(1, 2, 16)
     for tile in ((16, 3, 8), (128, 4, 2)):

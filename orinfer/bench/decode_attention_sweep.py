@@ -91,7 +91,7 @@ def sweep_case(batch: int, ctx: int, heads: tuple[int, int, int], *, fp8: bool, 
         max_tiles = max(1, math.ceil(tables.shape[2] * BLOCK_SIZE / tile.block_n))
         return default_num_splits(batch, kv_heads, max_tiles, device)
 
-    default = default_tile(head_dim, fp8, dot_f32=False)
+    default = default_tile(head_dim, fp8, dot_f32=False, programs=batch * kv_heads, sms=num_sms(device))
     want = call(None, None)(0).float()
     shape = f"B={batch} ctx={ctx} Hq={n_heads} Hk={kv_heads} D={head_dim} {'fp8' if fp8 else 'bf16'}"
     rows = []

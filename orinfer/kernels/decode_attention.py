@@ -31,16 +31,27 @@ class DecodeTile(NamedTuple):
     warps: int
 
 
-def default_tile(head_dim: int, fp8: bool, dot_f32: bool) -> DecodeTile:
-    """The tile `paged_decode_attention` runs when given none: from ptxas reports for sm_90 (registers <= 128, no
-    spills); exact fp32 dots are FMA loops, hence their small tiles at head_dim > 128."""
+def default_tile(head_dim: int, fp8: bool, dot_f32: bool, programs: int = 0, sms: int = 0) -> DecodeTile:
+    """The tile `paged_decode_attention` runs when given none. `programs` is batch x kv heads (the grid before
+    splitting), `sms` the device's SM count (0: unknown). Register budgets from ptxas reports for sm_90 (<= 128 a
+    thread, no spills): exact fp32 dots are FMA loops, hence their small tiles at head_dim > 128.
+
+    16-bit caches at head_dim <= 128, from the H200 sweep at Qwen3-8B's heads (NOTES run 376,
+    `decode-attention-sweep-h200-run376.md`; us a layer, this rule against the former 64-token, 2-stage tile):
+    - at least 2 programs per SM (batch 64): 32-token tiles, 3 stages: ctx 528 37.4 against 39.9, ctx 2048 125.8 / 127.5;
+    - fewer: 64-token tiles, 3 stages: batch 8 ctx 2048 23.1 / 27.5, batch 32 ctx 1024 (one split) 36.4 / 41.0;
+    - at most one program per 8 SMs (batch 1): 4 stages: ctx 4096 10.2 / 11.4, ctx 32k 38.6 / 45.5."""
     if triton.next_power_of_2(head_dim) > 128:
         return DecodeTile(16 if dot_f32 else 32, 2, 4)
     if fp8 and not dot_f32:
         # 128-token fp8 tiles (the bytes of a 64-token bf16 tile), 3 stages: 31.7 us per layer at a 32k context,
         # batch 1, Qwen3-8B's heads, against 51.9 with the bf16 tiles and 42.8 for the bf16 cache (H200).
         return DecodeTile(128, 3, 4)
-    return DecodeTile(64, 2, 4)
+    if dot_f32 or not sms:
+        return DecodeTile(64, 2, 4)
+    if programs >= 2 * sms:
+        return DecodeTile(32, 3, 4)
+    return DecodeTile(64, 4 if programs * 8 <= sms else 3, 4)
 
 
 def check_tile(tile: DecodeTile) -> None:
@@ -59,9 +70,15 @@ def check_tile(tile: DecodeTile) -> None:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.device) -> int:
-    """Splits of the context when the caller names none: enough (sequence, kv head, split) programs for ~2 per SM,
-    no more than the tiles of the longest possible context (`max_tiles`), at most 64 and, past 16, a power of two."""
-    num_splits = min(triton.cdiv(2 * num_sms(device), batch * kv_heads), max_tiles, 64)
+    """Splits of the context when the caller names none: none once the (sequence, kv head) programs alone give
+    every SM one; otherwise enough for ~2 programs per SM, no more than the tiles of the longest possible context
+    (`max_tiles`), at most 64 and, past 16, a power of two."""
+    sms = num_sms(device)
+    if batch * kv_heads >= sms:
+        # Two splits at one to two programs per SM measured slower than none (H200, batch 32, 8 kv heads, ctx 1024:
+        # bf16 cache 36.4 us against 44.2 with 64-token 3-stage tiles, fp8 cache 30.6 against 35.8; NOTES run 376).
+        return 1
+    num_splits = min(triton.cdiv(2 * sms, batch * kv_heads), max_tiles, 64)
     if num_splits > 16:
         # The combine pads the splits to a power of two: 33 splits (batch 1, 8 kv heads, 132 SMs) cost it a
         # 64-wide tile and the batch-1 step 0.02 ms more than 32; 32 splits also measured faster than 33 at every
@@ -211,7 +228,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_g = max(16, triton.next_power_of_2(group))
     dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
     if tile is None:
-        tile = default_tile(head_dim, fp8, dot_f32)
+        tile = default_tile(head_dim, fp8, dot_f32, batch * kv_heads, num_sms(q.device) if q.is_cuda else 0)
     else:
         tile = DecodeTile(*tile)
         check_tile(tile)

@@ -83,6 +83,37 @@ def test_every_acceptance_length_gives_hf_greedy_tokens(target):
     assert 0 < accepted < drafted  # drafts were both accepted and rejected: the state was rolled back
 
 
+class _SkipsAfterSampled:
+    """The engine's runner, except that the engine's `after_sampled` calls do nothing."""
+
+    def __init__(self, runner) -> None:
+        object.__setattr__(self, "_runner", runner)
+
+    def after_sampled(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def __setattr__(self, name, value) -> None:
+        setattr(self._runner, name, value)
+
+
+def test_a_rollback_the_engine_left_due_runs_before_the_next_step(target):
+    """The engine queues each verify step's rollback behind the tokens' host copies (`ModelRunner.after_sampled`);
+    one never flushed there (an engine that failed in between) is run by the next `execute`, in step order."""
+    path, want = target
+    llm = _oracle(engine(path, NGRAM), want)
+    runner = llm.engine.runner
+    finishes = []
+    finish = runner.rollback.finish
+    runner.rollback.finish = lambda accepted: (finishes.append(1), finish(accepted))
+    llm.engine.runner = _SkipsAfterSampled(runner)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    assert finishes  # every rollback came from execute's flush (the last one too: the states are released)
+
+
 def test_ngram_speculation_gives_hf_greedy_tokens(target):
     path, want = target
     outs = _generate(engine(path, NGRAM))

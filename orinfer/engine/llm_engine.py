@@ -401,7 +401,9 @@ class LLMEngine:
         self._save_snapshots(plan)
         for seq in sampled:
             seq.num_pending += 1
-        return InFlightStep(sampled, prompt_seqs, start, out, spans)
+        step = InFlightStep(sampled, prompt_seqs, start, out, spans)  # (queues the copies of its samples to the host)
+        self.runner.after_sampled()
+        return step
 
     def _restore_snapshots(self, plan: StepPlan) -> None:
         """Hybrid models: a sequence admitted on a prefix-cache hit resumes the state saved where the hit ends (copied

@@ -137,6 +137,31 @@ def test_fixed_configs_per_mode(monkeypatch):
         gemv.fixed_config(4, False, bf16, bf16)
 
 
+def test_the_gated_few_rows_rule_follows_the_wave_fill(monkeypatch):
+    """`few_rows_gated` (H200 measurements in kernels/gemv.py): the multi-row FMA loop at 2 rows; beyond, 3-stage DOT
+    tiles when the grid fills >= 70% of its last wave of 2 programs per SM, 4-stage ones otherwise."""
+    monkeypatch.setattr(gemv, "FEW_ROWS_LOOP", "dot")
+    bf16, sms = torch.bfloat16, 132
+    gated = lambda rows, n: gemv.fixed_config(rows, True, bf16, bf16, 4096, n, sms)  # noqa: E731
+    assert gated(2, 12288) == gemv.TWO_ROWS_GATED
+    assert gated(4, 12288) == gemv.FEW_ROWS_GATED        # Qwen3-8B: 192 programs, 73% of 264
+    assert gated(8, 17408) == gemv.FEW_ROWS_GATED_DEEP   # Qwen3.5-27B: 272 programs, 52% of 528
+    assert gated(4, 18944) == gemv.FEW_ROWS_GATED_DEEP   # Qwen2.5-7B: 296, 56%
+    assert gated(5, 3072) == gemv.FEW_ROWS_GATED_DEEP    # Qwen3-0.6B: 48, 18%
+    assert gated(16, 17408) == gemv.FEW_ROWS_GATED_DEEP
+    assert gemv.fixed_config(4, True, bf16, bf16, 4096) == gemv.FEW_ROWS_GATED  # outputs or SMs unknown
+    assert gemv.fixed_config(4, False, bf16, bf16, 4096, 17408, sms) == gemv.FEW_ROWS  # not gated: unchanged
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_the_gated_rule_configs_compute_the_fused_swiglu(rows):
+    """Each config the rule can pick runs the fused gate_up + SwiGLU correctly (interpreter)."""
+    x = randn(rows, 80, dtype=torch.bfloat16)
+    w = randn(2 * 24, 80, dtype=torch.bfloat16, scale=80 ** -0.5)
+    for cfg in (gemv.TWO_ROWS_GATED, gemv.FEW_ROWS_GATED, gemv.FEW_ROWS_GATED_DEEP):
+        close(gemv.run_gemv(x, w, None, gated=True, cfg=cfg), reference(x, w, None, True), torch.bfloat16)
+
+
 def test_tuner_candidates_and_row_buckets():
     bf16, f32 = torch.bfloat16, torch.float32
     assert [gemv.rows_bucket(r) for r in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8

@@ -63,14 +63,14 @@ def label(cfg) -> str:
     return "-" if cfg.block_n == 0 else f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
-def configs(rows: int, gated: bool, k: int | None = None) -> list:
+def configs(rows: int, gated: bool, k: int | None = None, n: int | None = None, sms: int = 0) -> list:
     """The candidates of every loop that can run `rows` rows (`tuning_plan`'s, plus the fixed defaults)."""
     from orinfer.kernels import gemv
 
     multi = gemv.ROWS_CONFIGS_GATED if gated else gemv.ROWS_CONFIGS
     cands = (gemv.FMA_CONFIGS if rows == 1 else []) + (multi if rows <= gemv.MAX_FMA_ROWS else [])
     cands += gemv.DOT_CONFIGS + [gemv.CUBLAS]
-    default = gemv.fixed_config(rows, gated, torch.bfloat16, torch.bfloat16, k)
+    default = gemv.fixed_config(rows, gated, torch.bfloat16, torch.bfloat16, k, n, sms)
     return cands + ([default] if default not in cands else [])
 
 
@@ -93,11 +93,11 @@ def run_gemv_sweep(device: str = "cuda", rows_list: tuple[int, ...] = (1, 2, 4, 
         for rows in rows_list:
             x = torch.randn(rows, k, device=dev).to(dtype)
             nbytes = w_bytes + rows * (k + n) * 2
-            marks = {gemv.fixed_config(rows, gated, dtype, dtype, k): "default"}
+            marks = {gemv.fixed_config(rows, gated, dtype, dtype, k, n, gemv.sm_count(x.device)): "default"}
             if 2 <= rows <= gemv.MAX_FMA_ROWS:
                 marks[gemv.FEW_ROWS_FMA_GATED if gated else gemv.FEW_ROWS_FMA] = "fma default"
             timed = []
-            for cfg in configs(rows, gated, k):
+            for cfg in configs(rows, gated, k, n, gemv.sm_count(x.device)):
                 def calls(count: int, cfg=cfg, x=x) -> list:
                     copies.extend(w.clone() for _ in range(count - len(copies)))
                     return [lambda wc=wc: gemv.launch_gemv(x, wc, None, n, gated, cfg) for wc in copies[:count]]

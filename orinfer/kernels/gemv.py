@@ -31,6 +31,7 @@ rounded to the activation dtype first exactly as the unfused GEMM + `silu_and_mu
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -182,7 +183,17 @@ DEFAULT_FMA = ONE_ROW
 # 2..16 rows (batched decode), from the same sweep at 8 rows: best or within 3% on qkv/o/down (76-86% of bandwidth)
 # and on the fused gate_up (96%), ahead of cuBLAS (61-84%) everywhere.
 FEW_ROWS = GemvConfig(True, 64, 256, 4, 4)
+# The fused gate_up + SwiGLU at 2..16 rows (`few_rows_gated`), from H200 sweeps at 2-8 rows on five Qwen shapes (NOTES
+# run 378, `gemv-sweep-gated-rows-h200-run378.md`). 3 stages keep two programs on an SM: best where the grid of 64-row
+# programs fills >= 70% of its last wave of 2 x SMs (Qwen3-8B: 192 programs, 53.1 us at 4 rows against 54.0 with 4
+# stages); otherwise the tail wave idles and 4 stages, one program an SM, win at every row count measured (Qwen3.5-27B
+# at 4 rows 101.4 against 118.6 us, Qwen2.5-7B 72.2 / 77.3, Qwen3-0.6B 5.8 / 6.5). At 2 rows the multi-row FMA loop
+# beats the 3-stage tile on every shape and both DOT tiles on four of five (27B 87.4 us, 8B 52.8, 0.6B 5.5 against
+# 107.9 / 53.5 / 5.9 for the better DOT; Qwen2.5-7B 75.6 against 71.9 with 4 stages).
 FEW_ROWS_GATED = GemvConfig(True, 64, 128, 4, 3)
+FEW_ROWS_GATED_DEEP = GemvConfig(True, 64, 128, 4, 4)
+TWO_ROWS_GATED = GemvConfig(False, 2, 1024, 2, 1, True)
+FULL_WAVE_FILL = 0.7
 DEFAULT_DOT = GemvConfig(True, 64, 128, 4, 3)
 DEFAULT_DOT_F32 = GemvConfig(True, 32, 32, 4, 4)
 # Multi-row FMA (2..MAX_FMA_ROWS rows, kernels/gemv_rows.py), from sm_90 codegen (ptxas registers, loop instructions
@@ -302,7 +313,7 @@ def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
         x2 = x2.contiguous()
     rows = x2.shape[0]
     if cfg is None:
-        cfg = fixed_config(rows, gated, x.dtype, weight.dtype, k)
+        cfg = fixed_config(rows, gated, x.dtype, weight.dtype, k, n_out, sm_count(x.device))
     if cfg is None:
         key = (n_out, k, rows_bucket(rows), gated, bias is not None, x.dtype, weight.dtype, out_dtype, str(x.device))
         candidates, default = tuning_plan(rows, gated, x.dtype, weight.dtype)
@@ -317,10 +328,31 @@ def rows_bucket(rows: int) -> int:
     return triton.next_power_of_2(rows)
 
 
+def few_rows_gated(rows: int, n: int | None = None, sms: int = 0) -> GemvConfig:
+    """The fused gate_up + SwiGLU's config for 2..16 rows of 16-bit x (the measurements are at FEW_ROWS_GATED): the
+    multi-row FMA loop at 2 rows, else the DOT tile whose residency suits the grid of the n outputs on `sms` SMs
+    (n or sms unknown: FEW_ROWS_GATED)."""
+    if rows == 2:
+        return TWO_ROWS_GATED
+    if n is None or not sms:
+        return FEW_ROWS_GATED
+    programs = triton.cdiv(n, FEW_ROWS_GATED.block_n)
+    slots = 2 * sms  # two 3-stage programs fit an SM's shared memory, one 4-stage one
+    fill = programs / (triton.cdiv(programs, slots) * slots)
+    return FEW_ROWS_GATED if fill >= FULL_WAVE_FILL else FEW_ROWS_GATED_DEEP
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (0 off CUDA)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype,
-                 k: int | None = None) -> GemvConfig | None:
+                 k: int | None = None, n: int | None = None, sms: int = 0) -> GemvConfig | None:
     """The measured config for 16-bit x and W (one row, by `k` = x's columns when given; 2..16 rows per
-    FEW_ROWS_LOOP), or None: timed by the tuner."""
+    FEW_ROWS_LOOP; the gated ones by the outputs `n` and the device's SM count `sms` when given), or None: timed by
+    the tuner."""
     if FEW_ROWS_LOOP not in ("dot", "fma", "tune"):
         raise ValueError(f"ORINFER_GEMV_FEW_ROWS must be dot, fma or tune, got {FEW_ROWS_LOOP!r}")
     if x_dtype != w_dtype or x_dtype == torch.float32:
@@ -331,7 +363,7 @@ def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dt
         return FEW_ROWS_FMA_GATED if gated else FEW_ROWS_FMA
     if FEW_ROWS_LOOP == "tune":
         return None
-    return FEW_ROWS_GATED if gated else FEW_ROWS
+    return few_rows_gated(rows, n, sms) if gated else FEW_ROWS
 
 
 def one_row_config(gated: bool, k: int | None = None) -> GemvConfig:

@@ -137,6 +137,34 @@ def test_fixed_configs_per_mode(monkeypatch):
         gemv.fixed_config(4, False, bf16, bf16)
 
 
+def test_one_row_takes_whole_steps_where_k_is_not_a_multiple_of_the_wide_tile():
+    """K past 2048 but not a multiple of it (Qwen3.5-27B's 5120 and 17408) runs one row on the multi-row loop's
+    2 x 1024 tile, gated or not; multiples of 2048, shorter K and K not a multiple of 1024 keep their tiles."""
+    bf16 = torch.bfloat16
+    for k in (5120, 17408, 3072):
+        assert gemv.fixed_config(1, False, bf16, bf16, k) == gemv.ONE_ROW_WHOLE_STEPS
+        assert gemv.fixed_config(1, True, bf16, bf16, k) == gemv.ONE_ROW_WHOLE_STEPS
+    assert gemv.fixed_config(1, False, bf16, bf16, 6144) == gemv.ONE_ROW
+    assert gemv.fixed_config(1, False, bf16, bf16, 3584) == gemv.ONE_ROW
+    assert gemv.fixed_config(1, True, bf16, bf16, 4096) == gemv.ONE_ROW_SMALL_TILE
+    assert gemv.fixed_config(1, False, bf16, bf16, 1024) == gemv.ONE_ROW_SMALL_TILE
+
+
+def test_one_row_whole_steps_computes_the_gemv_and_the_fused_swiglu(monkeypatch):
+    """At K = 3072 the rule's tile runs (interpreter): the plain GEMV, the lm_head's fp32 logits and the fused
+    gate_up + SwiGLU (which one row takes here, as for K < 2048) match the references."""
+    launched = []
+    real = gemv.launch_gemv
+    monkeypatch.setattr(gemv, "launch_gemv", lambda *a, **kw: launched.append(a[5]) or real(*a, **kw))
+    x = randn(1, 3072, dtype=torch.bfloat16)
+    w = randn(40, 3072, dtype=torch.bfloat16, scale=3072 ** -0.5)
+    close(gemv.gemv(x, w), reference(x, w, None, False), torch.bfloat16)
+    logits = gemv.gemv(x, w, out_dtype=torch.float32)
+    assert torch.equal(logits, gemv.gemv(x, w).float())  # the bf16 result, stored as fp32
+    close(activation.fused_gate_up_silu(x, w), reference(x, w, None, True), torch.bfloat16)
+    assert launched == [gemv.ONE_ROW_WHOLE_STEPS] * 4
+
+
 def test_the_gated_few_rows_rule_follows_the_wave_fill(monkeypatch):
     """`few_rows_gated` (H200 measurements in kernels/gemv.py): the multi-row FMA loop at 2 rows; beyond, 3-stage DOT
     tiles when the grid fills >= 70% of its last wave of 2 programs per SM, 4-stage ones otherwise."""

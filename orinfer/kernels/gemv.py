@@ -179,6 +179,11 @@ ONE_ROW = GemvConfig(False, 2, 2048, 2, 1)
 # - the fused gate_up + SwiGLU (two tiles a program: 128 weights a thread at 2 x 2048): 60.1 us on Qwen3-8B's
 #   2 x 12288 x 4096 against 50.9 at 8 x 512 (77% of bandwidth against 91-93%).
 ONE_ROW_SMALL_TILE = GemvConfig(False, 8, 512, 4, 1)
+# - K past 2048 but not a multiple of it (Qwen3.5-27B: hidden 5120, intermediate 17408): the last 2048-wide step is half
+#   masked. The multi-row loop's 2 x 1024 tile with 2 warps, in whole steps, at one row (H200, NOTES run 377,
+#   us ONE_ROW or ONE_ROW_SMALL_TILE / this): qkv 40.6 / 38.9, in_proj 45.0 / 41.5, down 48.3 / 44.9, the fused
+#   gate_up + SwiGLU 90.8 / 85.6 (o and out_proj, K = 6144, keep ONE_ROW: 18.1 / 17.1 is within the sweep's noise).
+ONE_ROW_WHOLE_STEPS = GemvConfig(False, 2, 1024, 2, 1, True)
 DEFAULT_FMA = ONE_ROW
 # 2..16 rows (batched decode), from the same sweep at 8 rows: best or within 3% on qkv/o/down (76-86% of bandwidth)
 # and on the fused gate_up (96%), ahead of cuBLAS (61-84%) everywhere.
@@ -367,8 +372,10 @@ def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dt
 
 
 def one_row_config(gated: bool, k: int | None = None) -> GemvConfig:
-    """The one-row FMA config: ONE_ROW, or ONE_ROW_SMALL_TILE for gated weights and for K shorter than ONE_ROW's
-    tile."""
+    """The one-row config: ONE_ROW_WHOLE_STEPS for K past ONE_ROW's tile but not a multiple of it (in whole 1024-wide
+    steps), else ONE_ROW, or ONE_ROW_SMALL_TILE for gated weights and for K shorter than ONE_ROW's tile."""
+    if k is not None and k > ONE_ROW.block_k and k % ONE_ROW.block_k and k % ONE_ROW_WHOLE_STEPS.block_k == 0:
+        return ONE_ROW_WHOLE_STEPS
     return ONE_ROW_SMALL_TILE if gated or (k is not None and k < ONE_ROW.block_k) else ONE_ROW
 
 

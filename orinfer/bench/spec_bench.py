@@ -22,6 +22,7 @@ from orinfer.spec_decode.config import SpeculativeConfig
 
 ACCEPTANCES = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 POLICY_ACCEPTANCE = 0.8  # the default-policy row's forced acceptance (the issue's working point)
+WARMUP_ACCEPTANCE, WARMUP_TOKENS = 0.5, 64
 
 
 def _decode(llm: LLM, cfg: ModelConfig, batch: int, decode_tokens: int, prompt_len: int, seed: int) -> dict:
@@ -51,9 +52,15 @@ def bench_speculation(llm: LLM, cfg: ModelConfig, spec: SpeculativeConfig, batch
     policy = dataclasses.replace(spec, forced_acceptance=POLICY_ACCEPTANCE)
     spec = dataclasses.replace(spec, max_batch=max(batch_sizes), forced_acceptance=None)
     out: dict = {}
-    _decode(llm, cfg, 1, 16, prompt_len, 7)  # warm-up: the verify shapes' graphs and kernels
     for batch in batch_sizes:
         rows: dict = {}
+        # Warm-up at this batch size, drafts accepted half the time: every number of accepted drafts (hence of
+        # catch-up rows, rolled-back rows and verify rows) occurs, so the graphs captured on a shape's second
+        # occurrence and the kernels compiled on first use are ready before any row is timed. (A warm-up whose drafts
+        # were all rejected left them to the first timed rows: forced 0 - 0.7 then varied 0.31x - 0.94x between runs
+        # of one tree, NOTES runs 378-380.)
+        engine.set_speculation(dataclasses.replace(spec, forced_acceptance=WARMUP_ACCEPTANCE))
+        _decode(llm, cfg, batch, WARMUP_TOKENS, prompt_len, 7)
         engine.set_speculation(None)
         rows["plain"] = _decode(llm, cfg, batch, decode_tokens, prompt_len, 100 + batch)
         for acceptance in acceptances:

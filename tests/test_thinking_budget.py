@@ -36,7 +36,23 @@ def _closing(llm) -> list[int]:
                                       dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})],
                          ids=["default", "no-lookahead", "budget-2", "small-pool", "ngram"])
 def test_reasoning_is_cut_at_the_budget_and_the_answer_follows(tiny_dir, llm, settings):
-    engine = LLM(tiny_dir, dtype="float32", device="cpu", progress=False, **settings)
+    outs = _cut_at_budgets(LLM(tiny_dir, dtype="float32", device="cpu", progress=False, **settings), llm)
+    if "speculative_config" in settings:  # drafts were verified inside the reasoning, up to each budget
+        assert sum(o.metrics.num_draft_tokens for o in outs[1:-1]) > 0
+
+
+def test_a_budget_reached_in_a_verify_step(tiny_dir, llm):
+    """The model drafting for itself keeps every step a verify step, so each reasoning reaches its budget in one:
+    the step computed its own tokens only, and the closing text the host appends after them runs in the next steps
+    (counted as computed there, its positions' K/V would never be written)."""
+    spec = {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3}
+    outs = _cut_at_budgets(LLM(tiny_dir, dtype="float32", device="cpu", progress=False, speculative_config=spec), llm)
+    assert all(o.metrics.num_verify_steps > 0 for o in outs)
+
+
+def _cut_at_budgets(engine: LLM, llm: LLM) -> list:
+    """Generates a thinking prompt under budgets 0, 1, 4, 9 and none, in one batch, and checks each output: the
+    reasoning's first tokens as without a budget, the closing text, then what the model says after them."""
     prompt, closing = _thinking_prompt(llm), _closing(llm)
     free = engine.generate([prompt], SamplingParams(max_tokens=MAX, temperature=0))[0]
     assert llm.tokenizer.token_to_id("</think>") not in free.token_ids  # it would think on
@@ -57,8 +73,7 @@ def test_reasoning_is_cut_at_the_budget_and_the_answer_follows(tiny_dir, llm, se
         assert ids[b + len(closing):] == ref.token_ids
         reasoning, _, answer = out.text.partition("</think>")
         assert answer.startswith("\n\n")
-    if "speculative_config" in settings:  # drafts were verified inside the reasoning, up to each budget
-        assert sum(o.metrics.num_draft_tokens for o in outs[1:len(budgets)]) > 0
+    return outs
 
 
 def test_prompt_that_closed_its_reasoning_is_all_answer(llm):

@@ -583,6 +583,7 @@ class LLMEngine:
         for i, seq in live:
             tokens = sample.tokens_of(i)
             drafted = len(seq.draft_token_ids)  # (a sequence that finishes below drops its drafts)
+            known = len(seq.token_ids)  # (the host may append more than the step's tokens: a closed reasoning)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             for position, token in enumerate(tokens):
@@ -593,20 +594,22 @@ class LLMEngine:
                 if self._process_token(seq, token, sample, i, position, now):
                     break
             if sample.num_accepted is not None:
-                self._end_verify(seq, drafted, sample.num_accepted[i])
+                self._end_verify(seq, drafted, sample.num_accepted[i], known)
         if sample.num_accepted is not None and self.spec is not None:
             self._speculation_paid(any(sample.num_accepted[i] for i, _ in live))
 
-    def _end_verify(self, seq: Sequence, drafted: int, num_accepted: int) -> None:
+    def _end_verify(self, seq: Sequence, drafted: int, num_accepted: int, known: int) -> None:
         """After a verify step: the K/V of the rejected drafts is dropped (the next step overwrites it), and so are
-        the blocks that only they used; the acceptance counts grow."""
+        the blocks that only they used; the acceptance counts grow. `known`: the sequence's known tokens before the
+        step's; the step computed the newest of them and the accepted drafts (not the tokens the host may have
+        appended after the step's, a reasoning's closing text, which the next steps compute)."""
         seq.draft_token_ids = []
         if drafted:
             seq.num_draft_tokens += drafted
             seq.num_accepted_tokens += num_accepted
             seq.num_verify_steps += 1
         if not seq.is_finished:
-            seq.num_computed_tokens = len(seq.token_ids) - 1
+            seq.num_computed_tokens = known + num_accepted
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
             self.block_manager.trim(seq)
 

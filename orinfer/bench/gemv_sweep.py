@@ -93,11 +93,11 @@ def run_gemv_sweep(device: str = "cuda", rows_list: tuple[int, ...] = (1, 2, 4, 
         for rows in rows_list:
             x = torch.randn(rows, k, device=dev).to(dtype)
             nbytes = w_bytes + rows * (k + n) * 2
-            marks = {gemv.fixed_config(rows, gated, dtype, dtype, k, n, gemv.sm_count(x.device)): "default"}
+            marks = {gemv.fixed_config(rows, gated, dtype, dtype, k, n, gemv.cuda_sm_count(x.device) or 0): "default"}
             if 2 <= rows <= gemv.MAX_FMA_ROWS:
                 marks[gemv.FEW_ROWS_FMA_GATED if gated else gemv.FEW_ROWS_FMA] = "fma default"
             timed = []
-            for cfg in configs(rows, gated, k, n, gemv.sm_count(x.device)):
+            for cfg in configs(rows, gated, k, n, gemv.cuda_sm_count(x.device) or 0):
                 def calls(count: int, cfg=cfg, x=x) -> list:
                     copies.extend(w.clone() for _ in range(count - len(copies)))
                     return [lambda wc=wc: gemv.launch_gemv(x, wc, None, n, gated, cfg) for wc in copies[:count]]

@@ -155,7 +155,7 @@ def _dense_rows(add: Callable, randn: Callable, dev: torch.device, dtype: torch.
         x = randn(b, HIDDEN)
         activation.fused_gate_up_silu(x, w_gate_up)  # tunes once, outside the timing
         cfg = (gemv.TUNER.cache.get((INTER, HIDDEN, gemv.rows_bucket(b), True, False, dtype, dtype, str(x.device)))
-               or (gemv.fixed_config(b, True, dtype, dtype, HIDDEN, INTER, gemv.sm_count(x.device))
+               or (gemv.fixed_config(b, True, dtype, dtype, HIDDEN, INTER, gemv.cuda_sm_count(x.device) or 0)
                    if b >= activation.FUSED_MIN_ROWS
                    else "unfused: GEMV + silu_and_mul"))
         add("fused gate_up+silu", f"B={b} H={HIDDEN} I={INTER}", (2 * INTER * HIDDEN + b * (HIDDEN + INTER)) * esize,

@@ -16,13 +16,12 @@ is fp32 in the log2 domain; 16-bit inputs use tensor-core dots with fp32 accumul
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from orinfer.kernels.gemv import check_device, interpreting
+from orinfer.kernels.gemv import check_device, cuda_sm_count, interpreting
 from orinfer.kernels.kv_fp8 import check_kv_scales, dequantize_kv_ref, quantize_kv_ref, quantize_to_cache
 from orinfer.kernels.pdl import small_kernel_prologue, use_pdl
 
@@ -250,12 +249,9 @@ def merge_splits(part_o_ptr, part_lse_ptr, base, split_stride, num_splits, D: tl
     return tl.sum(o * w[:, None], axis=0) / denom
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """The device's SM count (4 off CUDA: the interpreter), which split-KV kernels size their grids by."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return cuda_sm_count(device) or 4
 
 
 @triton.jit

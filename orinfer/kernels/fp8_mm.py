@@ -34,7 +34,6 @@ zero points per (row, group) (or one for all), bn = 1, bk = the group size. The 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -42,7 +41,7 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.fp8_gemv import _scale_rows, check_fp8_weight
-from orinfer.kernels.gemv import as_rows, check_device, interpreting
+from orinfer.kernels.gemv import as_rows, check_device, cuda_sm_count, interpreting
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import counters, plan, splitk_store
 from orinfer.kernels.tiles import (E4M3, UINT8, code_args, code_values, grouped_tile, tile_rows,
@@ -212,10 +211,9 @@ def decode_config(rows: int) -> Fp8MmConfig:
     return DECODE_16 if rows <= 16 else DECODE_32 if rows <= 32 else DECODE_64 if rows <= 64 else DECODE_128
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (132 for the CPU interpreter: an H100's)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return cuda_sm_count(device) or 132
 
 
 def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],

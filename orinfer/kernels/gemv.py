@@ -197,7 +197,7 @@ FEW_ROWS = GemvConfig(True, 64, 256, 4, 4)
 # 107.9 / 53.5 / 5.9 for the better DOT; Qwen2.5-7B 75.6 against 71.9 with 4 stages).
 FEW_ROWS_GATED = GemvConfig(True, 64, 128, 4, 3)
 FEW_ROWS_GATED_DEEP = GemvConfig(True, 64, 128, 4, 4)
-TWO_ROWS_GATED = GemvConfig(False, 2, 1024, 2, 1, True)
+TWO_ROWS_GATED = ONE_ROW_WHOLE_STEPS  # the same multi-row 2 x 1024 tile, 2 warps
 FULL_WAVE_FILL = 0.7
 DEFAULT_DOT = GemvConfig(True, 64, 128, 4, 3)
 DEFAULT_DOT_F32 = GemvConfig(True, 32, 32, 4, 4)
@@ -318,7 +318,7 @@ def run_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
         x2 = x2.contiguous()
     rows = x2.shape[0]
     if cfg is None:
-        cfg = fixed_config(rows, gated, x.dtype, weight.dtype, k, n_out, sm_count(x.device))
+        cfg = fixed_config(rows, gated, x.dtype, weight.dtype, k, n_out, cuda_sm_count(x.device) or 0)
     if cfg is None:
         key = (n_out, k, rows_bucket(rows), gated, bias is not None, x.dtype, weight.dtype, out_dtype, str(x.device))
         candidates, default = tuning_plan(rows, gated, x.dtype, weight.dtype)
@@ -348,9 +348,10 @@ def few_rows_gated(rows: int, n: int | None = None, sms: int = 0) -> GemvConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (0 off CUDA)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+def cuda_sm_count(device: torch.device) -> int | None:
+    """The device's SM count, None off CUDA (each caller names its interpreter stand-in: `attention.num_sms`,
+    `fp8_mm.sm_count`)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def fixed_config(rows: int, gated: bool, x_dtype: torch.dtype, w_dtype: torch.dtype,

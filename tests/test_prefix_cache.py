@@ -246,6 +246,8 @@ def test_the_start_up_warm_up_over_a_cached_context_fits_small_blocks(tiny_dir, 
     narrow for its context is an IndexError, not an illegal address) must give each row's context a table wide
     enough: with 4-token blocks, its 32 rows span 8 blocks."""
     from orinfer import LLM
+    from orinfer.engine.warmup import _attention_classes, warm_cached_prefix
+    from orinfer.kernels.verify_attention import verify_row_classes
 
     with LLM(tiny_dir, dtype="float32", device="cpu", progress=False, block_size=block_size) as llm:
         runner = llm.engine.runner
@@ -257,6 +259,7 @@ def test_the_start_up_warm_up_over_a_cached_context_fits_small_blocks(tiny_dir, 
             return forward(ids, positions, meta, *args, **kwargs)
 
         runner.model.forward = spy
-        runner._warmup_cached_prefix()
-    assert len(seen) == 4
+        warm_cached_prefix(runner)
+    # each verify tile class, then the extend kernel's 32 rows, each over two table widths
+    assert len(seen) == 2 * (len(verify_row_classes(*_attention_classes(runner))) + 1)
     assert all(width * block_size >= context for context, width in seen)

@@ -28,9 +28,9 @@ from orinfer.engine.state_pools import StatePools
 from orinfer.engine.state_rollback import StateRollback
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
+from orinfer.engine.warmup import warm_cached_prefix, warm_eager_decode, warm_prefill
 from orinfer.errors import ConfigError
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
-from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.ops import GraphHooks
 from orinfer.layers.mrope import EncodedImages, MultimodalBatch
@@ -103,6 +103,7 @@ class ModelRunner:
         self.state = StatePools(model, model_config, engine_config.max_num_seqs, kv_dtype, device,
                                 num_snapshots=engine_config.state_snapshots(model_config.is_hybrid),
                                 num_work_slots=work_slots)
+        self._prefill_warm = False
         self.num_blocks = self._plan_num_blocks()
         self._allocate_kv_cache()
         self.state.allocate()
@@ -115,8 +116,14 @@ class ModelRunner:
         self._rollback_due: torch.Tensor | None = None  # a verify step's acceptance counts, until `after_sampled`
         if self.state.num_work_slots:
             self.rollback = StateRollback(self.state, model, self.num_speculative_drafts, kv_dtype)
-        if device.type == "cuda":
-            self._warmup_cached_prefix()
+        if device.type == "cuda":  # engine/warmup.py: nothing compiles on first use after this
+            if not self._prefill_warm:  # (an explicit KV budget skips `_gpu_kv_budget`, which runs it)
+                warm_prefill(self)
+            warm_cached_prefix(self)
+            if spec is not None:  # proposals off the graphs decode eagerly
+                warm_eager_decode(self, min(spec.max_batch, engine_config.max_num_seqs))
+            if self.rollback is not None:
+                self.rollback.warm_up()
             self._warmup_logits(model_config.hidden_size)
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: MixedStepGraphs | None = None
@@ -187,62 +194,13 @@ class ModelRunner:
         """Free memory after the weights and one worst-case prefill's activations, within gpu_memory_utilization."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup_forward()
+        warm_prefill(self)
+        self._prefill_warm = True
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory held outside torch's allocator (CUDA context, other processes) counts as used.
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         return int(total * self.config.gpu_memory_utilization - used_elsewhere - peak)
-
-    @torch.inference_mode()
-    def _warmup_forward(self) -> None:
-        # The largest step the scheduler will form, as prompts of at most 1024 tokens. Without chunked prefill a prompt
-        # longer than the budget runs whole, in a step of its own.
-        tokens = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill:
-            tokens = max(tokens, self.max_model_len)
-        tokens = min(tokens, self.max_model_len * self.config.max_num_seqs)
-        lengths = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            from_start=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            max_query_len=max(lengths), max_context_len=max(lengths))
-        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        with self.state.scratch(meta):
-            hidden = self.model(ids, positions, meta)
-        self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
-        del hidden
-        if self.vision_warmup_patches and hasattr(self.model, "warmup_images"):
-            self.model.warmup_images(self.vision_warmup_patches)
-
-    @torch.inference_mode()
-    def _warmup_cached_prefix(self) -> None:
-        """Prompt rows over a cached context (query rows over block 0, writing nothing), so that the kernels of
-        prompt chunks and prefix-cache hits compile at start-up rather than stalling the first request that needs them
-        (0.8-1.4 s on the H200).
-        Triton compiles a kernel once per class of each integer argument (1, a multiple of 16, other): block tables
-        of width 16 and of width 2 cover the widths a batch's table can have (never 1 in a hit: two blocks at least).
-        Two row counts: a few rows a sequence take the verify kernels (attention, the fused Gated DeltaNet step), more
-        the extend and chunked ones (kernels/verify_attention.py's VERIFY_MAX_ROWS); with only the first, run 336's
-        serving bench stalled twice for ~0.9 s on a chunk's first extend."""
-        i32 = dict(dtype=torch.int32, device=self.device)
-        for rows in (2, 2 * VERIFY_MAX_ROWS):
-            # A table must hold the context's blocks: with blocks of fewer than 16 tokens, 32 rows span more than two
-            # (the kernels would read block ids past the table's end: an illegal address on the GPU).
-            needed = -(-rows // self.block_size)
-            for width in (max(2, needed), max(16, needed)):
-                meta = AttentionMetadata(
-                    from_start=False, query_start_loc=torch.tensor([0, rows], **i32),
-                    context_lens=torch.tensor([rows], **i32), max_query_len=rows, max_context_len=rows,
-                    slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=self.device),
-                    block_tables=torch.zeros(1, width, **i32))
-                with self.state.scratch(meta):
-                    self.model(torch.zeros(rows, dtype=torch.int64, device=self.device),
-                               torch.arange(rows, device=self.device), meta)
 
     def allocate_extra_kv(self, layers: list[nn.Module]) -> None:
         """Binds KV pools on this runner's block ids to more attention layers (an MTP head's: their bytes were planned

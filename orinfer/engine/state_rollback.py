@@ -146,6 +146,13 @@ class StateRollback:
         for layer, layer_mixed, layer_gates in zip(self.layers, mixed, gates):
             layer.advance_state(layer_mixed, layer_gates, meta)
 
+    def warm_up(self) -> None:
+        """Runs `finish`'s device work once for one sequence on the scratch slot (rows as kept: whatever they hold),
+        so that its kernels compile at start-up, not in the first verify step (engine/warmup.py)."""
+        device = self.rows.device
+        one = torch.zeros(1, dtype=torch.int64, device=device)
+        self._advance(one, torch.full_like(one, self.pools.scratch_slot), one, 1)
+
     def use_graphs(self, max_sampled: int) -> None:
         """Replays `finish`'s device work from CUDA graphs (one per number of speculating sequences, captured the
         second time that number occurs) instead of ~2 eager launches per linear-attention layer: at Qwen3.5-27B those

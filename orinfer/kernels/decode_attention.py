@@ -87,7 +87,32 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return num_splits
 
 
-@triton.jit
+# Eager batches differ in their block-table width and split count: not specialized on, so they share the kernels that
+# start-up compiled (tests/test_gpu_startup_compiles.py).
+def combine_width(num_splits: int) -> int:
+    """The split merge's tile: 16 splits wide up to 16 (a masked lane costs nothing; fewer widths, fewer kernels to
+    compile), the next power of two beyond (64 lanes where 33 splits need them cost a batch-1 step 0.02 ms)."""
+    return max(16, triton.next_power_of_2(num_splits))
+
+
+def eager_launch_classes(batches: list[int], widths: list[int], kv_heads: int, head_dim: int, block_size: int,
+                         fp8: bool, dot_f32: bool, device: torch.device) -> list[tuple[int, int]]:
+    """One (batch, block-table width) per distinct set of kernels that `paged_decode_attention`'s default launch
+    takes over these batches and widths: its tile (by batch), whether it splits and the merge's width (by batch and
+    width). A start-up warm-up runs these so that an eager decode (speculative proposals off the graphs) compiles
+    nothing on first use."""
+    firsts: dict[tuple, tuple[int, int]] = {}
+    sms = num_sms(device) if device.type == "cuda" else 0
+    for batch in batches:
+        tile = default_tile(head_dim, fp8, dot_f32, batch * kv_heads, sms)
+        for width in widths:
+            splits = default_num_splits(batch, kv_heads, max(1, triton.cdiv(width * block_size, tile.block_n)),
+                                        device)
+            firsts.setdefault((tile, splits > 1, combine_width(splits) if splits > 1 else 0), (batch, width))
+    return list(firsts.values())
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          HQ, GROUP, num_splits, scale_log2,
                          stride_qb, stride_qh, stride_bt, stride_cblk, stride_ctok, stride_ch, stride_ob, stride_oh,
@@ -174,7 +199,7 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
                            D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
@@ -254,7 +279,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if split:
         _combine_splits_kernel[(batch, heads)](
             part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+            BLOCK_S=combine_width(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
             PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return out
 

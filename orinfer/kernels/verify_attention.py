@@ -201,7 +201,7 @@ def _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, par
 
 
 # Integer arguments that vary per step or batch are not specialised on (Triton compiles a variant per class of value).
-@triton.jit(do_not_specialize=["num_seqs", "programs"])
+@triton.jit(do_not_specialize=["num_seqs", "programs", "stride_bt"])
 def _verify_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, part_o_ptr, part_lse_ptr, num_seqs,
                    programs, scale_log2, stride_qt, stride_qh, stride_bt,
                    HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr,
@@ -256,8 +256,8 @@ def _verify_combine_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, qsl_ptr, out_ptr, 
 
 
 def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bool, fp8: bool) -> dict:
-    """Tile sizes for a step of `tokens` rows and at most `rows` per sequence: QB (rows per work item), BLOCK_M (QB *
-    GROUP packed, >= 16), BLOCK_N (keys per tile), BLOCK_D, warps and stages. From the other attention kernels'
+    """Tile sizes for a step of `tokens` rows and at most `rows` per sequence: QB (rows per work item: as many as
+    BLOCK_M holds), BLOCK_M (the next power of two >= 16 of min(rows, tokens) * GROUP packed), BLOCK_N (keys per tile), BLOCK_D, warps and stages. From the other attention kernels'
     tiles (64 x 32 for head_dim 256, up to 128 x 64 below) and ptxas reports for sm_90 without spills
     (tests/test_verify_attention_codegen.py): fp8 tiles at head_dim 256 take 16 keys (with 32, widening them to
     fp16 spilled), exact fp32 dots (FMA loops) 32 rows; the interpreter small tiles (short tests cross many)."""
@@ -270,10 +270,23 @@ def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bo
         max_m, block_n = 64, 16 if fp8 else 32
     else:
         max_m, block_n = 128, 64
-    qb = max(1, min(rows, tokens, max_m // group))
-    block_m = max(16, triton.next_power_of_2(qb * group))
+    # The tile holds the packed rows; QB is then as many rows as it fits, not the step's exact count: one kernel per
+    # tile height rather than per row count (2 .. 16 rows a sequence were 15 kernels, each compiled on first use in
+    # the middle of a request; tests/test_gpu_startup_compiles.py), with the same tiles and work items.
+    needed = max(1, min(rows, tokens, max_m // group))
+    block_m = max(16, triton.next_power_of_2(needed * group))
+    qb = max(needed, min(block_m, max_m) // group)
     warps = 8 if block_m * block_d >= 128 * 128 or (dot_f32 and block_d > 128) else 4
     return dict(QB=qb, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=2)
+
+
+def verify_row_classes(group: int, head_dim: int, dot_f32: bool, fp8: bool) -> list[int]:
+    """The fewest rows a sequence of a one-sequence step has for each distinct `verify_config` over 2 ..
+    VERIFY_MAX_ROWS rows: what a start-up warm-up runs so that no row count compiles a kernel on first use."""
+    firsts: dict[tuple, int] = {}
+    for rows in range(2, VERIFY_MAX_ROWS + 1):
+        firsts.setdefault(tuple(sorted(verify_config(rows, rows, group, head_dim, dot_f32, fp8).items())), rows)
+    return sorted(firsts.values())
 
 
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

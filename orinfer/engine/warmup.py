@@ -1,0 +1,101 @@
+"""Start-up forwards that compile, at engine start, every Triton kernel a later step may launch.
+
+A kernel compiled on first use stalls the request that needs it: 0.5-2 s on a machine whose Triton cache is cold
+(prompt chunks over a cached prefix stalled run 336's serving bench for ~0.9 s twice; speculative decoding at forced
+acceptance 0 decoded at 19 tok/s on a fresh machine, NOTES runs 382-383). Triton compiles one kernel per set of
+constexprs and per class of each unspecialized integer argument (1, a multiple of 16, other), so each warm-up below
+runs one forward per class a later step can fall into; what the graphs capture at start-up is warm already.
+tests/test_gpu_startup_compiles.py checks that requests compile nothing after start-up.
+
+Every forward here writes no KV (slot -1) and runs on scratch linear-attention state slots, so the pools and caches
+are as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orinfer.kernels.attention import exact_fp32_dots
+from orinfer.kernels.decode_attention import eager_launch_classes
+from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
+from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_row_classes
+from orinfer.layers.attention import AttentionMetadata
+
+
+@torch.inference_mode()
+def warm_prefill(runner) -> None:
+    """The largest step the scheduler will form, as prompts of at most 1024 tokens (from their start: the varlen
+    kernels), and its logits. Also the peak of a step's activations, which `ModelRunner._gpu_kv_budget` measures.
+    Without chunked prefill a prompt longer than the budget runs whole, in a step of its own."""
+    config, device = runner.config, runner.device
+    tokens = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        tokens = max(tokens, runner.max_model_len)
+    tokens = min(tokens, runner.max_model_len * config.max_num_seqs)
+    lengths = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        from_start=True, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        max_query_len=max(lengths), max_context_len=max(lengths))
+    ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    with runner.state.scratch(meta):
+        hidden = runner.model(ids, positions, meta)
+    runner.model.compute_logits(hidden[torch.tensor(starts[1:], device=device) - 1])
+    del hidden
+    if runner.vision_warmup_patches and hasattr(runner.model, "warmup_images"):
+        runner.model.warmup_images(runner.vision_warmup_patches)
+
+
+def _attention_classes(runner) -> tuple[int, int, bool, bool]:
+    """(query heads per kv head, head_dim, exact fp32 dots, fp8 cache) of the model's attention layers."""
+    cfg = runner.model_config
+    return (cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim,
+            exact_fp32_dots(runner.kv_dtype, runner.cache_dtype), runner.cache_dtype == KV_FP8_DTYPE)
+
+
+def _rows_over_context(runner, rows: int, width: int, batch: int = 1) -> None:
+    """A forward of `batch` sequences of `rows` new rows each over a cached context of `rows` tokens (block 0 read
+    through a table `width` blocks wide), writing nothing."""
+    device, i32 = runner.device, dict(dtype=torch.int32, device=runner.device)
+    tokens = rows * batch
+    meta = AttentionMetadata(
+        from_start=False, query_start_loc=torch.arange(0, tokens + 1, rows, **i32),
+        context_lens=torch.full((batch,), rows, **i32), max_query_len=rows, max_context_len=rows,
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(batch, width, **i32))
+    with runner.state.scratch(meta):
+        runner.model(torch.zeros(tokens, dtype=torch.int64, device=device),
+                     torch.arange(rows, device=device).repeat(batch), meta)
+
+
+@torch.inference_mode()
+def warm_cached_prefix(runner) -> None:
+    """Prompt rows over a cached context (query rows over block 0), so that the kernels of prompt chunks, prefix-cache
+    hits and eager speculative catch-ups compile at start-up (0.8-1.4 s each on the H200).
+    Row counts: one per tile the verify kernel takes for 2 .. VERIFY_MAX_ROWS rows a sequence (its kernels; the fused
+    Gated DeltaNet step of a few rows), and 2 * VERIFY_MAX_ROWS (the extend and chunked kernels). Block tables of
+    width 16 and of width 2 cover the classes of widths a batch's table can have (never 1 in a hit: two blocks at
+    least); a table must hold the context's blocks (with blocks of fewer than 16 tokens, 32 rows span more than two:
+    the kernels would read block ids past the table's end, an illegal address on the GPU). With only 2 rows, run
+    336's serving bench stalled twice for ~0.9 s on a chunk's first extend."""
+    for rows in verify_row_classes(*_attention_classes(runner)) + [2 * VERIFY_MAX_ROWS]:
+        needed = -(-rows // runner.block_size)
+        for width in (max(2, needed), max(16, needed)):
+            _rows_over_context(runner, rows, width)
+
+
+@torch.inference_mode()
+def warm_eager_decode(runner, max_batch: int) -> None:
+    """One-row-a-sequence forwards outside the CUDA graphs, as speculative proposals run when a batch or a catch-up
+    does not fit the proposal graphs: one per set of decode-attention kernels (tile, split or not, merge width) that
+    batches of 1 .. `max_batch` sequences over tables 1 .. max-context wide take (`eager_launch_classes`)."""
+    group, head_dim, dot_f32, fp8 = _attention_classes(runner)
+    widest = -(-runner.max_model_len // runner.block_size)
+    for batch, width in eager_launch_classes(list(range(1, max_batch + 1)), [1, widest],
+                                             runner.model_config.num_key_value_heads, head_dim, runner.block_size,
+                                             fp8, dot_f32, runner.device):
+        _rows_over_context(runner, 1, width, batch)

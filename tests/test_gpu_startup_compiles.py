@@ -108,3 +108,33 @@ def test_requests_compile_nothing_after_start_up(case):
         assert not watch.seen, f"{len(watch.seen)} compiles after start-up:\n{watch.explain(start_up)}"
     finally:
         llm.close()
+
+
+FEATURES = [
+    dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1),
+    dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3),
+    dict(logprobs=3, prompt_logprobs=2),
+    dict(logit_bias={5: 5.0, 7: -100.0}),
+    dict(stop=["the"], min_tokens=2),
+    dict(structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                      "required": ["a"]}}),
+    dict(structured_outputs={"regex": "[a-z]+ [0-9]{2}"}),
+    dict(structured_outputs={"choice": ["yes", "no"]}),
+]
+
+
+def test_sampling_features_compile_nothing_after_start_up(tiny_dir):
+    """Every sampling feature a request may ask for, alone and mixed into one batch with greedy rows."""
+    from orinfer import LLM
+
+    with CompileWatch() as start_up:
+        llm = LLM(tiny_dir, device="cuda", dtype="bfloat16", max_num_seqs=16, progress=False)
+    try:
+        with CompileWatch() as watch:
+            for features in FEATURES:
+                llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, **features))
+            batch = [SamplingParams(max_tokens=12, **features) for features in FEATURES]
+            llm.generate(["Once upon a time"] * len(batch) + ["A cat"], batch + [SamplingParams(max_tokens=12)])
+        assert not watch.seen, f"{len(watch.seen)} compiles after start-up:\n{watch.explain(start_up)}"
+    finally:
+        llm.close()

@@ -28,7 +28,7 @@ from orinfer.engine.state_pools import StatePools
 from orinfer.engine.state_rollback import StateRollback
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
-from orinfer.engine.warmup import warm_cached_prefix, warm_eager_decode, warm_prefill
+from orinfer.engine.warmup import warm_cached_prefix, warm_eager_decode, warm_prefill, warm_sampler
 from orinfer.errors import ConfigError
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
 from orinfer.layers.attention import AttentionMetadata
@@ -631,7 +631,8 @@ class ModelRunner:
     def _warmup_logits(self, hidden_size: int) -> None:
         """Runs the logits GEMM once at each padded row count a step can have (see `_logits`)."""
         for rows in range(LOGITS_ROW_BUCKET, self.config.max_num_seqs + LOGITS_ROW_BUCKET, LOGITS_ROW_BUCKET):
-            self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.kv_dtype, device=self.device))
+            logits = self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.kv_dtype, device=self.device))
+        warm_sampler(self, logits)
 
 
 def _set_device_ids(input_ids: torch.Tensor, device_ids: torch.Tensor | None,

@@ -20,6 +20,8 @@ from orinfer.kernels.decode_attention import eager_launch_classes
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
 from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_row_classes
 from orinfer.layers.attention import AttentionMetadata
+from orinfer.layers.sampler import apply_token_bitmask
+from orinfer.structured.constraint import bitmask_words
 
 
 @torch.inference_mode()
@@ -99,3 +101,12 @@ def warm_eager_decode(runner, max_batch: int) -> None:
                                              runner.model_config.num_key_value_heads, head_dim, runner.block_size,
                                              fp8, dot_f32, runner.device):
         _rows_over_context(runner, 1, width, batch)
+
+
+@torch.inference_mode()
+def warm_sampler(runner, logits: torch.Tensor) -> None:
+    """The structured-output mask kernel on `logits` [rows, V] (fp32, as the sampler gets them): the first request
+    under a JSON schema or a regex would compile it otherwise, stalling every stream of the batch."""
+    words = bitmask_words(runner.model_config.vocab_size)
+    rows = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    apply_token_bitmask(logits, rows, torch.zeros(1, words, dtype=torch.int32, device=logits.device))

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from orinfer.kernels.gated_delta import gated_delta_advance_ref, gated_delta_decode_step_ref
 from orinfer.kernels.gated_delta_chunk import log_decay
-from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, window_conv, window_tail, with_row,
+from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, rows_conv, window_tail, with_row,
                                                      write_histories, zero_states)
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -68,6 +68,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
 # unfused kernels (no Qwen3.5 size has them).
 MAX_STATE_TILE = 128 * 128
+# The most rows `_rows_kernel` prepares at once (its tiles [R, Dk] of q and k, [R, Dv] of v, z and the output): a
+# k = 3 verify step's 4 rows, or the rollback's 1 + a accepted ones, in one chunk.
+ROWS_TILE = 4
 
 
 @triton.jit
@@ -160,14 +163,48 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
 
 
 @triton.jit
+def _l2_rows(x):
+    """Each row of the tile x [R, n] over its L2 norm, as `_delta_rule` and `_norm_output` normalise one."""
+    return x / tl.sqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _pick(x, j, AXIS: tl.constexpr):
+    """Index j along axis AXIS of x (rows r = arange(R) there): x [R] -> a scalar, [R, n] (AXIS 0) or [n, R]
+    (AXIS 1) -> a vector [n], in x's dtype. A sum with -0.0, so exact to the bit (signed zeros included)."""
+    r = tl.arange(0, x.shape[AXIS])
+    if len(x.shape) == 1:
+        hit = r == j
+    elif AXIS == 0:
+        hit = (r == j)[:, None]
+    else:
+        hit = (r == j)[None, :]
+    return tl.sum(tl.where(hit, x, -0.0), AXIS, dtype=x.dtype)
+
+
+@triton.jit
+def _norm_rows(o, zg, norm_w, out_rows, dv, v_mask, row_ok, eps, DV: tl.constexpr, PROD_TY: tl.constexpr):
+    """`_norm_output`'s gated RMSNorm for the rows of o [R, BV] (already rounded as the recurrent kernel stores it)
+    with their gates zg [R, BV] and the norm weight (fp32, broadcast to [R, BV]), stored at out_rows [R] + dv where
+    row_ok."""
+    o = tl.where(v_mask[None, :], o, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, 1) / DV + eps)
+    y = (o * rstd[:, None]).to(out_rows.dtype.element_ty).to(tl.float32)
+    y = (norm_w * y).to(PROD_TY).to(tl.float32)
+    y = y * (zg / (1.0 + tl.exp(-zg)))
+    tl.store(out_rows[:, None] + dv[None, :], y.to(out_rows.dtype.element_ty),
+             mask=row_ok[:, None] & v_mask[None, :])
+
+
+@triton.jit
 def _rows_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr, qsl_ptr, slot_ptr,
                  init_ptr, conv_ptr, ssm_ptr, cnt_ptr, out_ptr, eps, scale,
                  stride_xt, stride_zt, stride_gt, stride_ot, stride_cs, stride_cc, stride_ck, stride_ss,
                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr, PROD_TY: tl.constexpr, OUTPUT: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BV: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr, R: tl.constexpr, PROD_TY: tl.constexpr,
+                 OUTPUT: tl.constexpr, PDL: tl.constexpr):
     """One value head h of one sequence of any number of rows (grid (Hv, B)): the module docstring's math, its rows
-    in order with the state tile in registers; OUTPUT False: the states only (no q, z, norm or output)."""
+    in chunks of R (the module docstring's row loop). OUTPUT False: the states only (no q, z, norm or output)."""
     h, seq, kh, begin, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = _program(
         qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK, HV, DK, DV, BK, BV)
     n = end - begin
@@ -179,18 +216,46 @@ def _rows_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_pt
             gdc_wait()
             gdc_launch_dependents()
         x_seq = x_ptr + begin.to(tl.int64) * stride_xt
-        for j in range(0, n):
-            row = begin.to(tl.int64) + j
-            k = window_conv(x_seq, conv, k_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BK)
-            v = window_conv(x_seq, conv, v_ch, v_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BV)
-            gate_row = gates_ptr + row * stride_gt
-            S = _delta_rule(S, k, v, tl.load(gate_row + h).to(tl.float32),
-                            tl.load(gate_row + HV + h).to(tl.float32), A_log, dt_bias)
+        for c0 in range(0, n, R):
+            # The chunk's rows c0 .. c0+R-1, all at once: nothing here depends on the state.
+            rows = c0 + tl.arange(0, R)
+            row_ok = rows < n
+            seq_rows = (begin + rows).to(tl.int64)
+            # v as [BV, R]: a vector picked from it along R is a slice the compiler cannot broadcast into the state
+            # tile's shape, so the state keeps its layout (picked from [R, BV], v handed the tile's layout to the
+            # state: two 64 KiB conversions through shared memory, spills).
+            v_all = rows_conv(x_seq, conv, v_ch, v_mask, init, convw_ptr, c0, n, stride_xt, stride_cc, stride_ck,
+                              KW, R, BV, True)
+            k_all = _l2_rows(rows_conv(x_seq, conv, k_ch, d_mask, init, convw_ptr, c0, n, stride_xt, stride_cc,
+                                       stride_ck, KW, R, BK, False).to(tl.float32))
+            gate_rows = gates_ptr + seq_rows * stride_gt
+            decay = tl.exp(log_decay(tl.load(gate_rows + HV + h, mask=row_ok, other=0.0).to(tl.float32), dt_bias,
+                                     A_log))
+            beta_den = 1.0 + tl.exp(-tl.load(gate_rows + h, mask=row_ok, other=0.0).to(tl.float32))  # 1 / beta
             if OUTPUT:
-                q = window_conv(x_seq, conv, q_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW,
-                                 BK)
-                _norm_output(S, q, scale, z_ptr + row * stride_zt + h * DV, normw_ptr,
-                             out_ptr + row * stride_ot + h * DV, dv, v_mask, eps, DV, PROD_TY)
+                q_all = _l2_rows(rows_conv(x_seq, conv, q_ch, d_mask, init, convw_ptr, c0, n, stride_xt,
+                                           stride_cc, stride_ck, KW, R, BK, False).to(tl.float32)) * scale
+                out_mask = row_ok[:, None] & v_mask[None, :]
+                zg = tl.load(z_ptr + seq_rows[:, None] * stride_zt + h * DV + dv[None, :], mask=out_mask,
+                             other=0.0).to(tl.float32)
+                # The norm weight in the output tile's shape (a load a row, from L1) gets the tile's layout; the
+                # row mask keeps the load in the loop over chunks (else it is hoisted and held in registers).
+                norm_w = tl.load(tl.broadcast_to(normw_ptr + dv[None, :], [R, BV]), mask=out_mask,
+                                 other=0.0).to(tl.float32)
+                o_all = tl.zeros([R, BV], dtype=tl.float32)
+            # The serial part, row by row: what the state enters.
+            for j in range(0, tl.minimum(n - c0, R)):
+                k = _pick(k_all, j, 0)
+                S = S * _pick(decay, j, 0)
+                v = _pick(v_all, j, 1).to(tl.float32)  # picked in the rows' dtype: converted as the narrow type
+                delta = (v - tl.sum(S * k[:, None], 0)) / _pick(beta_den, j, 0)
+                S = S + k[:, None] * delta[None, :]
+                if OUTPUT:
+                    o = tl.sum(S * _pick(q_all, j, 0)[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
+                    o_all = tl.where((tl.arange(0, R) == j)[:, None], o[None, :], o_all)
+            if OUTPUT:
+                _norm_rows(o_all, zg, norm_w, out_ptr + seq_rows * stride_ot + h * DV, dv, v_mask, row_ok, eps, DV,
+                           PROD_TY)
         tl.store(state, S, mask=s_mask)
         write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask,
                          window_tail(x_seq, conv, q_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
@@ -237,6 +302,14 @@ def _heads(name: str, mixed: torch.Tensor, gates: torch.Tensor, conv_weight: tor
 
 def _blocks(dk: int, dv: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+
+
+def rows_tile(max_rows_per_seq: int | None) -> int:
+    """R, the rows `_rows_kernel` prepares at once (a chunk): the next power of two of the host-known bound on rows a
+    sequence, at most ROWS_TILE (None: unknown, ROWS_TILE); more rows take several chunks."""
+    if max_rows_per_seq is None:
+        return ROWS_TILE
+    return min(ROWS_TILE, triton.next_power_of_2(max(1, max_rows_per_seq)))
 
 
 def _fuses(mixed: torch.Tensor, num_seqs: int, k_heads: int, dk: int, dv: int, prod: torch.dtype) -> bool:
@@ -297,7 +370,7 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
     if num_seqs == 0:
         return out
     one_row = max_rows_per_seq is not None and max_rows_per_seq <= 1
-    flags = {} if one_row else {"OUTPUT": True}
+    flags = {} if one_row else {"OUTPUT": True, "R": rows_tile(max_rows_per_seq)}
     _launch(_decode_step_kernel if one_row else _rows_kernel, mixed, z, gates, conv_weight.contiguous(),
             A_log.contiguous(), dt_bias.contiguous(), norm_weight.contiguous(), eps, query_start_loc, conv_states,
             ssm_states, state_slots, has_initial_state, out, heads, prod, **flags)
@@ -306,7 +379,8 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
 
 def gated_delta_advance(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                         dt_bias: torch.Tensor, query_start_loc: torch.Tensor, conv_states: torch.Tensor,
-                        ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> None:
+                        ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                        max_rows_per_seq: int | None = None) -> None:
     """`gated_delta_advance_ref`'s contract (the decode step's state updates, no output): mixed [T, C], gates
     [T, 2 Hv] (b | a), conv_weight [C, K], A_log, dt_bias [Hv], query_start_loc [B+1] int32, conv_states
     [slots, C, K-1] and ssm_states [slots, Hv, Dk, Dv] fp32 updated in place, state_slots [B], has_initial_state [B].
@@ -331,4 +405,4 @@ def gated_delta_advance(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: t
     # No z, norm weight or output: the kernel compiles them out (OUTPUT False); any tensors fill their places.
     _launch(_rows_kernel, mixed, mixed, gates, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             A_log, 0.0, query_start_loc, conv_states, ssm_states, state_slots, has_initial_state, mixed, heads,
-            mixed.dtype, OUTPUT=False)
+            mixed.dtype, OUTPUT=False, R=rows_tile(max_rows_per_seq))

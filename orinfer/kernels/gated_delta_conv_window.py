@@ -1,4 +1,5 @@
-"""The conv-history side of the fused Gated DeltaNet step kernels (kernels/gated_delta_decode.py): each sequence's
+"""The conv-history side of the fused Gated DeltaNet step kernels (kernels/gated_delta_decode.py, and
+kernels/gated_delta_rows.py's row loop), and what a program of theirs works on (`program`): each sequence's
 conv window (its K-1 previous inputs from the conv state slot, then the step's rows), the conv at a row with the conv
 kernel's (kernels/causal_conv.py) sums and rounding, and the new history written back under the key head's
 last-reader ownership (that module's docstring). Channel vectors `ch` index the [C] conv channels of one program (a
@@ -12,6 +13,29 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def program(qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK: tl.constexpr,
+             HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """What a program of grid (Hv, B) works on: value head h of sequence `seq`, its key head, rows [begin, end),
+    flag, state tile pointers and mask, conv history base and channel indices."""
+    h = tl.program_id(0)
+    seq = tl.program_id(1)
+    kh = h // (HV // HK)
+    begin = tl.load(qsl_ptr + seq)
+    end = tl.load(qsl_ptr + seq + 1)
+    init = tl.load(init_ptr + seq) != 0
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    d = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    d_mask = d < DK
+    v_mask = dv < DV
+    state = ssm_ptr + slot * stride_ss + h * (DK * DV) + d[:, None] * DV + dv[None, :]
+    s_mask = d_mask[:, None] & v_mask[None, :]
+    q_ch = kh * DK + d
+    return (h, seq, kh, begin, end, init, state, s_mask, conv_ptr + slot * stride_cs, q_ch, HK * DK + q_ch,
+            2 * HK * DK + h * DV + dv, d_mask, v_mask, dv)
 
 
 @triton.jit

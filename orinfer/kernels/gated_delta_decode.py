@@ -21,9 +21,9 @@ False: hist and S read as zeros. A sequence with no row keeps its states, or, wi
 zeroed (as the unfused kernels leave them). The advance variant (OUTPUT False) skips q, o, z and the norm.
 
 Two kernels, one math: `_decode_step_kernel` for one row a sequence (its conv history read before the PDL wait,
-beside the state) and `_rows_kernel` for any count (a row loop with the state tile in registers; the conv window's
-history part re-read per row from cache, the earlier rows' inputs from the step's rows). The one-row kernel stays
-separate so decode pays nothing for the loop; `gated_delta_decode_step` picks by the host-known bound on rows.
+beside the state) and `_rows_kernel` (kernels/gated_delta_rows.py) for any count (a row loop with the state tile in
+registers, each chunk of rows prepared at once before it). The one-row kernel stays separate so decode pays nothing
+for the loop; `gated_delta_decode_step` picks by the host-known bound on rows (and the rows kernel's tile height).
 
 Conv-state ownership: the Hv / Hk programs of one key head all read its q/k history, and one of them must write it
 back, but only after every one has read it (a program of the group may run long after another has finished). Each
@@ -57,8 +57,9 @@ import triton.language as tl
 
 from orinfer.kernels.gated_delta import gated_delta_advance_ref, gated_delta_decode_step_ref
 from orinfer.kernels.gated_delta_chunk import log_decay
-from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, rows_conv, window_tail, with_row,
-                                                     write_histories, zero_states)
+from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, program, with_row, write_histories,
+                                                     zero_states)
+from orinfer.kernels.gated_delta_rows import _rows_kernel
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import MAX_TILES, counters
@@ -98,29 +99,6 @@ def _norm_output(S, q, scale, z_row, normw_ptr, out_row, dv, v_mask, eps, DV: tl
 
 
 @triton.jit
-def _program(qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK: tl.constexpr,
-             HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """What a program of grid (Hv, B) works on: value head h of sequence `seq`, its key head, rows [begin, end),
-    flag, state tile pointers and mask, conv history base and channel indices."""
-    h = tl.program_id(0)
-    seq = tl.program_id(1)
-    kh = h // (HV // HK)
-    begin = tl.load(qsl_ptr + seq)
-    end = tl.load(qsl_ptr + seq + 1)
-    init = tl.load(init_ptr + seq) != 0
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    d = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
-    d_mask = d < DK
-    v_mask = dv < DV
-    state = ssm_ptr + slot * stride_ss + h * (DK * DV) + d[:, None] * DV + dv[None, :]
-    s_mask = d_mask[:, None] & v_mask[None, :]
-    q_ch = kh * DK + d
-    return (h, seq, kh, begin, end, init, state, s_mask, conv_ptr + slot * stride_cs, q_ch, HK * DK + q_ch,
-            2 * HK * DK + h * DV + dv, d_mask, v_mask, dv)
-
-
-@triton.jit
 def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr, qsl_ptr, slot_ptr,
                         init_ptr, conv_ptr, ssm_ptr, cnt_ptr, out_ptr, eps, scale,
                         stride_xt, stride_zt, stride_gt, stride_ot, stride_cs, stride_cc, stride_ck, stride_ss,
@@ -128,7 +106,7 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
                         BV: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr, PROD_TY: tl.constexpr,
                         PDL: tl.constexpr):
     """One value head h of one sequence of at most one row (grid (Hv, B)): the module docstring's math for it."""
-    h, seq, kh, row, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = _program(
+    h, seq, kh, row, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = program(
         qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK, HV, DK, DV, BK, BV)
     if end > row:
         # Before the wait: the state pools (only this kernel writes them in a step) and the step's inputs.
@@ -157,111 +135,6 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
         write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask, with_row(q_kept, qx, KW, BW),
                          with_row(k_kept, kx, KW, BW), with_row(v_kept, vx, KW, BW), cnt_ptr + seq * HK + kh,
                          stride_cc, stride_ck, HV // HK, KW, BW)
-    elif tl.load(init_ptr + seq) == 0:
-        zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
-                     stride_ck, KW, BK, BV, BW, PDL)
-
-
-@triton.jit
-def _l2_rows(x):
-    """Each row of the tile x [R, n] over its L2 norm, as `_delta_rule` and `_norm_output` normalise one."""
-    return x / tl.sqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
-
-
-@triton.jit
-def _pick(x, j, AXIS: tl.constexpr):
-    """Index j along axis AXIS of x (rows r = arange(R) there): x [R] -> a scalar, [R, n] (AXIS 0) or [n, R]
-    (AXIS 1) -> a vector [n], in x's dtype. A sum with -0.0, so exact to the bit (signed zeros included)."""
-    r = tl.arange(0, x.shape[AXIS])
-    if len(x.shape) == 1:
-        hit = r == j
-    elif AXIS == 0:
-        hit = (r == j)[:, None]
-    else:
-        hit = (r == j)[None, :]
-    return tl.sum(tl.where(hit, x, -0.0), AXIS, dtype=x.dtype)
-
-
-@triton.jit
-def _norm_rows(o, zg, norm_w, out_rows, dv, v_mask, row_ok, eps, DV: tl.constexpr, PROD_TY: tl.constexpr):
-    """`_norm_output`'s gated RMSNorm for the rows of o [R, BV] (already rounded as the recurrent kernel stores it)
-    with their gates zg [R, BV] and the norm weight (fp32, broadcast to [R, BV]), stored at out_rows [R] + dv where
-    row_ok."""
-    o = tl.where(v_mask[None, :], o, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(o * o, 1) / DV + eps)
-    y = (o * rstd[:, None]).to(out_rows.dtype.element_ty).to(tl.float32)
-    y = (norm_w * y).to(PROD_TY).to(tl.float32)
-    y = y * (zg / (1.0 + tl.exp(-zg)))
-    tl.store(out_rows[:, None] + dv[None, :], y.to(out_rows.dtype.element_ty),
-             mask=row_ok[:, None] & v_mask[None, :])
-
-
-@triton.jit
-def _rows_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr, qsl_ptr, slot_ptr,
-                 init_ptr, conv_ptr, ssm_ptr, cnt_ptr, out_ptr, eps, scale,
-                 stride_xt, stride_zt, stride_gt, stride_ot, stride_cs, stride_cc, stride_ck, stride_ss,
-                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr, R: tl.constexpr, PROD_TY: tl.constexpr,
-                 OUTPUT: tl.constexpr, PDL: tl.constexpr):
-    """One value head h of one sequence of any number of rows (grid (Hv, B)): the module docstring's math, its rows
-    in chunks of R (the module docstring's row loop). OUTPUT False: the states only (no q, z, norm or output)."""
-    h, seq, kh, begin, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = _program(
-        qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK, HV, DK, DV, BK, BV)
-    n = end - begin
-    if n > 0:
-        S = tl.load(state, mask=s_mask & init, other=0.0)  # before the wait, as in the one-row kernel
-        A_log = tl.load(alog_ptr + h).to(tl.float32)
-        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        x_seq = x_ptr + begin.to(tl.int64) * stride_xt
-        for c0 in range(0, n, R):
-            # The chunk's rows c0 .. c0+R-1, all at once: nothing here depends on the state.
-            rows = c0 + tl.arange(0, R)
-            row_ok = rows < n
-            seq_rows = (begin + rows).to(tl.int64)
-            # v as [BV, R]: a vector picked from it along R is a slice the compiler cannot broadcast into the state
-            # tile's shape, so the state keeps its layout (picked from [R, BV], v handed the tile's layout to the
-            # state: two 64 KiB conversions through shared memory, spills).
-            v_all = rows_conv(x_seq, conv, v_ch, v_mask, init, convw_ptr, c0, n, stride_xt, stride_cc, stride_ck,
-                              KW, R, BV, True)
-            k_all = _l2_rows(rows_conv(x_seq, conv, k_ch, d_mask, init, convw_ptr, c0, n, stride_xt, stride_cc,
-                                       stride_ck, KW, R, BK, False).to(tl.float32))
-            gate_rows = gates_ptr + seq_rows * stride_gt
-            decay = tl.exp(log_decay(tl.load(gate_rows + HV + h, mask=row_ok, other=0.0).to(tl.float32), dt_bias,
-                                     A_log))
-            beta_den = 1.0 + tl.exp(-tl.load(gate_rows + h, mask=row_ok, other=0.0).to(tl.float32))  # 1 / beta
-            if OUTPUT:
-                q_all = _l2_rows(rows_conv(x_seq, conv, q_ch, d_mask, init, convw_ptr, c0, n, stride_xt,
-                                           stride_cc, stride_ck, KW, R, BK, False).to(tl.float32)) * scale
-                out_mask = row_ok[:, None] & v_mask[None, :]
-                zg = tl.load(z_ptr + seq_rows[:, None] * stride_zt + h * DV + dv[None, :], mask=out_mask,
-                             other=0.0).to(tl.float32)
-                # The norm weight in the output tile's shape (a load a row, from L1) gets the tile's layout; the
-                # row mask keeps the load in the loop over chunks (else it is hoisted and held in registers).
-                norm_w = tl.load(tl.broadcast_to(normw_ptr + dv[None, :], [R, BV]), mask=out_mask,
-                                 other=0.0).to(tl.float32)
-                o_all = tl.zeros([R, BV], dtype=tl.float32)
-            # The serial part, row by row: what the state enters.
-            for j in range(0, tl.minimum(n - c0, R)):
-                k = _pick(k_all, j, 0)
-                S = S * _pick(decay, j, 0)
-                v = _pick(v_all, j, 1).to(tl.float32)  # picked in the rows' dtype: converted as the narrow type
-                delta = (v - tl.sum(S * k[:, None], 0)) / _pick(beta_den, j, 0)
-                S = S + k[:, None] * delta[None, :]
-                if OUTPUT:
-                    o = tl.sum(S * _pick(q_all, j, 0)[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
-                    o_all = tl.where((tl.arange(0, R) == j)[:, None], o[None, :], o_all)
-            if OUTPUT:
-                _norm_rows(o_all, zg, norm_w, out_ptr + seq_rows * stride_ot + h * DV, dv, v_mask, row_ok, eps, DV,
-                           PROD_TY)
-        tl.store(state, S, mask=s_mask)
-        write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask,
-                         window_tail(x_seq, conv, q_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         window_tail(x_seq, conv, k_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         window_tail(x_seq, conv, v_ch, v_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         cnt_ptr + seq * HK + kh, stride_cc, stride_ck, HV // HK, KW, BW)
     elif tl.load(init_ptr + seq) == 0:
         zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
                      stride_ck, KW, BK, BV, BW, PDL)

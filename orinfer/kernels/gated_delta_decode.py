@@ -69,8 +69,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
 # unfused kernels (no Qwen3.5 size has them).
 MAX_STATE_TILE = 128 * 128
-# The most rows `_rows_kernel` prepares at once (its tiles [R, Dk] of q and k, [R, Dv] of v, z and the output): a
-# k = 3 verify step's 4 rows, or the rollback's 1 + a accepted ones, in one chunk.
+# The most rows `_rows_kernel` prepares at once (its tiles of q, k, v, z and the output, R rows each): a k = 3 verify
+# step's 4 rows, or the rollback's 1 + a accepted ones, in one chunk. At 4, 27B's heads take 246 registers (sm_90,
+# bf16: no spills); each tile height is a kernel of its own, compiled at start-up (engine/warmup.py's prompt rows and
+# graphs, StateRollback.warm_up).
 ROWS_TILE = 4
 
 
@@ -222,7 +224,7 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
     Hk from C). `max_rows_per_seq`: the most rows any sequence has (None: unknown).
 
     Kernels: `_decode_step_kernel` when every sequence has at most one row, else `_rows_kernel` (any count; the
-    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS). Heads too large for one register tile, or more
+    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS) in chunks of rows_tile(max_rows_per_seq) rows. Heads too large for one register tile, or more
     (sequence, key head) pairs than counters, take the unfused kernels (the same result).
     """
     check_device(mixed)
@@ -256,10 +258,12 @@ def gated_delta_advance(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: t
                         max_rows_per_seq: int | None = None) -> None:
     """`gated_delta_advance_ref`'s contract (the decode step's state updates, no output): mixed [T, C], gates
     [T, 2 Hv] (b | a), conv_weight [C, K], A_log, dt_bias [Hv], query_start_loc [B+1] int32, conv_states
-    [slots, C, K-1] and ssm_states [slots, Hv, Dk, Dv] fp32 updated in place, state_slots [B], has_initial_state [B].
+    [slots, C, K-1] and ssm_states [slots, Hv, Dk, Dv] fp32 updated in place, state_slots [B], has_initial_state [B];
+    `max_rows_per_seq` the most rows any sequence has (None: unknown).
 
-    Kernel: `_rows_kernel` with OUTPUT False, grid (Hv, B), one launch where the unfused chain takes two (the conv,
-    then the recurrent kernel). Heads that cannot fuse take those two (the same result).
+    Kernel: `_rows_kernel` with OUTPUT False in chunks of rows_tile(max_rows_per_seq) rows, grid (Hv, B), one launch
+    where the unfused chain takes two (the conv, then the recurrent kernel). Heads that cannot fuse take those two
+    (the same result).
     """
     check_device(mixed)
     heads = _heads("gated_delta_advance", mixed, gates, conv_weight, A_log, dt_bias, query_start_loc, conv_states,

@@ -26,7 +26,8 @@ instructions and 12 barriers against ~1440, 20 and 40 global loads; a chunk's pr
 its 64 loads a thread together. Layouts: the conv tiles are loaded a row or a tap at a time ([1, D] or [D, 1]
 pointers), which gives every load of a tile one layout (no conversion in the preparation), and V_c is held
 channel-major (a vector picked from an [R, Dv] tile handed its layout to the state tile: two 64 KiB conversions
-through shared memory and spills). sm_90 at Qwen3.5-27B's heads, bf16: 246 registers at R = 4, no spills.
+through shared memory and spills). sm_90 at Qwen3.5-27B's heads, bf16: 246 registers at R = 4, no spills. Measured
+on the H200 (NOTES run 392): 4 rows 11.29 us a layer (was 16.75), the advance 7.86 (10.85); one row unchanged.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 speculative verify steps, short prompts) and its advance-only variant (`gated_delta_advance`: the state rollback's
 replay), against the unfused chain (conv -> delta rule -> gated RMSNorm, and the conv -> recurrent kernel for the
 advance): 1 to 16 rows a sequence mixed in one batch with empty sequences, fewer and more rows than the conv window,
-shuffled slots, initial states read or ignored, 1:1, 2:1 and 3:1 value to key heads, fp32 (bit-identical to the
-unfused Triton kernels in the interpreter) and bf16; on the CPU interpreter. On the GPU, at Qwen3.5-27B's heads,
-eager and inside a CUDA graph."""
+every tile height of the row loop (1, 2, 4 rows prepared at once) with sequences of one chunk or several, shuffled
+slots, initial states read or ignored, 1:1, 2:1 and 3:1 value to key heads, fp32 and bf16 (both bit-identical to the
+unfused Triton kernels in the interpreter), conv states in another dtype than the rows; on the CPU interpreter. On
+the GPU, at Qwen3.5-27B's heads, eager and inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 
 from kernel_checks import DEVICE, INTERPRET, poison_allocations, skip_module_without_kernels, tol
 from orinfer.kernels.gated_delta import gated_delta_advance_ref
-from orinfer.kernels.gated_delta_decode import gated_delta_advance, gated_delta_decode_step
+from orinfer.kernels import gated_delta_decode
+from orinfer.kernels.gated_delta_decode import gated_delta_advance, gated_delta_decode_step, rows_tile
 from orinfer.kernels.splitk import counters
 from test_gated_delta import batch_layout
-from test_gated_delta_decode import QWEN3_5_27B, check_step, step_inputs, unfused_triton
+from test_gated_delta_decode import QWEN3_5_27B, check_step, run_both, step_inputs, unfused_triton
 
 skip_module_without_kernels()
 
@@ -89,9 +91,9 @@ def advance_inputs(args: dict, copies: bool = True) -> dict:
 
 
 def check_advance(lens: list[int], *, k_heads: int = 2, v_heads: int = 4, dtype: torch.dtype = torch.float32,
-                  all_initial: bool = True, seed: int = 0) -> None:
-    """The fused advance against the reference chain and the unfused Triton kernels (conv, then the recurrent delta
-    rule, as the rollback ran them): both state pools."""
+                  all_initial: bool = True, seed: int = 0, max_rows: int | None = None) -> None:
+    """The fused advance (told `max_rows` rows a sequence at most) against the reference chain and the unfused
+    Triton kernels (conv, then the recurrent delta rule, as the rollback ran them): both state pools."""
     from orinfer.kernels.causal_conv import causal_conv1d
     from orinfer.kernels.gated_delta_chunk import gated_delta_rule
 
@@ -101,7 +103,7 @@ def check_advance(lens: list[int], *, k_heads: int = 2, v_heads: int = 4, dtype:
     layout = dict(query_start_loc=qsl, state_slots=slots, has_initial_state=init)
     step = step_inputs(sum(lens), k_heads, v_heads, 16, 16, 4, dtype, num_slots, seed + 1)
     got, want, unfused = advance_inputs(step), advance_inputs(step), advance_inputs(step)
-    assert gated_delta_advance(**got, **layout) is None
+    assert gated_delta_advance(**got, **layout, max_rows_per_seq=max_rows) is None
     gated_delta_advance_ref(**want, **layout)
     gated_delta_advance_ref(**unfused, **layout, conv=causal_conv1d, rule=gated_delta_rule)
     assert torch.equal(got["conv_states"], want["conv_states"])
@@ -137,6 +139,53 @@ def test_advance_bad_shapes_are_named():
                             has_initial_state=init)
 
 
+# --- rows a sequence and tile heights: the row loop's chunks of R rows ---------------------------------------------
+
+def test_the_tile_height_follows_the_bound():
+    """R: the next power of two of the rows bound, at most ROWS_TILE (4); unknown bounds take 4."""
+    assert [rows_tile(bound) for bound in (None, 1, 2, 3, 4, 5, 16)] == [4, 1, 2, 4, 4, 4, 4]
+
+
+@pytest.mark.pairwise(each_value=True)  # default tier: each count and dtype once; the slow tier the rest
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_a_sequence(rows, dtype):
+    """`rows` rows in every sequence of a batch with an empty one, told that bound (at least 2 for the step, which
+    takes one-row batches to the one-row kernel): tiles of 1, 2 and 4 rows, one chunk or several (5, 7, 16 rows);
+    every other state new. The step and the advance."""
+    lens = [rows, 0, rows, rows]
+    check_step(len(lens), lens=lens, max_rows=max(rows, 2), dtype=dtype, seed=140 + rows)
+    check_advance(lens, dtype=dtype, max_rows=rows, all_initial=False, seed=160 + rows)
+
+
+@pytest.mark.parametrize("tile, dtype, lens", [
+    (1, torch.float32, [5, 0, 16, 1, 7, 2]),
+    (2, torch.float32, [5, 0, 16, 1, 7, 2]),
+    # bf16 over fewer rows: against the torch reference, long bf16 recurrences drift by more than its tolerance
+    # (conv outputs an ulp apart where the interpreter truncates and torch rounds), unfused kernels or fused.
+    (2, torch.bfloat16, [5, 0, 3, 1, 2]),
+])
+def test_rows_in_chunks_of_smaller_tiles(monkeypatch, tile, dtype, lens):
+    """Tiles of 1 and 2 rows (ROWS_TILE lowered; the other tests take 4) over a batch of mixed counts: sequences
+    of several chunks, chunks past a sequence's last row, empty sequences, new states. The step and the advance."""
+    monkeypatch.setattr(gated_delta_decode, "ROWS_TILE", tile)
+    check_step(len(lens), lens=lens, max_rows=16, dtype=dtype, seed=120 + tile)
+    check_advance(lens, max_rows=16, dtype=dtype, all_initial=False, seed=125 + tile)
+
+
+def test_rows_with_conv_states_in_another_dtype():
+    """bf16 rows over fp32 conv states (the window's two loads, one masked to zero, instead of one from either
+    tensor): the reference chain's outputs and states."""
+    lens = [3, 1, 5]
+    qsl, slots, init, num_slots = batch_layout(lens, 130)
+    args = step_inputs(sum(lens), 2, 4, 16, 16, 4, torch.bfloat16, num_slots, seed=131)
+    args["conv_states"] = args["conv_states"].float()
+    got, got_args, want, want_args = run_both(args, (qsl, slots, init), max_rows=5)
+    torch.testing.assert_close(got.double(), want.double(), **tol(torch.bfloat16))
+    assert torch.equal(got_args["conv_states"], want_args["conv_states"])
+    torch.testing.assert_close(got_args["ssm_states"], want_args["ssm_states"], **tol(torch.bfloat16))
+
+
 # --- GPU: Qwen3.5-27B's heads --------------------------------------------------------------------------------------
 
 def _gpu_layout(num_seqs: int, rows: int, seed: int):
@@ -149,11 +198,14 @@ def _gpu_layout(num_seqs: int, rows: int, seed: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_seqs", [1, 8])
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16])
+@pytest.mark.parametrize("bound", ["graph", "exact"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_27b_heads_rows_against_unfused(num_seqs, rows, dtype):
+def test_gpu_27b_heads_rows_against_unfused(num_seqs, rows, bound, dtype):
     """Outputs and pools of the fused multi-row step and of the advance against the unfused Triton kernels at 27B's
-    heads (3 value heads a key head: the last-reader handoff under real concurrency)."""
+    heads (3 value heads a key head: the last-reader handoff under real concurrency), told a verify graph's bound
+    (16: tiles of 4 rows, several chunks past 4) or the exact one (tiles of 1, 2 or 4 rows)."""
+    told = 16 if bound == "graph" else rows
     lens, layout, num_slots = _gpu_layout(num_seqs, rows, 80 + rows)
     qsl, slots, init = layout
     args = step_inputs(sum(lens), **QWEN3_5_27B, dtype=dtype, num_slots=num_slots, seed=81)
@@ -161,7 +213,7 @@ def test_gpu_27b_heads_rows_against_unfused(num_seqs, rows, dtype):
     fused = dict(args, conv_states=args["conv_states"].clone(), ssm_states=args["ssm_states"].clone())
     unfused = dict(args, conv_states=args["conv_states"].clone(), ssm_states=args["ssm_states"].clone())
     got = gated_delta_decode_step(**fused, query_start_loc=qsl, state_slots=slots, has_initial_state=init,
-                                  max_rows_per_seq=16)
+                                  max_rows_per_seq=told)
     want = unfused_triton(unfused, layout)
     state_tol = tol(torch.float32, 2) if dtype == torch.float32 else tol(dtype)
     torch.testing.assert_close(got.double(), want.double(), **tol(dtype, 2))
@@ -169,7 +221,7 @@ def test_gpu_27b_heads_rows_against_unfused(num_seqs, rows, dtype):
     torch.testing.assert_close(fused["ssm_states"], unfused["ssm_states"], **state_tol)
     advanced, replayed = advance_inputs(args), advance_inputs(args)
     layout_kw = dict(query_start_loc=qsl, state_slots=slots, has_initial_state=init)
-    gated_delta_advance(**advanced, **layout_kw)
+    gated_delta_advance(**advanced, **layout_kw, max_rows_per_seq=told)
     from orinfer.kernels.causal_conv import causal_conv1d
     from orinfer.kernels.gated_delta_chunk import gated_delta_rule
     gated_delta_advance_ref(**replayed, **layout_kw, conv=causal_conv1d, rule=gated_delta_rule)
@@ -198,8 +250,8 @@ def test_gpu_27b_heads_rows_in_a_cuda_graph(num_seqs):
     def step(a: dict) -> torch.Tensor:
         return gated_delta_decode_step(**a, **layout, max_rows_per_seq=16)
 
-    def advance(a: dict) -> None:
-        gated_delta_advance(**advance_inputs(a, copies=False), **layout)
+    def advance(a: dict) -> None:  # told 1 + k rows, as the rollback tells it
+        gated_delta_advance(**advance_inputs(a, copies=False), **layout, max_rows_per_seq=4)
 
     for op in (step, advance):
         eager, graphed = pools(), pools()

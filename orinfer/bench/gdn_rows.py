@@ -9,7 +9,9 @@ decode rows (1 a sequence), speculative verify rows (1 + k) and the state rollba
 Each op is captured `--layers` times back to back in one CUDA graph, each call on its own layer's state pools (as a
 model's layers follow one another, so no state is warm in L2), and the graph replays are timed with CUDA events: the
 reported figure is microseconds per layer (median over `--repeats` replays). `--bound` is the max_rows_per_seq the
-fused step is told (a verify graph's bucket: 16; 1 picks the one-row kernel where every sequence has one row).
+fused step and advance are told (a verify graph's bucket: 16; the rollback tells the advance 1 + k; 1 picks the
+one-row kernel where every sequence has one row); the row loop prepares min(4, next power of two of the bound) rows
+at once (`gated_delta_decode.rows_tile`).
 
 Run: `python -m orinfer.bench.gdn_rows [--batches 1,8] [--rows 1,4] [--layers 48] [--json]` (needs a CUDA device).
 """
@@ -67,7 +69,8 @@ def _ops(bound: int) -> dict[str, Callable]:
         "step fused": lambda a, p, lay: gated_delta_decode_step(**a, **p, **lay, max_rows_per_seq=bound),
         "step unfused": lambda a, p, lay: gated_delta_decode_step_ref(
             **a, **p, **lay, conv=causal_conv1d, rule=gated_delta_rule, norm=gated_rms_norm),
-        "advance fused": lambda a, p, lay: gated_delta_advance(**advance_args(a), **p, **lay),
+        "advance fused": lambda a, p, lay: gated_delta_advance(**advance_args(a), **p, **lay,
+                                                               max_rows_per_seq=bound),
         "advance unfused": lambda a, p, lay: gated_delta_advance_ref(**advance_args(a), **p, **lay,
                                                                      conv=causal_conv1d, rule=gated_delta_rule),
     }
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,4", help="rows a sequence (comma-separated; 4: a k = 3 verify step)")
     parser.add_argument("--layers", type=int, default=48, help="calls a graph, each on its own state pools")
     parser.add_argument("--bound", type=int, default=None,
-                        help="max_rows_per_seq the fused step is told (default: the rows; a 16-row graph: 16)")
+                        help="max_rows_per_seq the fused step and advance are told (default: the rows; a 16-row "
+                             "graph: 16)")
     parser.add_argument("--repeats", type=int, default=50, help="timed graph replays (the median is reported)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines")
     opts = parser.parse_args(argv)

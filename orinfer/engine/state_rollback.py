@@ -51,6 +51,10 @@ class StateRollback:
         self.pools, self.layers = pools, model.state_layers()
         self.max_seqs, self.max_drafts = pools.num_work_slots, max_drafts
         self.max_rows = self.max_seqs * (1 + max_drafts)
+        # The rows bound every advance is told (the most any sequence keeps), whatever a step's counts: the fused
+        # advance compiles one kernel per tile height it derives from the bound (kernels/gated_delta_decode.py's
+        # rows_tile), and one bound is one kernel, which `warm_up` compiles at start-up.
+        self.max_count = 1 + max_drafts
         self.rows = torch.zeros(self.max_rows, dtype=torch.int64, device=device)  # flat-batch rows to keep
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         # [layers, rows, ...]: one gather reads every layer's kept rows back (`finish`).
@@ -123,7 +127,7 @@ class StateRollback:
             device = self.rows.device
             offsets = _upload(_starts(counts), device)
             self._advance(offsets, _upload(slots, device), num_accepted.index_select(0, _upload(picked, device)),
-                          max(counts))
+                          self.max_count)
             return
         self.graphs.run(slots, counts, picked, num_accepted)
 
@@ -151,7 +155,7 @@ class StateRollback:
         so that its kernels compile at start-up, not in the first verify step (engine/warmup.py)."""
         device = self.rows.device
         one = torch.zeros(1, dtype=torch.int64, device=device)
-        self._advance(one, torch.full_like(one, self.pools.scratch_slot), one, 1)
+        self._advance(one, torch.full_like(one, self.pools.scratch_slot), one, self.max_count)
 
     def use_graphs(self, max_sampled: int) -> None:
         """Replays `finish`'s device work from CUDA graphs (one per number of speculating sequences, captured the
@@ -171,7 +175,7 @@ class RollbackGraphs:
 
     def __init__(self, rollback: StateRollback, max_sampled: int) -> None:
         device = rollback.rows.device
-        self.rollback, self.max_count = rollback, 1 + rollback.max_drafts
+        self.rollback = rollback
         size = rollback.max_seqs
         self.offsets = torch.zeros(size, dtype=torch.int64, device=device)
         self.slots = torch.zeros(size, dtype=torch.int64, device=device)
@@ -205,7 +209,7 @@ class RollbackGraphs:
 
     def _body(self, n: int) -> None:
         accepted = self.num_accepted.index_select(0, self.picked[:n])
-        self.rollback._advance(self.offsets[:n], self.slots[:n], accepted, self.max_count)
+        self.rollback._advance(self.offsets[:n], self.slots[:n], accepted, self.rollback.max_count)
 
     def release(self) -> None:
         self.graphs.clear()

@@ -124,11 +124,13 @@ def gated_delta_decode_step_ref(mixed: torch.Tensor, z: torch.Tensor, gates: tor
 
 def gated_delta_advance_ref(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                             dt_bias: torch.Tensor, query_start_loc: torch.Tensor, conv_states: torch.Tensor,
-                            ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor, *,
-                            conv: Callable = causal_conv1d_ref, rule: Callable = gated_delta_rule_ref) -> None:
+                            ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                            max_rows_per_seq: int | None = None, *, conv: Callable = causal_conv1d_ref,
+                            rule: Callable = gated_delta_rule_ref) -> None:
     """`gated_delta_decode_step_ref`'s state updates without its output (no z, no norm): each sequence's conv and
     delta-rule states advanced over its rows of conv inputs mixed [T, C] and gate inputs gates [T, 2 Hv] (b | a),
-    in place. The speculative state rollback replays a sequence's accepted rows so (engine/state_rollback.py)."""
+    in place. The speculative state rollback replays a sequence's accepted rows so (engine/state_rollback.py).
+    `max_rows_per_seq` as the step's (a kernel's hint; the reference takes any rows)."""
     _conv_and_rule(mixed, gates, conv_weight, A_log, dt_bias, query_start_loc, conv_states, ssm_states, state_slots,
                    has_initial_state, conv, rule)
 

@@ -1,4 +1,5 @@
-"""The conv-history side of the fused Gated DeltaNet step kernels (kernels/gated_delta_decode.py): each sequence's
+"""The conv-history side of the fused Gated DeltaNet step kernels (kernels/gated_delta_decode.py, and
+kernels/gated_delta_rows.py's row loop), and what a program of theirs works on (`program`): each sequence's
 conv window (its K-1 previous inputs from the conv state slot, then the step's rows), the conv at a row with the conv
 kernel's (kernels/causal_conv.py) sums and rounding, and the new history written back under the key head's
 last-reader ownership (that module's docstring). Channel vectors `ch` index the [C] conv channels of one program (a
@@ -12,6 +13,29 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def program(qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK: tl.constexpr,
+             HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """What a program of grid (Hv, B) works on: value head h of sequence `seq`, its key head, rows [begin, end),
+    flag, state tile pointers and mask, conv history base and channel indices."""
+    h = tl.program_id(0)
+    seq = tl.program_id(1)
+    kh = h // (HV // HK)
+    begin = tl.load(qsl_ptr + seq)
+    end = tl.load(qsl_ptr + seq + 1)
+    init = tl.load(init_ptr + seq) != 0
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    d = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    d_mask = d < DK
+    v_mask = dv < DV
+    state = ssm_ptr + slot * stride_ss + h * (DK * DV) + d[:, None] * DV + dv[None, :]
+    s_mask = d_mask[:, None] & v_mask[None, :]
+    q_ch = kh * DK + d
+    return (h, seq, kh, begin, end, init, state, s_mask, conv_ptr + slot * stride_cs, q_ch, HK * DK + q_ch,
+            2 * HK * DK + h * DV + dv, d_mask, v_mask, dv)
 
 
 @triton.jit
@@ -45,20 +69,43 @@ def with_row(kept, x, KW: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
-def window_conv(x_seq, conv, ch, mask, init, w_ptr, j, stride_xt, stride_cc, stride_ck, KW: tl.constexpr,
-                 BD: tl.constexpr):
-    """`conv_silu` at row j of a sequence whose rows start at x_seq: window positions j .. j+K-1, those below K-1
-    from the history (zeros without an initial state), the others the rows p - (K-1), summed as the conv kernel
-    sums them (one of its two loads is masked to 0). Rounded to the rows' dtype, returned as fp32."""
-    acc = tl.zeros([BD], dtype=tl.float32)
+def rows_conv(x_seq, conv, ch, mask, init, w_ptr, c0, n, stride_xt, stride_cc, stride_ck, KW: tl.constexpr,
+              R: tl.constexpr, BD: tl.constexpr, BY_CHANNEL: tl.constexpr):
+    """`conv_silu` at rows c0 .. c0+R-1 of a sequence of n rows starting at x_seq (rows past n give zeros), as one
+    tile, [R, BD] (BY_CHANNEL: [BD, R]), in the rows' dtype: row j's window positions j .. j+K-1, those below K-1
+    from the history (zeros without an initial state), the others the rows p - (K-1), summed tap by tap in fp32 as
+    the conv kernel sums them, rounded as it stores them.
+    Layout: every load is of one row or one tap ([1, BD] or [BD, 1]), so each thread holds one channel of every
+    row and the tile needs no layout conversion (loads of the tile's shape took two layouts, the rows' contiguous
+    channels vectorized beside the history's and the weights' strided ones, and each conversion between them cost a
+    shared-memory round trip; the weights were also loaded once per row)."""
+    r = tl.arange(0, R)
+    if BY_CHANNEL:
+        c2 = ch[:, None]
+        m2 = mask[:, None]
+        pick = r[None, :]
+        acc = tl.zeros([BD, R], dtype=tl.float32)
+    else:
+        c2 = ch[None, :]
+        m2 = mask[None, :]
+        pick = r[:, None]
+        acc = tl.zeros([R, BD], dtype=tl.float32)
     for i in tl.static_range(KW):
-        p = j + i
-        in_x = p >= KW - 1
-        xv = tl.load(x_seq + (p - (KW - 1)).to(tl.int64) * stride_xt + ch, mask=mask & in_x, other=0.0)
-        hv = tl.load(conv + ch * stride_cc + p * stride_ck, mask=mask & (p < KW - 1) & init, other=0.0)
-        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * tl.load(w_ptr + ch * KW + i, mask=mask,
-                                                                 other=0.0).to(tl.float32)
-    return (acc / (1.0 + tl.exp(-acc))).to(x_seq.dtype.element_ty).to(tl.float32)
+        # The mask's c0 < n keeps the load in the caller's loop over chunks (else it is hoisted and held).
+        w = tl.load(w_ptr + c2 * KW + i, mask=m2 & (c0 < n), other=0.0).to(tl.float32)
+        for j in tl.static_range(R):
+            p = c0 + j + i  # window position of row c0 + j's tap i
+            ok = m2 & (c0 + j < n)
+            hist = conv + c2 * stride_cc + p * stride_ck
+            row = x_seq + (p - (KW - 1)).to(tl.int64) * stride_xt + c2
+            if conv.dtype.element_ty == x_seq.dtype.element_ty:  # one load from either
+                xv = tl.load(tl.where(p < KW - 1, hist, row), mask=ok & (init | (p >= KW - 1)), other=0.0)
+                xv = xv.to(tl.float32)
+            else:  # the conv kernel's two loads, one masked to 0
+                xv = (tl.load(row, mask=ok & (p >= KW - 1), other=0.0).to(tl.float32)
+                      + tl.load(hist, mask=ok & (p < KW - 1) & init, other=0.0).to(tl.float32))
+            acc = tl.where(pick == j, acc + xv * w, acc)
+    return (acc / (1.0 + tl.exp(-acc))).to(x_seq.dtype.element_ty)
 
 
 @triton.jit

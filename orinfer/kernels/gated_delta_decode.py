@@ -21,9 +21,9 @@ False: hist and S read as zeros. A sequence with no row keeps its states, or, wi
 zeroed (as the unfused kernels leave them). The advance variant (OUTPUT False) skips q, o, z and the norm.
 
 Two kernels, one math: `_decode_step_kernel` for one row a sequence (its conv history read before the PDL wait,
-beside the state) and `_rows_kernel` for any count (a row loop with the state tile in registers; the conv window's
-history part re-read per row from cache, the earlier rows' inputs from the step's rows). The one-row kernel stays
-separate so decode pays nothing for the loop; `gated_delta_decode_step` picks by the host-known bound on rows.
+beside the state) and `_rows_kernel` (kernels/gated_delta_rows.py) for any count (a row loop with the state tile in
+registers, each chunk of rows prepared at once before it). The one-row kernel stays separate so decode pays nothing
+for the loop; `gated_delta_decode_step` picks by the host-known bound on rows (and the rows kernel's tile height).
 
 Conv-state ownership: the Hv / Hk programs of one key head all read its q/k history, and one of them must write it
 back, but only after every one has read it (a program of the group may run long after another has finished). Each
@@ -57,8 +57,9 @@ import triton.language as tl
 
 from orinfer.kernels.gated_delta import gated_delta_advance_ref, gated_delta_decode_step_ref
 from orinfer.kernels.gated_delta_chunk import log_decay
-from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, window_conv, window_tail, with_row,
-                                                     write_histories, zero_states)
+from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, program, with_row, write_histories,
+                                                     zero_states)
+from orinfer.kernels.gated_delta_rows import _rows_kernel
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import MAX_TILES, counters
@@ -68,6 +69,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 # (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
 # unfused kernels (no Qwen3.5 size has them).
 MAX_STATE_TILE = 128 * 128
+# The most rows `_rows_kernel` prepares at once (its tiles of q, k, v, z and the output, R rows each): a k = 3 verify
+# step's 4 rows, or the rollback's 1 + a accepted ones, in one chunk. At 4, 27B's heads take 246 registers (sm_90,
+# bf16: no spills); each tile height is a kernel of its own, compiled at start-up (engine/warmup.py's prompt rows and
+# graphs, StateRollback.warm_up).
+ROWS_TILE = 4
 
 
 @triton.jit
@@ -95,29 +101,6 @@ def _norm_output(S, q, scale, z_row, normw_ptr, out_row, dv, v_mask, eps, DV: tl
 
 
 @triton.jit
-def _program(qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK: tl.constexpr,
-             HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """What a program of grid (Hv, B) works on: value head h of sequence `seq`, its key head, rows [begin, end),
-    flag, state tile pointers and mask, conv history base and channel indices."""
-    h = tl.program_id(0)
-    seq = tl.program_id(1)
-    kh = h // (HV // HK)
-    begin = tl.load(qsl_ptr + seq)
-    end = tl.load(qsl_ptr + seq + 1)
-    init = tl.load(init_ptr + seq) != 0
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
-    d = tl.arange(0, BK)
-    dv = tl.arange(0, BV)
-    d_mask = d < DK
-    v_mask = dv < DV
-    state = ssm_ptr + slot * stride_ss + h * (DK * DV) + d[:, None] * DV + dv[None, :]
-    s_mask = d_mask[:, None] & v_mask[None, :]
-    q_ch = kh * DK + d
-    return (h, seq, kh, begin, end, init, state, s_mask, conv_ptr + slot * stride_cs, q_ch, HK * DK + q_ch,
-            2 * HK * DK + h * DV + dv, d_mask, v_mask, dv)
-
-
-@triton.jit
 def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr, qsl_ptr, slot_ptr,
                         init_ptr, conv_ptr, ssm_ptr, cnt_ptr, out_ptr, eps, scale,
                         stride_xt, stride_zt, stride_gt, stride_ot, stride_cs, stride_cc, stride_ck, stride_ss,
@@ -125,7 +108,7 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
                         BV: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr, PROD_TY: tl.constexpr,
                         PDL: tl.constexpr):
     """One value head h of one sequence of at most one row (grid (Hv, B)): the module docstring's math for it."""
-    h, seq, kh, row, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = _program(
+    h, seq, kh, row, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = program(
         qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK, HV, DK, DV, BK, BV)
     if end > row:
         # Before the wait: the state pools (only this kernel writes them in a step) and the step's inputs.
@@ -154,49 +137,6 @@ def _decode_step_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, n
         write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask, with_row(q_kept, qx, KW, BW),
                          with_row(k_kept, kx, KW, BW), with_row(v_kept, vx, KW, BW), cnt_ptr + seq * HK + kh,
                          stride_cc, stride_ck, HV // HK, KW, BW)
-    elif tl.load(init_ptr + seq) == 0:
-        zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
-                     stride_ck, KW, BK, BV, BW, PDL)
-
-
-@triton.jit
-def _rows_kernel(x_ptr, z_ptr, gates_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr, qsl_ptr, slot_ptr,
-                 init_ptr, conv_ptr, ssm_ptr, cnt_ptr, out_ptr, eps, scale,
-                 stride_xt, stride_zt, stride_gt, stride_ot, stride_cs, stride_cc, stride_ck, stride_ss,
-                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, KW: tl.constexpr, BW: tl.constexpr, PROD_TY: tl.constexpr, OUTPUT: tl.constexpr,
-                 PDL: tl.constexpr):
-    """One value head h of one sequence of any number of rows (grid (Hv, B)): the module docstring's math, its rows
-    in order with the state tile in registers; OUTPUT False: the states only (no q, z, norm or output)."""
-    h, seq, kh, begin, end, init, state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, dv = _program(
-        qsl_ptr, slot_ptr, init_ptr, conv_ptr, ssm_ptr, stride_cs, stride_ss, HK, HV, DK, DV, BK, BV)
-    n = end - begin
-    if n > 0:
-        S = tl.load(state, mask=s_mask & init, other=0.0)  # before the wait, as in the one-row kernel
-        A_log = tl.load(alog_ptr + h).to(tl.float32)
-        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        x_seq = x_ptr + begin.to(tl.int64) * stride_xt
-        for j in range(0, n):
-            row = begin.to(tl.int64) + j
-            k = window_conv(x_seq, conv, k_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BK)
-            v = window_conv(x_seq, conv, v_ch, v_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW, BV)
-            gate_row = gates_ptr + row * stride_gt
-            S = _delta_rule(S, k, v, tl.load(gate_row + h).to(tl.float32),
-                            tl.load(gate_row + HV + h).to(tl.float32), A_log, dt_bias)
-            if OUTPUT:
-                q = window_conv(x_seq, conv, q_ch, d_mask, init, convw_ptr, j, stride_xt, stride_cc, stride_ck, KW,
-                                 BK)
-                _norm_output(S, q, scale, z_ptr + row * stride_zt + h * DV, normw_ptr,
-                             out_ptr + row * stride_ot + h * DV, dv, v_mask, eps, DV, PROD_TY)
-        tl.store(state, S, mask=s_mask)
-        write_histories(conv, q_ch, k_ch, v_ch, d_mask, v_mask,
-                         window_tail(x_seq, conv, q_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         window_tail(x_seq, conv, k_ch, d_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         window_tail(x_seq, conv, v_ch, v_mask, init, n, stride_xt, stride_cc, stride_ck, KW, BW),
-                         cnt_ptr + seq * HK + kh, stride_cc, stride_ck, HV // HK, KW, BW)
     elif tl.load(init_ptr + seq) == 0:
         zero_states(state, s_mask, conv, q_ch, k_ch, v_ch, d_mask, v_mask, h % (HV // HK) == 0, stride_cc,
                      stride_ck, KW, BK, BV, BW, PDL)
@@ -239,6 +179,14 @@ def _blocks(dk: int, dv: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
 
 
+def rows_tile(max_rows_per_seq: int | None) -> int:
+    """R, the rows `_rows_kernel` prepares at once (a chunk): the next power of two of the host-known bound on rows a
+    sequence, at most ROWS_TILE (None: unknown, ROWS_TILE); more rows take several chunks."""
+    if max_rows_per_seq is None:
+        return ROWS_TILE
+    return min(ROWS_TILE, triton.next_power_of_2(max(1, max_rows_per_seq)))
+
+
 def _fuses(mixed: torch.Tensor, num_seqs: int, k_heads: int, dk: int, dv: int, prod: torch.dtype) -> bool:
     """Whether the fused kernels take the batch: the state tile fits a program's registers, a counter for each
     (sequence, key head), dtypes Triton names."""
@@ -276,7 +224,7 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
     Hk from C). `max_rows_per_seq`: the most rows any sequence has (None: unknown).
 
     Kernels: `_decode_step_kernel` when every sequence has at most one row, else `_rows_kernel` (any count; the
-    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS). Heads too large for one register tile, or more
+    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS) in chunks of rows_tile(max_rows_per_seq) rows. Heads too large for one register tile, or more
     (sequence, key head) pairs than counters, take the unfused kernels (the same result).
     """
     check_device(mixed)
@@ -297,7 +245,7 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
     if num_seqs == 0:
         return out
     one_row = max_rows_per_seq is not None and max_rows_per_seq <= 1
-    flags = {} if one_row else {"OUTPUT": True}
+    flags = {} if one_row else {"OUTPUT": True, "R": rows_tile(max_rows_per_seq)}
     _launch(_decode_step_kernel if one_row else _rows_kernel, mixed, z, gates, conv_weight.contiguous(),
             A_log.contiguous(), dt_bias.contiguous(), norm_weight.contiguous(), eps, query_start_loc, conv_states,
             ssm_states, state_slots, has_initial_state, out, heads, prod, **flags)
@@ -306,13 +254,16 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
 
 def gated_delta_advance(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
                         dt_bias: torch.Tensor, query_start_loc: torch.Tensor, conv_states: torch.Tensor,
-                        ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> None:
+                        ssm_states: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                        max_rows_per_seq: int | None = None) -> None:
     """`gated_delta_advance_ref`'s contract (the decode step's state updates, no output): mixed [T, C], gates
     [T, 2 Hv] (b | a), conv_weight [C, K], A_log, dt_bias [Hv], query_start_loc [B+1] int32, conv_states
-    [slots, C, K-1] and ssm_states [slots, Hv, Dk, Dv] fp32 updated in place, state_slots [B], has_initial_state [B].
+    [slots, C, K-1] and ssm_states [slots, Hv, Dk, Dv] fp32 updated in place, state_slots [B], has_initial_state [B];
+    `max_rows_per_seq` the most rows any sequence has (None: unknown).
 
-    Kernel: `_rows_kernel` with OUTPUT False, grid (Hv, B), one launch where the unfused chain takes two (the conv,
-    then the recurrent kernel). Heads that cannot fuse take those two (the same result).
+    Kernel: `_rows_kernel` with OUTPUT False in chunks of rows_tile(max_rows_per_seq) rows, grid (Hv, B), one launch
+    where the unfused chain takes two (the conv, then the recurrent kernel). Heads that cannot fuse take those two
+    (the same result).
     """
     check_device(mixed)
     heads = _heads("gated_delta_advance", mixed, gates, conv_weight, A_log, dt_bias, query_start_loc, conv_states,
@@ -331,4 +282,4 @@ def gated_delta_advance(mixed: torch.Tensor, gates: torch.Tensor, conv_weight: t
     # No z, norm weight or output: the kernel compiles them out (OUTPUT False); any tensors fill their places.
     _launch(_rows_kernel, mixed, mixed, gates, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             A_log, 0.0, query_start_loc, conv_states, ssm_states, state_slots, has_initial_state, mixed, heads,
-            mixed.dtype, OUTPUT=False)
+            mixed.dtype, OUTPUT=False, R=rows_tile(max_rows_per_seq))

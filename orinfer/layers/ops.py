@@ -137,8 +137,8 @@ class Ops:
     # conv_states, ssm_states, state_slots, has_initial_state, max_rows_per_seq) -> the normed output [T, Hv Dv]:
     # the three above in one step, for batches of at most max_rows_per_seq rows a sequence (the triton backend fuses
     # them into one kernel). gated_delta_advance(mixed, gates, conv_weight, A_log, dt_bias, query_start_loc,
-    # conv_states, ssm_states, state_slots, has_initial_state): its state updates alone (no output), as the
-    # speculative state rollback replays accepted rows. Models take both for batches of at most
+    # conv_states, ssm_states, state_slots, has_initial_state, max_rows_per_seq): its state updates alone (no
+    # output), as the speculative state rollback replays accepted rows. Models take both for batches of at most
     # gated_delta_step_max_rows rows a sequence (decode, verify steps), the three ops above for longer rows.
     gated_delta_decode_step: Callable = gated_delta_decode_step_ref
     gated_delta_advance: Callable = gated_delta_advance_ref

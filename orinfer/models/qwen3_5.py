@@ -156,7 +156,7 @@ class GatedDeltaNetBlock(nn.Module):
         if meta.max_query_len <= self.ops.gated_delta_step_max_rows:
             self.ops.gated_delta_advance(mixed, gates, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias,
                                          meta.query_start_loc, self.conv_states, self.ssm_states, meta.state_slots,
-                                         meta.has_initial_state)
+                                         meta.has_initial_state, meta.max_query_len)
         else:
             self._mix(mixed, gates, meta, decode=True)
 

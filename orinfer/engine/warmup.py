@@ -13,6 +13,8 @@ are as before.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from orinfer.kernels.attention import exact_fp32_dots
@@ -23,9 +25,12 @@ from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.sampler import apply_token_bitmask
 from orinfer.structured.constraint import bitmask_words
 
+if TYPE_CHECKING:
+    from orinfer.engine.model_runner import ModelRunner
+
 
 @torch.inference_mode()
-def warm_prefill(runner) -> None:
+def warm_prefill(runner: ModelRunner) -> None:
     """The largest step the scheduler will form, as prompts of at most 1024 tokens (from their start: the varlen
     kernels), and its logits. Also the peak of a step's activations, which `ModelRunner._gpu_kv_budget` measures.
     Without chunked prefill a prompt longer than the budget runs whole, in a step of its own."""
@@ -52,14 +57,14 @@ def warm_prefill(runner) -> None:
         runner.model.warmup_images(runner.vision_warmup_patches)
 
 
-def _attention_classes(runner) -> tuple[int, int, bool, bool]:
+def _attention_classes(runner: ModelRunner) -> tuple[int, int, bool, bool]:
     """(query heads per kv head, head_dim, exact fp32 dots, fp8 cache) of the model's attention layers."""
     cfg = runner.model_config
     return (cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim,
             exact_fp32_dots(runner.kv_dtype, runner.cache_dtype), runner.cache_dtype == KV_FP8_DTYPE)
 
 
-def _rows_over_context(runner, rows: int, width: int, batch: int = 1) -> None:
+def _rows_over_context(runner: ModelRunner, rows: int, width: int, batch: int = 1) -> None:
     """A forward of `batch` sequences of `rows` new rows each over a cached context of `rows` tokens (block 0 read
     through a table `width` blocks wide), writing nothing."""
     device, i32 = runner.device, dict(dtype=torch.int32, device=runner.device)
@@ -75,7 +80,7 @@ def _rows_over_context(runner, rows: int, width: int, batch: int = 1) -> None:
 
 
 @torch.inference_mode()
-def warm_cached_prefix(runner) -> None:
+def warm_cached_prefix(runner: ModelRunner) -> None:
     """Prompt rows over a cached context (query rows over block 0), so that the kernels of prompt chunks, prefix-cache
     hits and eager speculative catch-ups compile at start-up (0.8-1.4 s each on the H200).
     Row counts: one per tile the verify kernel takes for 2 .. VERIFY_MAX_ROWS rows a sequence (its kernels; the fused
@@ -91,7 +96,7 @@ def warm_cached_prefix(runner) -> None:
 
 
 @torch.inference_mode()
-def warm_eager_decode(runner, max_batch: int) -> None:
+def warm_eager_decode(runner: ModelRunner, max_batch: int) -> None:
     """One-row-a-sequence forwards outside the CUDA graphs, as speculative proposals run when a batch or a catch-up
     does not fit the proposal graphs: one per set of decode-attention kernels (tile, split or not, merge width) that
     batches of 1 .. `max_batch` sequences over tables 1 .. max-context wide take (`eager_launch_classes`)."""
@@ -104,7 +109,7 @@ def warm_eager_decode(runner, max_batch: int) -> None:
 
 
 @torch.inference_mode()
-def warm_sampler(runner, logits: torch.Tensor) -> None:
+def warm_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
     """The structured-output mask kernel on `logits` [rows, V] (fp32, as the sampler gets them): the first request
     under a JSON schema or a regex would compile it otherwise, stalling every stream of the batch."""
     words = bitmask_words(runner.model_config.vocab_size)

@@ -87,8 +87,6 @@ def default_num_splits(batch: int, kv_heads: int, max_tiles: int, device: torch.
     return num_splits
 
 
-# Eager batches differ in their block-table width and split count: not specialized on, so they share the kernels that
-# start-up compiled (tests/test_gpu_startup_compiles.py).
 def combine_width(num_splits: int) -> int:
     """The split merge's tile: 16 splits wide up to 16 (a masked lane costs nothing; fewer widths, fewer kernels to
     compile), the next power of two beyond (64 lanes where 33 splits need them cost a batch-1 step 0.02 ms)."""
@@ -112,6 +110,8 @@ def eager_launch_classes(batches: list[int], widths: list[int], kv_heads: int, h
     return list(firsts.values())
 
 
+# Eager batches differ in their block-table width and split count: not specialized on, so they share the kernels that
+# start-up compiled (tests/test_gpu_startup_compiles.py).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          HQ, GROUP, num_splits, scale_log2,

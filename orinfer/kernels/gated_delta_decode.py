@@ -224,8 +224,9 @@ def gated_delta_decode_step(mixed: torch.Tensor, z: torch.Tensor, gates: torch.T
     Hk from C). `max_rows_per_seq`: the most rows any sequence has (None: unknown).
 
     Kernels: `_decode_step_kernel` when every sequence has at most one row, else `_rows_kernel` (any count; the
-    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS) in chunks of rows_tile(max_rows_per_seq) rows. Heads too large for one register tile, or more
-    (sequence, key head) pairs than counters, take the unfused kernels (the same result).
+    model keeps it to a few: gated_delta.FUSED_STEP_MAX_ROWS) in chunks of rows_tile(max_rows_per_seq) rows. Heads
+    too large for one register tile, or more (sequence, key head) pairs than counters, take the unfused kernels (the
+    same result).
     """
     check_device(mixed)
     heads = _heads("gated_delta_decode_step", mixed, gates, conv_weight, A_log, dt_bias, query_start_loc,

@@ -257,7 +257,8 @@ def _verify_combine_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, qsl_ptr, out_ptr, 
 
 def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bool, fp8: bool) -> dict:
     """Tile sizes for a step of `tokens` rows and at most `rows` per sequence: QB (rows per work item: as many as
-    BLOCK_M holds), BLOCK_M (the next power of two >= 16 of min(rows, tokens) * GROUP packed), BLOCK_N (keys per tile), BLOCK_D, warps and stages. From the other attention kernels'
+    BLOCK_M holds), BLOCK_M (the next power of two >= 16 of min(rows, tokens) * GROUP packed), BLOCK_N (keys per
+    tile), BLOCK_D, warps and stages. From the other attention kernels'
     tiles (64 x 32 for head_dim 256, up to 128 x 64 below) and ptxas reports for sm_90 without spills
     (tests/test_verify_attention_codegen.py): fp8 tiles at head_dim 256 take 16 keys (with 32, widening them to
     fp16 spilled), exact fp32 dots (FMA loops) 32 rows; the interpreter small tiles (short tests cross many)."""

@@ -9,6 +9,7 @@ import torch
 
 from kernel_checks import DEVICE, poison_allocations, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels.attention import paged_attention_ref
+from orinfer.kernels.decode_attention import paged_attention
 from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.verify_attention import verify_attention
 
@@ -114,3 +115,45 @@ def test_fixed_launch_covers_padded_batches(queries, contexts, pad_rows, pad_seq
     got = extend_attention(q, k_cache, v_cache, padded_tables, padded_lens, padded_starts, 0.2, fixed_launch=True)
     want = paged_attention_ref(q[:total].double(), k_cache.double(), v_cache.double(), tables, lens, starts, 0.2)
     torch.testing.assert_close(got[:total].double(), want, **tol(torch.float32))
+
+
+MIXED = [
+    pytest.param([1, 40, 1, 16, 17], [30, 40, 9, 50, 70],  # decode rows, a whole prompt, chunks at the bound and past
+                 marks=pytest.mark.slow),
+    ([1, 1, 24, 3], [64, 5, 33, 7]),             # prompt chunks beside two decode rows
+]
+
+
+@pytest.mark.parametrize("queries, contexts", MIXED)
+@pytest.mark.parametrize("fixed", [False, True])
+def test_mixed_steps_split_between_the_two_kernels(queries, contexts, fixed):
+    """`paged_attention` on a mixed step: decode rows through the split-KV kernel in decode-sized tiles, the chunks
+    (of 16 rows, past 16, and few) through the extend kernel, into one output (an unwritten row is NaN); in the
+    CUDA-graph form too, with padding rows and empty sequences."""
+    k_cache, v_cache, tables, lens, starts = make_batch(queries, contexts, 16, 2, 32, torch.bfloat16, seed=8)
+    total, pad_rows, pad_seqs = sum(queries), (7 if fixed else 0), (3 if fixed else 0)
+    q = torch.randn(total + pad_rows, 4, 32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEVICE)
+    padded_starts = torch.cat([starts, starts[-1:].expand(pad_seqs)])
+    padded_lens = torch.cat([lens, torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)])
+    padded_tables = torch.cat([tables, torch.zeros(pad_seqs, tables.shape[1], dtype=torch.int32, device=DEVICE)])
+    got = paged_attention(q, k_cache, v_cache, padded_tables, padded_lens, padded_starts, 0.2,
+                          max_query_len=total + pad_rows if fixed else max(queries), fixed_launch=fixed)
+    want = paged_attention_ref(q[:total].double(), k_cache.double(), v_cache.double(), tables, lens, starts, 0.2)
+    torch.testing.assert_close(got[:total].double(), want, **tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fixed", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_each_kernel_leaves_the_other_kernels_rows_alone(fixed):
+    queries, contexts = [1, 20, 3, 1], [33, 20, 40, 9]
+    k_cache, v_cache, tables, lens, starts = make_batch(queries, contexts, 16, 2, 32, torch.float32, seed=10)
+    q = torch.randn(sum(queries), 4, 32, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    want = paged_attention_ref(q, k_cache, v_cache, tables, lens, starts, 0.2)
+    long_rows = torch.zeros(sum(queries), dtype=torch.bool, device=DEVICE)
+    long_rows[1:24] = True
+    for attention, kwargs, written in [(extend_attention, dict(rows_above=1), long_rows),
+                                       (verify_attention, dict(rows_at_most=1, max_query_len=1), ~long_rows)]:
+        out = torch.full_like(q, 7.0)
+        extra = {} if attention is verify_attention else dict(max_query_len=max(queries))
+        attention(q, k_cache, v_cache, tables, lens, starts, 0.2, fixed_launch=fixed, out=out, **kwargs, **extra)
+        torch.testing.assert_close(out[written], want[written], **tol(torch.float32))
+        assert (out[~written] == 7.0).all(), attention.__name__

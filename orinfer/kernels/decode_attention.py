@@ -293,15 +293,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Otherwise, when no sequence can have more than VERIFY_MAX_ROWS rows (at most min(T, max_query_len); with
     `fixed_launch` max_query_len is the graph's token bucket), the split-KV verify kernel
     (`kernels/verify_attention.py`: speculative verify steps, short chunks over a cached prefix); beyond, the extend
-    kernel (`kernels/extend_attention.py`: prompt chunks, prefix-cache hits). Both take padded mixed-step batches
-    (`fixed_launch`)."""
-    tokens = q.shape[0]
-    if tokens == context_lens.shape[0] and not fixed_launch:
+    kernel (`kernels/extend_attention.py`: prompt chunks, prefix-cache hits), and, when there may be several
+    sequences, the verify kernel in decode-sized tiles for the decode rows among them. Both take padded mixed-step
+    batches (`fixed_launch`)."""
+    tokens, num_seqs = q.shape[0], context_lens.shape[0]
+    if tokens == num_seqs and not fixed_launch:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale)
     if min(tokens, tokens if max_query_len is None else max_query_len) <= VERIFY_MAX_ROWS:
         return verify_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                                 max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale,
                                 v_scale=v_scale)
+    if num_seqs == 1 and not fixed_launch:
+        return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale)
+    # A mixed step: decode rows beside prompt chunks. In the extend kernel each decode row would fill a whole
+    # 128-row query tile per query head (H200, Qwen3-8B, 63 decode rows + a 200-token prompt: 197 us a layer, NOTES
+    # run 396); the split-KV kernel packs a row's query heads into one 16-row tile, as decode does (with the extend
+    # kernel for the prompt: 71 us). Only one-row sequences move: chunks of any length keep the extend kernel's
+    # tiles and summation order, whatever else shares their step. Each kernel leaves the other's rows alone.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    verify_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len=1,
+                     fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale, rows_at_most=1, out=out)
     return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                            max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale)
+                            max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale,
+                            rows_above=1, out=out)

@@ -51,14 +51,15 @@ def _extend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, keys, pos, context, k
 
 @triton.jit
 def _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h, GROUP,
-                 block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                 block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, rows_above,
                  HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr):
-    """Query rows m_block*BLOCK_M.. of sequence `seq` (those it has), head h: attention over its paged context."""
+    """Query rows m_block*BLOCK_M.. of sequence `seq` (those it has), head h: attention over its paged context
+    (nothing when the sequence has at most `rows_above` rows)."""
     start = tl.load(qsl_ptr + seq)
     n_new = tl.load(qsl_ptr + seq + 1) - start
     m0 = m_block * BLOCK_M
-    if m0 < n_new:
+    if (m0 < n_new) & (n_new > rows_above):
         context = tl.load(ctx_ptr + seq)
         kvh = h // GROUP
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -91,38 +92,39 @@ def _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr
                  mask=m_mask[:, None] & (d < D)[None, :])
 
 
-# num_seqs is not specialised on (Triton compiles a kernel per class of integer argument: 1, multiple of 16, other): a
-# batch of a new size must not compile a variant mid-serving.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and rows_above are not specialised on (Triton compiles a kernel per class of integer argument: 1, multiple of
+# 16, other): a batch of a new size must not compile a variant mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "rows_above"])
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, GROUP,
-                   block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+                   block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, rows_above,
                    HK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, FIXED: tl.constexpr,
                    BLOCK_S: tl.constexpr):
     if FIXED:
         # Grid (tile bound, Hq): the batch's query blocks numbered in sequence order; this program finds its own
         # sequence from the per-sequence block counts (a cumsum over at most BLOCK_S sequences), so the launch
-        # depends on no host-side lengths. Programs past the last block do nothing.
+        # depends on no host-side lengths. Programs past the last block do nothing; sequences of at most
+        # `rows_above` rows have no blocks here.
         h = tl.program_id(1)
         tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later sequences (prompt chunks: most keys) first
         s = tl.arange(0, BLOCK_S)
         in_batch = s < num_seqs
         lo = tl.load(qsl_ptr + s, mask=in_batch, other=0)
         hi = tl.load(qsl_ptr + s + 1, mask=in_batch, other=0)
-        blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        blocks = tl.where(hi - lo > rows_above, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
         ends = tl.cumsum(blocks, 0)
         seq = tl.sum((ends <= tile).to(tl.int32), 0)
         if seq < num_seqs:
             m_block = tile - tl.sum(tl.where(s == seq, ends - blocks, 0), 0)
             _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, seq, m_block, h,
                          GROUP, block_size, scale_log2, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
-                         HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
+                         rows_above, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
     else:
         # Grid (cdiv(max_query_len, BLOCK_M), B, Hq); the query blocks with most keys are scheduled first.
         m_block = tl.num_programs(0) - 1 - tl.program_id(0)
         _extend_rows(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, tl.program_id(1),
                      m_block, tl.program_id(2), GROUP, block_size, scale_log2, stride_qt, stride_qh, stride_bt,
-                     stride_ot, stride_oh, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
+                     stride_ot, stride_oh, rows_above, HK, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8)
 
 
 def paged_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -147,7 +149,8 @@ def paged_inputs(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                      max_query_len: int | None = None, fixed_launch: bool = False, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, rows_above: int = 0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s contract in one launch: q [T, Hq, D] (unit last stride), caches [blocks, block_size,
     Hk, D] (contiguous), block_tables [B, W] int32, context_lens [B] and query_start_loc [B+1] int32 -> [T, Hq, D].
 
@@ -162,13 +165,18 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     An fp8 cache (k_scale, v_scale [Hk] fp32, `kernels/kv_fp8.py`): tiles are read as fp8 and widened to q's dtype
     in registers; the K scale multiplies the scores, the V scale the output.
+
+    rows_above: only sequences with more query rows than this are attended; the others' rows are left unwritten (a
+    mixed step gives its decode rows to another kernel: `decode_attention.paged_attention`). out: written in place
+    ([T, Hq, D] in q's dtype) instead of a new tensor.
     """
     check_device(q)
     fp8 = check_kv_scales("extend_attention", k_cache, k_scale, v_scale)
     q, block_tables = paged_inputs("extend_attention", q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     tokens, heads, head_dim = q.shape
     kv_heads, num_seqs = k_cache.shape[2], context_lens.shape[0]
-    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -191,7 +199,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, context_lens,
         query_start_loc, out, num_seqs, heads // kv_heads,
         k_cache.shape[1], scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), HK=kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
-        FP8=fp8, FIXED=fixed_launch, BLOCK_S=triton.next_power_of_2(num_seqs) if fixed_launch else 1,
+        out.stride(1), rows_above, HK=kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_F32=dot_f32, FP8=fp8, FIXED=fixed_launch, BLOCK_S=triton.next_power_of_2(num_seqs) if fixed_launch else 1,
         num_warps=warps, num_stages=stages)
     return out

@@ -112,7 +112,8 @@ class EngineArgs:
         "--no-async-scheduling waits for each step (debugging)"))
     speculative_config: dict[str, Any] | str | None = field(default=None, metadata=_cli(
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"max_batch\": 16} (orinfer/spec_decode/config.py); "
+        "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"max_batch\": 16}; \"quantization\": \"fp8\" drafts from "
+        "FP8 weights (methods mtp, draft_model) (orinfer/spec_decode/config.py); "
         "greedy output is unchanged, sampled output keeps the model's distribution", metavar="JSON"))
     # The default of SamplingParams.thinking_token_budget (a request's own wins); models without <think> ignore it.
     thinking_token_budget: int | None = field(default=None, metadata=_cli(
@@ -147,7 +148,14 @@ class EngineArgs:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
         from orinfer.spec_decode.config import SpeculativeConfig  # (imported here: config imports errors only)
-        SpeculativeConfig.parse(self.speculative_config)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and spec.quantization is not None and spec.method == "mtp" \
+                and self.tensor_parallel_size > 1:
+            # The split head would need its online FP8 sharded, which the tensor-parallel plan does for no Qwen3.5
+            # model, and its FP8 head copy vocab-parallel: refused (a draft model runs whole on rank 0: supported).
+            raise ConfigError(f"speculative_config: quantization {spec.quantization!r} with method 'mtp' is not "
+                              f"supported under tensor parallelism (tensor_parallel_size "
+                              f"{self.tensor_parallel_size}); leave quantization out or run on one GPU")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

@@ -91,6 +91,10 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False
     mtp_num_hidden_layers: int = 0
+    # The MTP head's weight format when it is not the model's, set by the engine's loaders (never read from or
+    # written to config.json): the FP8 drafter (speculative_config quantization "fp8", spec_decode/drafter.py) builds
+    # every linear of the head in online FP8. None: the head's layers follow `quantization`, its fc stays 16-bit.
+    mtp_quantization: AnyQuantConfig | None = None
     # Mixture-of-experts models only (moe_config.py): routed experts of width moe_intermediate_size, top
     # num_experts_per_tok of them per token (weights renormalised over those when norm_topk_prob), a shared expert
     # behind a sigmoid gate (width 0: none), and which layers are sparse (`is_sparse_layer`); the others are dense

@@ -25,6 +25,7 @@ from orinfer.outputs import RequestOutput
 from orinfer.prompt_inputs import parse_prompt, split_chat
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
+from orinfer.spec_decode.drafter import draft_config, target_config
 from orinfer.thinking import initial_state
 from orinfer.tool_calls import (answer_start, check_parser_for, check_tools, constrain_tool_choice, parse_chat_output,
                                 parse_tool_choice, resolve_format)
@@ -49,7 +50,7 @@ def _load_draft(args: EngineArgs, target: ModelConfig, ops: Any, weight_dtype: t
     if spec is None or spec.method != "draft_model":
         return None
     draft_dir = Path(spec.model)
-    config = ModelConfig.from_hf(draft_dir)
+    config = draft_config(spec, ModelConfig.from_hf(draft_dir), str(draft_dir))
     if config.vocab_size != target.vocab_size:
         raise ConfigError(f"speculative_config: the draft model's vocabulary ({config.vocab_size}) is not the "
                           f"target's ({target.vocab_size}); use a model of the same tokenizer")
@@ -114,6 +115,7 @@ class LLM:
         if model_config.mtp_num_hidden_layers and (spec is None or spec.method != "mtp"):
             # The MTP head (mtp.* tensors) is built and loaded only for speculative_config method "mtp".
             model_config = dataclasses.replace(model_config, mtp_num_hidden_layers=0)
+        model_config = target_config(spec, model_config)  # the FP8 drafter's MTP head (spec_decode/drafter.py)
         weight_dtype, act_dtype = resolve_dtype(args.dtype, dev, model_config.torch_dtype)
         ops = get_ops(args.backend, dev, fused_ffn=args.fused_ffn)
         home = _home(model_dir, args, seed_bin)

@@ -297,9 +297,11 @@ def test_synthetic_fp8_moe_has_fp8_experts(name):
     assert len(out.token_ids) == 4
 
 
-def test_mtp_speculation_on_random_weights(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mtp_speculation_on_random_weights(tmp_path, quantization):
     """`--speculative mtp` on a hybrid model: the engine is created with the speculative config (rollback slots and
-    the MTP head's KV cache from the budget), plain decoding measured first, then forced and real acceptance."""
+    the MTP head's KV cache from the budget), plain decoding measured first, then forced and real acceptance.
+    `--speculative-quantization fp8`: the random head is FP8 (its online scales filled like a checkpoint's)."""
     from hf_models import build_hf_qwen3_5, save_hf_model
     from orinfer.bench.spec_bench import bench_speculation
     from orinfer.spec_decode.config import SpeculativeConfig
@@ -307,13 +309,21 @@ def test_mtp_speculation_on_random_weights(tmp_path):
     cfg = ModelConfig.from_hf(save_hf_model(build_hf_qwen3_5("qwen3.5-interval4-untied"), tmp_path))
     cfg.mtp_num_hidden_layers = 1  # what `orinfer bench --synthetic qwen3.5-... --speculative mtp` sets
     args = _args("--backend", "torch", "--batch-sizes", "1", "--speculative", "mtp", "--spec-batch-sizes", "2",
-                 "--num-speculative-tokens", "2", "--decode-tokens", "7", "--decode-prompt-len", "9")
+                 "--num-speculative-tokens", "2", "--decode-tokens", "7", "--decode-prompt-len", "9",
+                 *(["--speculative-quantization", quantization] if quantization else []))
     config = bench_plan(args, cfg, torch.float32)["engine_config"]
-    assert config.speculative_config == {"method": "mtp", "num_speculative_tokens": 2, "max_batch": 2}
+    assert config.speculative_config == {"method": "mtp", "num_speculative_tokens": 2, "max_batch": 2,
+                                         **({"quantization": quantization} if quantization else {})}
     llm = build_synthetic_llm(cfg, torch.float32, CPU, config)
     assert llm.engine.runner.state.num_work_slots == 2 and llm.engine.mtp is not None
+    if quantization:
+        from orinfer.layers.fp8_linear import FP8Linear
+
+        fc = llm.engine.runner.model.mtp.fc
+        assert isinstance(fc, FP8Linear) and torch.all(fc.weight_scale_inv == 0.02)
     llm.engine.set_speculation(None)
-    rows = bench_speculation(llm, cfg, SpeculativeConfig("mtp", 2), [2], 7, 9, acceptances=(1.0,))
+    rows = bench_speculation(llm, cfg, SpeculativeConfig("mtp", 2, quantization=quantization), [2], 7, 9,
+                             acceptances=(1.0,))
     assert rows[2]["forced 1"]["tokens_per_verify"] == 3.0 and rows[2]["forced 1"]["acceptance_rate"] == 1.0
     assert rows[2]["real"]["verify_steps"] > 0
 

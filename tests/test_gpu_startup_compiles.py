@@ -78,6 +78,11 @@ CASES = {
     "qwen3.5-27b mtp": ("qwen3.5-27b", dict(method="mtp", num_speculative_tokens=3), None),
     "qwen3-0.6b draft": ("qwen3-0.6b", dict(method="draft_model", num_speculative_tokens=4, model="qwen3-0.6b"),
                          "qwen3-0.6b"),
+    # The FP8 drafter (speculative_config quantization, spec_decode/drafter.py): FP8 head and lm_head copy.
+    "qwen3.5-0.8b mtp fp8": ("qwen3.5-0.8b", dict(method="mtp", num_speculative_tokens=3, quantization="fp8"), None),
+    "qwen3.5-27b mtp fp8": ("qwen3.5-27b", dict(method="mtp", num_speculative_tokens=3, quantization="fp8"), None),
+    "qwen3-0.6b draft fp8": ("qwen3-0.6b", dict(method="draft_model", num_speculative_tokens=4, model="qwen3-0.6b",
+                                                quantization="fp8"), "qwen3-0.6b"),
     "qwen3-0.6b ngram": ("qwen3-0.6b", dict(method="ngram", num_speculative_tokens=4), None),
     "qwen3-0.6b plain": ("qwen3-0.6b", None, None),
 }

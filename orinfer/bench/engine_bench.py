@@ -59,14 +59,20 @@ def build_synthetic_llm(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     """An LLM over random weights of `cfg`'s shapes in `dtype` on `device` (no tokenizer unless one is given:
     token-id prompts only), with `args`' backend and engine settings. `args.pre_dequant` (AWQ configs): dense copies
     of the random packed weights for prefill, as `LLM(pre_dequant=True)`. `draft`: also a random draft model of
-    these shapes, for speculative decoding (method draft_model)."""
+    these shapes, for speculative decoding (method draft_model). A speculative_config quantization builds the drafter
+    in its format, as `LLM` loads it (spec_decode/drafter.py)."""
     from orinfer.distributed.group import rank_local
     from orinfer.distributed.shard_source import ShardSource
     from orinfer.engine.llm_engine import DraftParts
     from orinfer.llm import start_tensor_parallel
     from orinfer.layers.ops import get_ops
     from orinfer.loader import random_model
+    from orinfer.spec_decode.config import SpeculativeConfig
+    from orinfer.spec_decode.drafter import draft_config, target_config
 
+    spec = SpeculativeConfig.parse(args.speculative_config)  # the FP8 drafter's formats, as LLM loads them
+    cfg = target_config(spec, cfg)
+    draft = None if draft is None else draft_config(spec, draft)
     if args.tensor_parallel_size > 1:
         executor = start_tensor_parallel(ShardSource(cfg, None, dtype, dtype, args, device.type))
         shard = executor.shard

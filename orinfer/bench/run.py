@@ -21,6 +21,7 @@ from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
 from orinfer.fp8_config import FP8Config
 from orinfer.gptq_config import GPTQConfig
 from orinfer.server.interpreter import freeze_startup_heap
+from orinfer.spec_decode.config import QUANTIZATIONS as SPEC_QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, func) -> None:
     p.add_argument("--draft-synthetic", default="qwen3-0.6b", metavar="PRESET",
                    help="--speculative draft_model: random weights of this preset's shapes draft (default qwen3-0.6b)")
     p.add_argument("--spec-batch-sizes", default="1,8")
+    p.add_argument("--speculative-quantization", choices=list(SPEC_QUANTIZATIONS), default=None,
+                   help="--speculative mtp / draft_model: the drafter's weights in this format (speculative_config "
+                        "quantization: fp8 = the MTP head or the draft model and a copy of the LM head in block-wise "
+                        "FP8); results go to a file named with -fp8draft")
     p.add_argument("--structured", default=None, metavar="TOKENIZER_DIR",
                    help="also measure JSON-schema-constrained decoding against unconstrained (temperature 1) at "
                         "--structured-batch-sizes; the masks need the model family's real tokenizer: a directory "
@@ -157,6 +162,8 @@ def _bench_spec_config(args: argparse.Namespace, engine_batches: list[int]) -> d
             "max_batch": max(engine_batches)}
     if args.speculative == "draft_model":
         spec["model"] = args.draft_synthetic
+    if getattr(args, "speculative_quantization", None):
+        spec["quantization"] = args.speculative_quantization
     return spec
 
 
@@ -181,6 +188,10 @@ def run_from_args(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         name = f"{name}-predequant"
+    if getattr(args, "speculative_quantization", None) and getattr(args, "speculative", None) not in ("mtp",
+                                                                                                    "draft_model"):
+        print("error: --speculative-quantization applies to --speculative mtp or draft_model", file=sys.stderr)
+        return 2
     if getattr(args, "speculative", None) == "mtp":
         if not cfg.is_hybrid:
             print(f"error: --speculative mtp needs a Qwen3.5-family model (an MTP head); {name} is not one",
@@ -270,12 +281,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         from orinfer.spec_decode.config import SpeculativeConfig
 
         spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
-                                 model=args.draft_synthetic if args.speculative == "draft_model" else None)
+                                 model=args.draft_synthetic if args.speculative == "draft_model" else None,
+                                 quantization=getattr(args, "speculative_quantization", None))
         result["speculation"] = {"method": spec.method, "k": spec.num_speculative_tokens, "draft": spec.model,
-                                 "rows": bench_speculation(
+                                 "quantization": spec.quantization, "rows": bench_speculation(
             llm, cfg, spec, [int(x) for x in args.spec_batch_sizes.split(",") if x], args.decode_tokens,
             args.decode_prompt_len)}
-        name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}"
+        name = result["model"] = f"{name}-spec-{spec.method}-k{spec.num_speculative_tokens}" + (
+            f"-{spec.quantization}draft" if spec.quantization else "")
     if args.structured:
         from orinfer.bench.structured_bench import bench_structured
 
@@ -354,7 +367,8 @@ def markdown(r: dict) -> str:
         from orinfer.spec_decode.config import SpeculativeConfig
 
         s = r["speculation"]
-        lines.extend(speculation_markdown(SpeculativeConfig(s["method"], s["k"], model=s.get("draft")), s["rows"]))
+        lines.extend(speculation_markdown(SpeculativeConfig(s["method"], s["k"], model=s.get("draft"),
+                                                            quantization=s.get("quantization")), s["rows"]))
     if "vision" in r:
         from orinfer.bench.vision_bench import vision_markdown
         lines.extend(vision_markdown(r["vision"]))

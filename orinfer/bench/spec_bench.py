@@ -81,6 +81,8 @@ def bench_speculation(llm: LLM, cfg: ModelConfig, spec: SpeculativeConfig, batch
 
 def speculation_markdown(spec: SpeculativeConfig, result: dict) -> list[str]:
     drafter = f" (draft: {spec.model})" if spec.model else ""
+    if spec.quantization:
+        drafter += f", {spec.quantization} drafter (spec_decode/drafter.py)"
     lines = ["", f"Speculative decoding: {spec.method}{drafter}, k = {spec.num_speculative_tokens} (forced rows: drafts accepted "
              "at random with that probability, output meaningless; real: the method on random weights)", "",
              "| batch | mode | decode tok/s | vs plain | acceptance | tokens per verify step |",

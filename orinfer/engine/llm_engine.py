@@ -45,12 +45,14 @@ from orinfer.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from orinfer.engine.scheduler import Scheduler, StepPlan, attention_keys_per_token
 from orinfer.engine.sequence import Sequence, TokenLogprob
 from orinfer.engine.thinking import ThinkingBudget, ThinkTokens
+from orinfer.engine.warmup import warm_mtp_drafts
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_graphs import capture_draft_graphs
 from orinfer.spec_decode.draft_model import DraftModelProposer
+from orinfer.spec_decode.drafter import mtp_draft_head, use_draft_head
 from orinfer.spec_decode.mtp import MTPProposer, attach_mtp_kv, mtp_kv_bytes_per_block
 from orinfer.spec_decode.mtp_graphs import capture_mtp_graphs
 from orinfer.spec_decode.proposer import make_proposer
@@ -107,6 +109,12 @@ class LLMEngine:
         draft_bytes = 0 if parts.draft is None else kv_bytes_per_block(parts.draft.model_config, config.block_size,
                                                                        kv_cache_dtype(config, parts.act_dtype))
         spec = SpeculativeConfig.parse(config.speculative_config)
+        # The drafter's quantization (spec_decode/drafter.py): the drafts' LM head copies, made before the runners
+        # plan their memory. A draft model's replaces its head; the MTP proposer's sits beside the target's.
+        self.drafter_quantization = spec.quantization if spec is not None else None
+        if parts.draft is not None:
+            use_draft_head(spec, parts.draft.model)
+        mtp_head = mtp_draft_head(spec, parts.model)
         # A tensor-parallel rank's runner sizes its KV cache by its shard's heads.
         runner_cfg = mcfg if parts.executor is None else parts.executor.shard.config
         if spec is not None and spec.method == "mtp":  # the MTP head's KV pool, on the target's block ids
@@ -130,9 +138,13 @@ class LLMEngine:
         self.mtp = None  # the MTP proposer: the target's MTP head, its KV pool on the target's block ids
         if spec is not None and spec.method == "mtp":
             attach_mtp_kv(self.runner, parts.model)
-            self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens, spec.max_batch)
+            self.mtp = MTPProposer(self.runner, self.block_manager, spec.num_speculative_tokens, spec.max_batch,
+                                   head=mtp_head)
+            if mtp_head is not None and parts.device.type == "cuda":
+                warm_mtp_drafts(self.runner, mtp_head)
             if parts.executor is None:  # (tensor parallelism: proposals stay eager, spec_decode/mtp_graphs.py)
-                self.mtp.graphs = capture_mtp_graphs(self.runner, spec.num_speculative_tokens, spec.max_batch)
+                self.mtp.graphs = capture_mtp_graphs(self.runner, spec.num_speculative_tokens, spec.max_batch,
+                                                     self.mtp.logits)
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
@@ -468,6 +480,10 @@ class LLMEngine:
         settings on one engine)."""
         if spec is not None and self.parts.model_config.is_hybrid:
             self._check_rollback(spec)
+        if spec is not None and spec.method != "ngram" and spec.quantization != self.drafter_quantization:
+            raise ConfigError(f"speculative_config: quantization {spec.quantization!r} differs from the "
+                              f"{self.drafter_quantization!r} the engine was created with (the drafter's weights are "
+                              "made then)")
         self.spec = spec
         self.proposer = make_proposer(spec, self.draft, self.mtp) if spec is not None else None
         self._spec_misses = self._spec_pause = 0  # tries in a row that did not pay; steps until the next try

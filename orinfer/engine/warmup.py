@@ -13,7 +13,7 @@ are as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -64,9 +64,11 @@ def _attention_classes(runner: ModelRunner) -> tuple[int, int, bool, bool]:
             exact_fp32_dots(runner.kv_dtype, runner.cache_dtype), runner.cache_dtype == KV_FP8_DTYPE)
 
 
-def _rows_over_context(runner: ModelRunner, rows: int, width: int, batch: int = 1) -> None:
+def _rows_over_context(runner: ModelRunner, rows: int, width: int, batch: int = 1,
+                       forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], object] | None = None
+                       ) -> None:
     """A forward of `batch` sequences of `rows` new rows each over a cached context of `rows` tokens (block 0 read
-    through a table `width` blocks wide), writing nothing."""
+    through a table `width` blocks wide), writing nothing. `forward(ids, positions, meta)`: the model's by default."""
     device, i32 = runner.device, dict(dtype=torch.int32, device=runner.device)
     tokens = rows * batch
     meta = AttentionMetadata(
@@ -75,8 +77,8 @@ def _rows_over_context(runner: ModelRunner, rows: int, width: int, batch: int = 
         slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
         block_tables=torch.zeros(batch, width, **i32))
     with runner.state.scratch(meta):
-        runner.model(torch.zeros(tokens, dtype=torch.int64, device=device),
-                     torch.arange(rows, device=device).repeat(batch), meta)
+        (forward or runner.model)(torch.zeros(tokens, dtype=torch.int64, device=device),
+                                  torch.arange(rows, device=device).repeat(batch), meta)
 
 
 @torch.inference_mode()
@@ -106,6 +108,26 @@ def warm_eager_decode(runner: ModelRunner, max_batch: int) -> None:
                                              runner.model_config.num_key_value_heads, head_dim, runner.block_size,
                                              fp8, dot_f32, runner.device):
         _rows_over_context(runner, 1, width, batch)
+
+
+@torch.inference_mode()
+def warm_mtp_drafts(runner: ModelRunner, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Eager MTP proposals (catch-ups longer than the MTP graphs' rows, such as a whole prompt; batches past their
+    buckets; graphs off) through a drafter in FP8 (spec_decode/drafter.py): the head's forward over R rows of one
+    sequence on a cached context of R tokens, and the drafts' logits (`logits`) of those R rows, for every row count
+    R in `fp8_ops.row_counts()`. The FP8 linears' kernels compile per class of row count, which the target's own
+    warm-ups (16-bit linears) do not meet; the catch-up rows of eager proposals can be any count. The head's KV pools
+    must be bound."""
+    from orinfer.kernels.fp8_ops import row_counts  # (triton: this runs on CUDA only)
+
+    hidden_size, dtype = runner.model_config.hidden_size, runner.kv_dtype
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        hidden = torch.zeros(ids.shape[0], hidden_size, dtype=dtype, device=ids.device)
+        logits(runner.model.mtp_forward(ids, hidden, positions, meta, 0))
+
+    for rows in row_counts():
+        _rows_over_context(runner, rows, max(2, -(-rows // runner.block_size)), forward=forward)
 
 
 @torch.inference_mode()

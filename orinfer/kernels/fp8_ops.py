@@ -164,6 +164,14 @@ def _wide_path(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tens
     return "mma128" if _rows(x) > MMA_MAX_ROWS else "mma"
 
 
+def row_counts() -> list[int]:
+    """Row counts that meet every specialization the entry points compile by the row count M of x under the default
+    settings: each M up to MMA_MAX_ROWS (paths and tiles change with M there), then one period of 16 beyond it, as
+    Triton specializes M, and the activation scales' stride (M rounded up to 4), by divisibility by 16 (wider paths
+    pick nothing else by M). Start-up warm-ups run these (engine/warmup.py)."""
+    return list(range(1, MMA_MAX_ROWS + 17))
+
+
 def takes_act(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
               row_block: torch.Tensor | None = None) -> bool:
     """Whether x's producer may hand `fp8_block_linear` / `fp8_gate_up_silu` an `Fp8Act` in groups of block_size[1]

@@ -1,4 +1,5 @@
-"""Token embedding and the language-model head (which may share the embedding matrix).
+"""Token embedding and the language-model head (which may share the embedding matrix), and a head whose logits come
+from a linear layer of any weight format (`LinearHead`: the FP8 drafter's quantized copy of a head).
 
 Under tensor parallelism (orinfer/distributed) both are vocab-parallel: rank r holds rows [r * n, (r + 1) * n) of
 the [V, H] matrix, n = ceil(V / world) (the last rank's tail is zero padding). The embedding looks up the ids in its
@@ -14,7 +15,7 @@ from torch import nn
 
 from orinfer.distributed.group import all_gather_columns, all_reduce, current
 from orinfer.distributed.sharding import vocab_rows
-from orinfer.layers.linear import copy_checked, default_weight_loader
+from orinfer.layers.linear import LinearBase, copy_checked, default_weight_loader
 from orinfer.layers.ops import Ops
 
 
@@ -75,8 +76,25 @@ class LMHead(nn.Module):
             self.weight.weight_loader = self.rows.loader()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.lm_head(hidden, self.weight)
-        if not self.rows.parallel:
-            return logits
-        logits = all_gather_columns(logits)
-        return logits if logits.shape[1] == self.vocab_size else logits[:, :self.vocab_size].contiguous()
+        return _all_columns(self.ops.lm_head(hidden, self.weight), self.rows, self.vocab_size)
+
+
+class LinearHead(nn.Module):
+    """LMHead's contract (fp32 logits [R, V], gathered over the ranks when vocab-parallel) through `linear`, a layer
+    of any weight format over the same vocabulary rows (`linear_types.quantized_head` builds one from an LMHead). The
+    logits are the linear's, in the activation dtype, widened."""
+
+    def __init__(self, linear: LinearBase, rows: _VocabRows, vocab_size: int) -> None:
+        super().__init__()
+        self.linear, self.rows, self.vocab_size = linear, rows, vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _all_columns(self.linear(hidden).float(), self.rows, self.vocab_size)
+
+
+def _all_columns(logits: torch.Tensor, rows: _VocabRows, vocab_size: int) -> torch.Tensor:
+    """A head's logits [R, V] from this rank's [R, n]: the ranks' columns gathered (vocab-parallel), padding cut."""
+    if not rows.parallel:
+        return logits
+    logits = all_gather_columns(logits)
+    return logits if logits.shape[1] == vocab_size else logits[:, :vocab_size].contiguous()

@@ -20,7 +20,8 @@ the FP8 rows' output and theirs.
 
 Online quantization (`FP8Config.online`, `--quantization fp8`): the checkpoint is 16/32-bit; `weight_loader`
 quantizes each shard as it arrives (`fp8_block_quantize`, the same blocks a checkpoint would have), so no 16-bit
-copy of the layer is ever held. The scale is then a buffer, not a parameter: the loader does not expect it. Under
+copy of the layer is ever held (a band of block rows is quantized at a time, so the fp32 temporaries stay small even
+for a vocabulary-sized matrix). The scale is then a buffer, not a parameter: the loader does not expect it. Under
 tensor parallelism each rank quantizes its own slice: the single process's blocks when the slice is whole blocks
 (distributed/slices.py).
 """
@@ -35,6 +36,12 @@ from orinfer.kernels.fp8_block import FP8_DTYPE, fp8_block_dequantize_ref, fp8_b
 from orinfer.kernels.fp8_quant import Fp8Act
 from orinfer.layers.linear import LinearBase, shard_offsets
 from orinfer.layers.ops import Ops
+
+
+# Online quantization works through a shard in bands of whole block rows of about this many weights: its fp32
+# temporaries (the widened band, its magnitudes, the per-weight scales, the quotient) then take ~1 GiB at most, where
+# a whole 248320 x 5120 LM head (the FP8 drafter's copy, spec_decode/drafter.py) would take ~20 GB at once.
+ONLINE_BAND_WEIGHTS = 1 << 26
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -147,12 +154,25 @@ class FP8Linear(LinearBase):
             if not (self.online and loaded.is_floating_point()):
                 raise WeightsError(f"{name}: expected float8_e4m3fn (quantization_config says FP8), checkpoint has "
                                    f"{loaded.dtype}")
-            q, scale = fp8_block_quantize(loaded, self.block_size)
-            _copy(self.shard_view(self.weight_scale_inv.data, shard, "weight_scale_inv"), scale, name)
-            loaded = q
+            self._quantize(loaded, shard, name)
+            return
         elif kind == "weight_scale_inv" and loaded.dtype != torch.float32:
             raise WeightsError(f"{name}: expected float32 block scales, checkpoint has {loaded.dtype}")
         _copy(self.shard_view(param.data, shard, kind), loaded, name)
+
+    def _quantize(self, loaded: torch.Tensor, shard: object, name: str) -> None:
+        """Online quantization of a 16/32-bit shard into its FP8 rows and block scales, a band of whole block rows at
+        a time (ONLINE_BAND_WEIGHTS): blocks are quantized independently, so the result is the whole shard's."""
+        weight = self.shard_view(self.weight.data, shard, "weight")
+        scale = self.shard_view(self.weight_scale_inv.data, shard, "weight_scale_inv")
+        if tuple(weight.shape) != tuple(loaded.shape):
+            raise WeightsError(f"{name}: expected shape {tuple(weight.shape)}, checkpoint has {tuple(loaded.shape)}")
+        bn = self.block_size[0]
+        band = bn * max(1, ONLINE_BAND_WEIGHTS // max(1, bn * loaded.shape[1]))
+        for first in range(0, loaded.shape[0], band):
+            q, s = fp8_block_quantize(loaded[first:first + band], self.block_size)
+            weight[first:first + band].copy_(q)
+            scale[first // bn:first // bn + s.shape[0]].copy_(s)
 
     @property
     def shard_offsets(self) -> dict[object, tuple[int, int]] | None:

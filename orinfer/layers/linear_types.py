@@ -5,7 +5,8 @@ Today: dense 16/32-bit (`Linear`, `PackedLinear`), AWQ INT4 (`AWQLinear`, `AWQPa
 (`FP8Linear`) and GPTQ 4/8-bit (`GPTQLinear`); each format's class lives in its own layer module. The routed experts
 of an MoE layer likewise (`make_experts`): 16/32-bit `ExpertWeights`, FP8 `FP8ExpertWeights`, AWQ and GPTQ-Int4
 `W4ExpertWeights`; and the whole MoE block (`make_sparse_moe`), whose shared expert is folded into the experts when
-the format gives it their type (layers/moe.py).
+the format gives it their type (layers/moe.py). A quantized copy of an LM head (`quantized_head`) is a `LinearHead`
+over such a linear.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from orinfer.errors import ConfigError
 from orinfer.fp8_config import FP8Config
 from orinfer.gptq_config import GPTQConfig
 from orinfer.layers.awq_linear import QUANT_PARAMS, AWQLinear, AWQPackedLinear
+from orinfer.layers.embedding import LinearHead, LMHead
 from orinfer.layers.fp8_experts import FP8ExpertWeights
 from orinfer.layers.fp8_linear import FP8Linear
 from orinfer.layers.gptq_linear import GPTQLinear
@@ -52,6 +54,20 @@ def make_linear(quant: AnyQuantConfig | None, in_features: int, out: int | dict[
     if isinstance(out, dict):
         return AWQPackedLinear(in_features, out, bias, ops, dtype, group)
     return AWQLinear(in_features, out, bias, ops, dtype, group)
+
+
+def quantized_head(quant: AnyQuantConfig, head: LMHead) -> LinearHead:
+    """A copy of `head` (its rows of the vocabulary) whose logits come from a linear in `quant`, a format that
+    quantizes 16/32-bit weights while loading (online FP8, `--quantization fp8`'s), filled now from the head's weight
+    as a checkpoint's tensor would be; `head` itself, tied to the embedding or not, is left as it is."""
+    if not getattr(quant, "online", False):
+        raise ConfigError(f"a quantized copy of the LM head needs a format that quantizes while loading, not "
+                          f"{quant.method}")
+    weight = head.weight
+    with torch.device(weight.device):
+        linear = make_linear(quant, weight.shape[1], weight.shape[0], False, head.ops, weight.dtype)
+    linear.weight.weight_loader(linear.weight, weight.detach(), None, "lm_head.weight")
+    return LinearHead(linear, head.rows, head.vocab_size)
 
 
 def make_experts(quant: AnyQuantConfig | None, num_experts: int, hidden: int, intermediate: int, ops: Ops,

@@ -41,15 +41,22 @@ def load_hf_model(model_dir: str | Path, ops: Ops, weight_dtype: torch.dtype, ac
     return model
 
 
-def online_quantization(config: ModelConfig, method: str, source: str = "model") -> ModelConfig:
-    """`config` with the weight format that `--quantization method` makes of a 16/32-bit checkpoint while loading
-    (today: "fp8", block-wise FP8 with 128x128 blocks). ConfigError for a checkpoint that is already quantized."""
+def online_format(method: str) -> FP8Config:
+    """The weight format that `--quantization method` makes of 16/32-bit weights while loading (today: "fp8",
+    block-wise FP8 with 128x128 blocks); ConfigError for another method."""
     if method != "fp8":
         raise ConfigError(f"quantization={method!r} is not supported; orinfer quantizes while loading to: fp8")
+    return FP8Config(online=True)
+
+
+def online_quantization(config: ModelConfig, method: str, source: str = "model") -> ModelConfig:
+    """`config` with the weight format that `--quantization method` makes of a 16/32-bit checkpoint while loading
+    (`online_format`). ConfigError for a checkpoint that is already quantized."""
+    quant = online_format(method)
     if config.quantization is not None:
         raise ConfigError(f"{source} is already quantized ({config.quantization.method}); quantization={method!r} "
                           "applies to 16/32-bit checkpoints")
-    quantized = dataclasses.replace(config, quantization=FP8Config(online=True))
+    quantized = dataclasses.replace(config, quantization=quant)
     check_moe_weights(quantized, source)
     return quantized
 
@@ -82,6 +89,9 @@ def random_model(config: ModelConfig, ops: Ops, weight_dtype: torch.dtype, act_d
                 param.zero_()
             else:
                 param.normal_(0.0, std, generator=gen)
+        for name, buffer in model.named_buffers():
+            if name.endswith("scale_inv"):  # online FP8's block scales are buffers (the loader fills them)
+                buffer.fill_(std)
         for module in model.modules():
             if isinstance(module, GPTQLinear):
                 _symmetric_gptq(module, std, gen)

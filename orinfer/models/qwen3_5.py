@@ -234,8 +234,8 @@ class Qwen3_5ForCausalLM(QwenForCausalLM):
                               tied_to=self.embed_tokens if cfg.tie_word_embeddings else None)
         self.mtp = None
         if cfg.mtp_num_hidden_layers:
-            self.mtp = MTPHead(cfg, ops, weight_dtype, lambda index: Qwen3_5DecoderLayer(
-                cfg, "full_attention", self.rotary, ops, weight_dtype, index))
+            self.mtp = MTPHead(cfg, ops, weight_dtype, lambda index, head_cfg: Qwen3_5DecoderLayer(
+                head_cfg, "full_attention", self.rotary, ops, weight_dtype, index))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]

@@ -10,10 +10,14 @@ just chosen. The layer (gated attention with q/k norms, the decoder's MLP or exp
 own, one entry per position. A checkpoint with several MTP layers uses layer j % L at draft step j. The norms are
 zero-centred, as the decoder's. Tensor parallelism splits the layer as the decoder's and fc by its input columns
 (each rank multiplies its share of the concatenation; the model's plan all-reduces fc's output).
+Weight format: the model's for the layers, 16-bit for fc (as published checkpoints of every format store it), unless
+the config gives the head a format of its own (`ModelConfig.mtp_quantization`): then every linear of the head, fc
+included, is built in it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -28,18 +32,22 @@ from orinfer.layers.row_parallel import InputColumns
 
 
 class MTPHead(nn.Module):
-    """The MTP head's weights (HF names under `mtp.`) and its forward. `make_layer(index)` builds the decoder's
-    full-attention layer numbered `index` (after the decoder's own layers: an MoE model's are sparse, so are these)."""
+    """The MTP head's weights (HF names under `mtp.`) and its forward. `make_layer(index, cfg)` builds the decoder's
+    full-attention layer numbered `index` (after the decoder's own layers: an MoE model's are sparse, so are these)
+    from `cfg` (the model's, in the head's weight format)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype,
-                 make_layer: Callable[[int], nn.Module]) -> None:
+                 make_layer: Callable[[int, ModelConfig], nn.Module]) -> None:
         super().__init__()
+        own = cfg.mtp_quantization
+        if own is not None:
+            cfg = dataclasses.replace(cfg, quantization=own)
         self.fc_columns = InputColumns(2 * cfg.hidden_size)  # (all of them without tensor parallelism)
-        self.fc = make_linear(None, self.fc_columns.width, cfg.hidden_size, False, ops, dtype)
+        self.fc = make_linear(own, self.fc_columns.width, cfg.hidden_size, False, ops, dtype)
         self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
-        self.layers = nn.ModuleList(make_layer(index) for index in range(cfg.num_hidden_layers, cfg.num_hidden_layers
-                                                                         + cfg.mtp_num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(index, cfg) for index in range(
+            cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, zero_centered=True)
 
     def attention_layers(self) -> list[Attention]:

@@ -6,6 +6,13 @@ The keys are vLLM's: {"method": "ngram" | "draft_model" | "mtp", "num_speculativ
                          drafts per row costs more compute than the weight reads it saves (default: DEFAULT_MAX_BATCH)
   "forced_acceptance"    benchmarks on random weights only: accept each draft token with this probability instead of
                          by the target's distribution. The output is then meaningless (logged as such).
+  "quantization"         (vLLM's key) the drafter's weight format, None (default: the checkpoints' own) or "fp8":
+                         methods mtp and draft_model draft from block-wise FP8 weights (128x128 blocks, quantized
+                         while loading as `--quantization fp8` does): the MTP head's linears (fc, its decoder layer's
+                         attention and MLP / experts) or the whole draft model, and a block-FP8 copy of the LM head
+                         for the drafts' logits (vocab x hidden bytes more: 1.27 GB at Qwen3.5-27B; the target's own
+                         steps and verification keep its 16-bit head). Drafts change speed only, never the output
+                         (spec_decode/drafter.py).
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from typing import Any
 from orinfer.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "mtp")
+# The drafter's weight formats "quantization" may name (spec_decode/drafter.py).
+QUANTIZATIONS = ("fp8",)
 # Decoding sequences above which a step does not speculate (the crossover measured on the GPU: benchmarks/NOTES.md).
 DEFAULT_MAX_BATCH = 16
 _KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max", "max_batch",
-         "forced_acceptance"}
+         "forced_acceptance", "quantization"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     max_batch: int = DEFAULT_MAX_BATCH
     forced_acceptance: float | None = None
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
@@ -74,3 +84,10 @@ class SpeculativeConfig:
         if forced is not None and (isinstance(forced, bool) or not isinstance(forced, (int, float))
                                    or not 0.0 <= forced <= 1.0):
             raise ConfigError(f"speculative_config: forced_acceptance must be in [0, 1], got {forced!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ConfigError(f"speculative_config: quantization must be one of {', '.join(QUANTIZATIONS)} (or "
+                                  f"absent: the drafter's own weights), got {self.quantization!r}")
+            if self.method == "ngram":
+                raise ConfigError("speculative_config: 'quantization' applies to methods draft_model and mtp (the "
+                                  "drafter's weights); method 'ngram' has none")

@@ -7,10 +7,12 @@ sequence by position until the head has consumed them. A proposal, for each sequ
      verify step up to the accepted ones), with tokens x_{i+1} and h_i; this writes its KV at those positions, and the
      last row (i = N-1) gives the first draft d_1 and the head's hidden state g;
   2. k - 1 more steps, each one row per sequence at the next position, with the draft just chosen and g.
-The drafts are argmaxes, deterministic, so the verify step's one-hot rule applies (exact greedy output, the target's
-distribution when sampling). The head's KV lives in its own pool on the target's block ids (the runner plans it from
-the same budget); under tensor parallelism each rank runs its shard of the head (split as the decoder's layers, fc by
-its input columns) on rank 0's kept hidden rows, sent with each step's call; positions from N on hold draft-fed entries, so `done` becomes N and the next catch-up rewrites them.
+The drafts are argmaxes (of the target's LM head, or of its block-FP8 copy with speculative_config quantization
+"fp8": spec_decode/drafter.py), deterministic, so the verify step's one-hot rule applies (exact greedy output, the
+target's distribution when sampling). The head's KV lives in its own pool on the target's block ids (the runner
+plans it from the same budget); under tensor parallelism each rank runs its shard of the head (split as the
+decoder's layers, fc by its input columns) on rank 0's kept hidden rows, sent with each step's call; positions from N
+on hold draft-fed entries, so `done` becomes N and the next catch-up rewrites them.
 Every step path hands its hidden states over (eager and mixed-graph forwards; the decode graphs keep theirs as an
 extra output). Positions whose rows were dropped (past MAX_KEPT_ROWS) stay stale in the head's cache: that lowers
 acceptance, never exactness.
@@ -70,10 +72,14 @@ def attach_mtp_kv(runner: ModelRunner, model: torch.nn.Module) -> None:
 class MTPProposer:
     """Greedy drafts from the target model's MTP head, run through the target's runner (`runner`)."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, k: int, max_batch: int) -> None:
-        """`k` drafts a sequence at most; `max_batch`: decoding sequences above which steps do not speculate."""
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, k: int, max_batch: int,
+                 head: torch.nn.Module | None = None) -> None:
+        """`k` drafts a sequence at most; `max_batch`: decoding sequences above which steps do not speculate. `head`:
+        the drafts' LM head when it is not the target's (the FP8 drafter's copy, spec_decode/drafter.py)."""
         self.runner, self.block_manager, self.k, self.max_batch = runner, block_manager, k, max_batch
         mtp_head(runner.model)  # (ConfigError without one)
+        # The drafts' logits [B, V] of the head's hidden states g [B, H].
+        self.logits = runner.model.compute_logits if head is None else head
         self.kept: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq_id -> (first position, hidden rows) chunks
         self.done: dict[int, int] = {}                              # seq_id -> positions the head has seen
         # Proposals replayed from CUDA graphs (spec_decode/mtp_graphs.py), set by the engine when the runner replays
@@ -187,7 +193,7 @@ class MTPProposer:
             # (Tensor parallelism: `runner.model` mirrors the step to the workers, each on its shard of the head.)
             g = runner.model.mtp_forward(input_ids, hidden, positions, meta, step)
             hidden = g.index_select(0, sample_rows)
-            ids = runner.model.compute_logits(hidden).argmax(dim=-1)
+            ids = self.logits(hidden).argmax(dim=-1)
             drafts[:, step] = ids
             feeds = [[0] for _ in seqs]  # stand-ins: `ids` replaces them
             firsts = [len(seq.token_ids) - 1 + step for seq in seqs]

@@ -31,11 +31,14 @@ class MTPGraphs(ProposalGraphs):
 
     def __init__(self, model: nn.Module, k: int, max_batch: int, max_blocks: int, block_size: int,
                  hidden_size: int, act_dtype: torch.dtype, device: torch.device,
-                 argmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """As `ProposalGraphs`; `model` has `mtp_forward` and `compute_logits`, whose hidden states are
-        `hidden_size` wide in `act_dtype`."""
+        `hidden_size` wide in `act_dtype`. `logits`: the drafts' LM head when not `model.compute_logits` (the FP8
+        drafter's copy)."""
         super().__init__(k, max_batch, max_blocks, block_size, k + 1, device, argmax)
         self.model = model
+        self.logits = logits or model.compute_logits
         self.hidden = torch.zeros(self.layout.max_rows, hidden_size, dtype=act_dtype, device=device)
 
     def _body(self, bucket: int) -> None:
@@ -44,11 +47,11 @@ class MTPGraphs(ProposalGraphs):
         g = model.mtp_forward(d["ids"][:rows], self.hidden[:rows], d["positions"][:rows], self.catch_up_meta(bucket),
                               0)
         g = g.index_select(0, d["sample_rows"][:bucket])
-        self.argmax(model.compute_logits(g), self.drafts[0, :bucket])
+        self.argmax(self.logits(g), self.drafts[0, :bucket])
         for step in range(1, k):
             g = model.mtp_forward(self.drafts[step - 1, :bucket], g, d["step_positions"][step - 1, :bucket],
                                   self.step_meta(bucket, step), step)
-            self.argmax(model.compute_logits(g), self.drafts[step, :bucket])
+            self.argmax(self.logits(g), self.drafts[step, :bucket])
 
     def run(self, bucket: int, tables: list[list[int]], feeds: list[list[int]], firsts: list[int],
             hiddens: list[torch.Tensor]) -> torch.Tensor:
@@ -58,14 +61,16 @@ class MTPGraphs(ProposalGraphs):
                            before_replay=lambda rows: torch.cat(hiddens, out=self.hidden[:rows]))
 
 
-def capture_mtp_graphs(runner, k: int, max_batch: int) -> MTPGraphs | None:
+def capture_mtp_graphs(runner, k: int, max_batch: int,
+                       logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> MTPGraphs | None:
     """`runner`'s MTP graphs for proposals of `k` drafts for up to `max_batch` sequences (its max_num_seqs at most),
-    captured now; None when the runner replays no graphs (CUDA graphs off, a backend without graph hooks, the CPU)."""
+    captured now, their logits from `logits` (default: the model's head); None when the runner replays no graphs
+    (CUDA graphs off, a backend without graph hooks, the CPU)."""
     decode_graphs = getattr(runner, "graphs", None)
     if decode_graphs is None:
         return None
     graphs = MTPGraphs(runner.model, k, min(max_batch, runner.config.max_num_seqs), decode_graphs.max_blocks,
                        runner.block_size, runner.model_config.hidden_size, runner.kv_dtype, runner.device,
-                       argmax=lambda logits, out: decode_graphs.hooks.argmax_rows(logits, out=out))
+                       argmax=lambda scores, out: decode_graphs.hooks.argmax_rows(scores, out=out), logits=logits)
     graphs.capture()
     return graphs

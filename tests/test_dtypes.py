@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -36,14 +38,21 @@ def test_mixed_mode_matches_fp32_reference(bf16_exact_model):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_error_no_worse_than_hf(bf16_exact_model, dtype):
-    """In 16-bit, orinfer's distance from the fp32 logits must not exceed HF's own (same dtype) by much."""
+    """In 16-bit, orinfer's distance from the fp32 logits must not exceed HF's own (same dtype) by much.
+
+    HF's 16-bit model is a copy: casting the shared model down and back would also round its rotary frequencies
+    (a float buffer) to 16 bits, and every later fp32 reference would carry that (how this test failed at fp16 after
+    the bf16 case, on the CI machine of stop 56).
+
+    Both over all logits (RMS: the error of every rounding on the way) and at the worst logit."""
     hf, path = bf16_exact_model
     with torch.no_grad():
         reference = hf(torch.tensor([IDS])).logits[0]
-        hf16 = hf.to(dtype)(torch.tensor([IDS])).logits[0].float()
-        hf.float()
+        hf16 = copy.deepcopy(hf).to(dtype)(torch.tensor([IDS])).logits[0].float()
     llm = LLM(path, dtype=dtype, device="cpu", progress=False, block_size=4)
     ours = paged_logits(llm, IDS, 9)
-    hf_err = (hf16 - reference).abs().max().item()
-    our_err = (ours - reference).abs().max().item()
-    assert our_err <= 1.5 * hf_err + 1e-3, (our_err, hf_err)
+    hf_err, our_err = hf16 - reference, ours - reference
+    hf_rms, our_rms = hf_err.pow(2).mean().sqrt().item(), our_err.pow(2).mean().sqrt().item()
+    assert our_rms <= 1.25 * hf_rms, (our_rms, hf_rms)
+    hf_max, our_max = hf_err.abs().max().item(), our_err.abs().max().item()
+    assert our_max <= 1.5 * hf_max + 1e-3, (our_max, hf_max)

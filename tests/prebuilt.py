@@ -1,9 +1,11 @@
 """Models that tests share, made by one child process while the tests that need none of them run.
 
-The test run is one process on one core (OMP_NUM_THREADS=1), and CI's machine has two: training the shared models in a
-child (make-tiny's Qwen3, about half a minute of a core; the tool-calling models, a quarter of a minute) costs the run
-nothing when the tests that need no model run meanwhile (conftest.py puts the files that use one last). The child
-builds the models one after the other (one core is all it takes from the run) and marks each one done.
+Each test process runs on one core (OMP_NUM_THREADS=1), and CI's machine has two: training the shared models in a
+child (make-tiny's Qwen3, about half a minute of a core on an idle machine; the tool-calling models, a quarter of a
+minute) costs the run little when the tests that need no model run meanwhile (conftest.py puts the files that use one
+last). The child builds the models one after the other and marks each one done (ROOT/NAME.done), or writes what went
+wrong (ROOT/failed). Under pytest-xdist the controller starts the child and the workers wait on its folder
+(`Prebuilt.attach`), so the models are made once per run, not once per worker.
 
     python tests/prebuilt.py ROOT NAME...     # the child: builds ROOT/NAME for each NAME, writes ROOT/NAME.done
 """
@@ -41,32 +43,61 @@ NAMES = ("tiny_dir", "tool_dirs")
 
 
 class Prebuilt:
-    """The child process building `names` under a temporary folder (`start`), and the wait for one of them."""
+    """The child process building `names` under a temporary folder, and the wait for one of them. `Prebuilt(names)`
+    starts the child; `Prebuilt.attach(root, names)` waits on a child another process started (xdist workers)."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], root: Path | None = None) -> None:
         self.names = names
+        self.proc: subprocess.Popen | None = None
+        self.log: IO[str] | None = None
+        if root is not None:  # attached: the starting process owns the child and the folder
+            self.root = root
+            return
         self.root = Path(tempfile.mkdtemp(prefix="orinfer-tests-prebuilt-"))
-        self.log: IO[str] = open(self.root / "build.log", "w+")
+        self.log = open(self.root / "build.log", "w+")
         # The child inherits OMP_NUM_THREADS=1 (conftest sets it); make_tiny also trains on one thread whatever it
         # is. It exits when its stdin, a pipe nobody writes to, closes: when this process ends, however it ends.
         self.proc = subprocess.Popen([sys.executable, __file__, str(self.root), *names], stdin=subprocess.PIPE,
                                      stdout=self.log, stderr=subprocess.STDOUT)
+        (self.root / "pid").write_text(str(self.proc.pid))
+
+    @classmethod
+    def attach(cls, root: Path, names: list[str]) -> "Prebuilt":
+        return cls(names, root)
+
+    def _failure(self) -> str | None:
+        """What went wrong in the child, or None while it is alive and well."""
+        failed = self.root / "failed"
+        if failed.exists():
+            return failed.read_text()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                return None
+            self.log.seek(0)
+            return f"exit {self.proc.returncode}:\n{self.log.read()}"
+        try:
+            os.kill(int((self.root / "pid").read_text()), 0)
+        except (OSError, ValueError):
+            return "the child process is gone"
+        return None
 
     def wait(self, name: str) -> Path:
         """The folder of `name` once it is built; RuntimeError (with the child's log) if the child failed."""
         done = self.root / f"{name}.done"
         while not done.exists():
-            if self.proc.poll() is not None and not done.exists():
-                self.log.seek(0)
-                raise RuntimeError(f"building {name} failed in the child process (exit {self.proc.returncode}):\n"
-                                   f"{self.log.read()}")
+            failure = self._failure()
+            if failure is not None and not done.exists():
+                raise RuntimeError(f"building {name} failed in the child process: {failure}")
             time.sleep(0.1)
         return self.root / name
 
     def close(self) -> None:
-        """Stops the child if it still runs (the run ended before a test waited) and removes what it built."""
+        """Stops the child if it still runs (the run ended before a test waited) and removes what it built; an
+        attached waiter leaves both to the process that started them."""
         import shutil
 
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -78,7 +109,13 @@ class Prebuilt:
 def _main(root: Path, names: list[str]) -> None:
     threading.Thread(target=lambda: sys.stdin.read() or os._exit(1), daemon=True).start()
     for name in names:
-        build(name, root / name)
+        try:
+            build(name, root / name)
+        except BaseException:
+            import traceback
+
+            (root / "failed").write_text(f"building {name}:\n{traceback.format_exc()}")
+            raise
         (root / f"{name}.done").touch()
 
 

@@ -1,0 +1,57 @@
+"""The measured tiering: scripts/cpu_slow_cases.py reads a JUnit report, and conftest.py marks the listed tests slow."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from conftest import _CPU_SLOW_CASES, pytest_collection_modifyitems
+
+ROOT = Path(__file__).parent.parent
+REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_a" name="test_fast" time="0.5" />
+<testcase classname="tests.test_a" name="test_slow[dtype0-16]" time="74.1" />
+<testcase classname="tests.test_b" name="test_skipped" time="99.0"><skipped message="needs CUDA" /></testcase>
+<testcase classname="tests.test_b" name="test_medium" time="12.0" />
+</testsuite></testsuites>"""
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("cpu_slow_cases", ROOT / "scripts" / "cpu_slow_cases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lists_the_tests_over_the_bound_slowest_first_without_skipped_ones(tmp_path):
+    report = tmp_path / "report.xml"
+    report.write_text(REPORT)
+    assert _script().slow_cases(report, 10.0) == [(74.1, "tests/test_a.py::test_slow[dtype0-16]"),
+                                                  (12.0, "tests/test_b.py::test_medium")]
+    assert _script().slow_cases(report, 100.0) == []
+
+
+def test_every_listed_test_names_a_test_file_that_exists():
+    assert _CPU_SLOW_CASES
+    for node in _CPU_SLOW_CASES:
+        path, _, name = node.partition("::")
+        assert (ROOT / path).is_file() and name.startswith("test_"), node
+
+
+class _Item:
+    """What the tiering hook reads of a collected test: its id and markers."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid, self.markers = nodeid, []
+
+    def add_marker(self, marker) -> None:
+        self.markers.append(marker.name)
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.markers else None
+
+
+def test_the_collection_hook_marks_listed_tests_slow_and_no_others():
+    listed, other = _Item(sorted(_CPU_SLOW_CASES)[0]), _Item("tests/test_cpu_slow_cases.py::test_not_listed")
+    pytest_collection_modifyitems(None, [listed, other])
+    assert listed.markers == ["slow"] and other.markers == []

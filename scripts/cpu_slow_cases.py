@@ -30,11 +30,11 @@ def slow_cases(report: Path, over: float) -> list[tuple[float, str]]:
     return sorted(cases, reverse=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report", type=Path, help="a JUnit XML report of a default-tier run")
     parser.add_argument("--over", type=float, default=10.0, help="seconds a test may take in the default tier")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for seconds, node in slow_cases(args.report, args.over):
         print(f"{node}  # {seconds:.0f} s")
 

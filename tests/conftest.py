@@ -121,7 +121,7 @@ def pairwise_cover(cases: list[dict[str, object]], each_value: bool = False) -> 
 def _cpu_slow_cases() -> frozenset[str]:
     """The node ids in cpu_slow_cases.txt (scripts/cpu_slow_cases.py): default-tier tests measured too slow for CI."""
     lines = (Path(__file__).parent / "cpu_slow_cases.txt").read_text().splitlines()
-    return frozenset(line.split("#")[0].strip() for line in lines if line.split("#")[0].strip())
+    return frozenset(node for node in (line.split("#")[0].strip() for line in lines) if node)
 
 
 _CPU_SLOW_CASES = _cpu_slow_cases()

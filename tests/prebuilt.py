@@ -75,11 +75,7 @@ class Prebuilt:
                 return None
             self.log.seek(0)
             return f"exit {self.proc.returncode}:\n{self.log.read()}"
-        try:
-            os.kill(int((self.root / "pid").read_text()), 0)
-        except (OSError, ValueError):
-            return "the child process is gone"
-        return None
+        return None if _running(int((self.root / "pid").read_text())) else "the child process is gone"
 
     def wait(self, name: str) -> Path:
         """The folder of `name` once it is built; RuntimeError (with the child's log) if the child failed."""
@@ -104,6 +100,16 @@ class Prebuilt:
         self.proc.stdin.close()
         self.log.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs. A child that died unreaped (its parent, the xdist controller, waits on it
+    only at the end) is a zombie, which a signal-0 probe would count as alive: the waiters would hang."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _main(root: Path, names: list[str]) -> None:

@@ -458,6 +458,10 @@ def markdown(report: dict) -> str:
         rows += [f"| {t['turn']} | {t['requests']} | {t['ttft_ms']['p50']:.1f} | {t['ttft_ms']['p99']:.1f} | "
                  f"{t.get('headers_ms', {}).get('p50', float('nan')):.1f} | {t.get('mean_cached_tokens', 0):.0f} |"
                  for t in mt["per_turn"]]
+        later, turns = mt.get("later_turns_ttft_ms"), mt["per_turn"][1:]
+        if later and turns:  # the multi-turn figure: TTFT p50 over every request after the first turn
+            rows.append(f"| {turns[0]['turn']}-{turns[-1]['turn']} | {sum(t['requests'] for t in turns)} | "
+                        f"{later['p50']:.1f} | {later['p99']:.1f} | | |")
         return "\n".join(rows + [line for line in [server_lines(mt)] if line])
     if "long_prompt" in report:
         lp = report["long_prompt"]

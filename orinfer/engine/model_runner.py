@@ -28,7 +28,8 @@ from orinfer.engine.state_pools import StatePools
 from orinfer.engine.state_rollback import StateRollback
 from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
 from orinfer.engine.step_inputs import StepInputs, step_inputs
-from orinfer.engine.warmup import warm_cached_prefix, warm_eager_decode, warm_prefill, warm_sampler
+from orinfer.engine.warmup import (warm_cached_prefix, warm_eager_decode, warm_mixed_steps, warm_prefill,
+                                   warm_sampler)
 from orinfer.errors import ConfigError
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
 from orinfer.layers.attention import AttentionMetadata
@@ -120,6 +121,7 @@ class ModelRunner:
             if not self._prefill_warm:  # (an explicit KV budget skips `_gpu_kv_budget`, which runs it)
                 warm_prefill(self)
             warm_cached_prefix(self)
+            warm_mixed_steps(self)
             if spec is not None:  # proposals off the graphs decode eagerly
                 warm_eager_decode(self, min(spec.max_batch, engine_config.max_num_seqs))
             if self.rollback is not None:

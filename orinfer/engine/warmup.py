@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from orinfer.kernels.attention import exact_fp32_dots
+from orinfer.kernels.attention import exact_fp32_dots, num_sms
 from orinfer.kernels.decode_attention import eager_launch_classes
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
-from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_row_classes
+from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_config, verify_grid, verify_row_classes
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.sampler import apply_token_bitmask
 from orinfer.structured.constraint import bitmask_words
@@ -69,16 +69,26 @@ def _rows_over_context(runner: ModelRunner, rows: int, width: int, batch: int = 
                        ) -> None:
     """A forward of `batch` sequences of `rows` new rows each over a cached context of `rows` tokens (block 0 read
     through a table `width` blocks wide), writing nothing. `forward(ids, positions, meta)`: the model's by default."""
+    _sequences_over_context(runner, [rows] * batch, width, forward)
+
+
+def _sequences_over_context(runner: ModelRunner, rows: list[int], width: int,
+                            forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], object] | None = None
+                            ) -> None:
+    """`_rows_over_context` with a row count per sequence (each over a context of its own rows)."""
     device, i32 = runner.device, dict(dtype=torch.int32, device=runner.device)
-    tokens = rows * batch
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + n)
+    tokens = starts[-1]
     meta = AttentionMetadata(
-        from_start=False, query_start_loc=torch.arange(0, tokens + 1, rows, **i32),
-        context_lens=torch.full((batch,), rows, **i32), max_query_len=rows, max_context_len=rows,
+        from_start=False, query_start_loc=torch.tensor(starts, **i32), context_lens=torch.tensor(rows, **i32),
+        max_query_len=max(rows), max_context_len=max(rows),
         slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(batch, width, **i32))
+        block_tables=torch.zeros(len(rows), width, **i32))
+    positions = torch.cat([torch.arange(n, device=device) for n in rows])
     with runner.state.scratch(meta):
-        (forward or runner.model)(torch.zeros(tokens, dtype=torch.int64, device=device),
-                                  torch.arange(rows, device=device).repeat(batch), meta)
+        (forward or runner.model)(torch.zeros(tokens, dtype=torch.int64, device=device), positions, meta)
 
 
 @torch.inference_mode()
@@ -95,6 +105,36 @@ def warm_cached_prefix(runner: ModelRunner) -> None:
         needed = -(-rows // runner.block_size)
         for width in (max(2, needed), max(16, needed)):
             _rows_over_context(runner, rows, width)
+
+
+def mixed_step_chunks(group: int, head_dim: int, dot_f32: bool, fp8: bool, kv_heads: int, sms: int,
+                      max_chunk: int) -> list[int]:
+    """The fewest prompt-chunk rows beside one decode row that reach each split bound S_MAX of the split-KV kernel
+    (`verify_attention.verify_grid`), over chunks of VERIFY_MAX_ROWS + 1 .. `max_chunk` rows (shorter ones make no
+    mixed split: `decode_attention.paged_attention`)."""
+    firsts: dict[int, int] = {}
+    for chunk in range(VERIFY_MAX_ROWS + 1, max_chunk + 1):
+        tokens = chunk + 1
+        qb = verify_config(tokens, 1, group, head_dim, dot_f32, fp8)["QB"]  # the decode rows' tiles
+        firsts.setdefault(verify_grid(tokens, qb, 2, kv_heads, sms)[1], chunk)
+    return sorted(firsts.values())
+
+
+@torch.inference_mode()
+def warm_mixed_steps(runner: ModelRunner) -> None:
+    """Decode rows beside a prompt chunk: `paged_attention` gives the one-row sequences to the split-KV kernel and
+    the chunk to the extend kernel. The split-KV kernel's split bound grows with the step's rows, and each bound is a
+    kernel of its own: one forward of a decode row beside a chunk per bound a step within the token budget reaches
+    (on the H200, Qwen3-8B's 8 kv heads take 32 splits at batch 1 and 64 in most mixed steps; compiling that one on
+    first use stalled the first wave of a cold machine's c64 serving bench for ~1.5 s, NOTES run 398)."""
+    group, head_dim, dot_f32, fp8 = _attention_classes(runner)
+    tokens = runner.config.max_num_batched_tokens
+    if not runner.config.enable_chunked_prefill:  # a whole prompt may then pass the budget (as in `warm_prefill`)
+        tokens = max(tokens, runner.max_model_len)
+    max_chunk = min(tokens, runner.max_model_len) - 1
+    for chunk in mixed_step_chunks(group, head_dim, dot_f32, fp8, runner.model_config.num_key_value_heads,
+                                   num_sms(runner.device), max_chunk):
+        _sequences_over_context(runner, [1, chunk], max(2, -(-chunk // runner.block_size)))
 
 
 @torch.inference_mode()

@@ -286,6 +286,17 @@ def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bo
     return dict(QB=qb, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=2)
 
 
+def verify_grid(tokens: int, qb: int, num_seqs: int, kv_heads: int, sms: int,
+                num_programs: int | None = None) -> tuple[int, int]:
+    """(P, S_MAX) of a launch (the module docstring): P programs per kv head, about two per SM at batch 1 and at
+    least one per work item; S_MAX, the split bound and the combine's tile, a constexpr: a step with more work items
+    can fall into a larger bound's kernel (`warmup.warm_mixed_steps` compiles each at start-up)."""
+    max_items = min(tokens, triton.cdiv(tokens, qb) + num_seqs)
+    programs = max(num_programs or triton.cdiv(2 * sms, kv_heads), max_items)
+    s_max = min(programs, MAX_SPLITS)
+    return programs, 1 << (s_max.bit_length() - 1)  # a power of two: the combine's tile
+
+
 def verify_row_classes(group: int, head_dim: int, dot_f32: bool, fp8: bool) -> list[int]:
     """The fewest rows a sequence of a one-sequence step has for each distinct `verify_config` over 2 ..
     VERIFY_MAX_ROWS rows: what a start-up warm-up runs so that no row count compiles a kernel on first use."""
@@ -329,11 +340,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
     cfg = verify_config(tokens, rows, group, head_dim, dot_f32, fp8)
     qb = cfg["QB"]
-    max_items = min(tokens, triton.cdiv(tokens, qb) + num_seqs)
-    programs = num_programs or triton.cdiv(2 * num_sms(q.device), kv_heads)
-    programs = max(programs, max_items)  # every work item needs a program when each gets one split
-    s_max = min(programs, MAX_SPLITS)
-    s_max = 1 << (s_max.bit_length() - 1)  # a power of two: the combine's tile
+    programs, s_max = verify_grid(tokens, qb, num_seqs, kv_heads, num_sms(q.device), num_programs)
     part_rows = programs * kv_heads * qb * group  # each program's packed rows (bounded by shapes; few used)
     part_o = torch.empty(part_rows, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part_rows, dtype=torch.float32, device=q.device)

@@ -226,3 +226,6 @@ def test_serving_bench_gives_the_servers_view_of_a_multi_turn_run(tiny_dir, tmp_
     assert mt["server_ms"]["ttft"]["count"] == 4 and mt["server_ms"]["queue"]["count"] == 4
     assert mt["load"]["engine_busy"] > 0
     assert "server (bucket bounds" in done.stdout
+    # the later turns' row (the multi-turn figure: TTFT p50 over every request after the first turn)
+    later = mt["later_turns_ttft_ms"]
+    assert f"| 2-2 | 2 | {later['p50']:.1f} | {later['p99']:.1f} |" in done.stdout

@@ -20,7 +20,8 @@ import torch
 from orinfer.kernels.attention import exact_fp32_dots, num_sms
 from orinfer.kernels.decode_attention import eager_launch_classes
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
-from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_config, verify_grid, verify_row_classes
+from orinfer.kernels.verify_attention import (MAX_SPLITS, VERIFY_MAX_ROWS, verify_config, verify_grid,
+                                              verify_row_classes)
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.sampler import apply_token_bitmask
 from orinfer.structured.constraint import bitmask_words
@@ -116,7 +117,10 @@ def mixed_step_chunks(group: int, head_dim: int, dot_f32: bool, fp8: bool, kv_he
     for chunk in range(VERIFY_MAX_ROWS + 1, max_chunk + 1):
         tokens = chunk + 1
         qb = verify_config(tokens, 1, group, head_dim, dot_f32, fp8)["QB"]  # the decode rows' tiles
-        firsts.setdefault(verify_grid(tokens, qb, 2, kv_heads, sms)[1], chunk)
+        bound = verify_grid(tokens, qb, 2, kv_heads, sms)[1]
+        firsts.setdefault(bound, chunk)
+        if bound == MAX_SPLITS:  # the bound never falls as the chunk grows: no new one past the largest
+            break
     return sorted(firsts.values())
 
 

@@ -9,7 +9,7 @@ import torch
 
 from kernel_checks import DEVICE, poison_allocations, shuffled_block_tables, skip_module_without_kernels, tol
 from orinfer.kernels.attention import paged_attention_ref
-from orinfer.kernels.decode_attention import paged_attention
+from orinfer.kernels.decode_attention import paged_attention, paged_decode_attention
 from orinfer.kernels.extend_attention import extend_attention
 from orinfer.kernels.verify_attention import verify_attention
 
@@ -127,7 +127,7 @@ MIXED = [
 @pytest.mark.parametrize("queries, contexts", MIXED)
 @pytest.mark.parametrize("fixed", [False, True])
 def test_mixed_steps_split_between_the_two_kernels(queries, contexts, fixed):
-    """`paged_attention` on a mixed step: decode rows through the split-KV kernel in decode-sized tiles, the chunks
+    """`paged_attention` on a mixed step: decode rows through the flash-decoding kernel (varlen form), the chunks
     (of 16 rows, past 16, and few) through the extend kernel, into one output (an unwritten row is NaN); in the
     CUDA-graph form too, with padding rows and empty sequences."""
     k_cache, v_cache, tables, lens, starts = make_batch(queries, contexts, 16, 2, 32, torch.bfloat16, seed=8)
@@ -150,10 +150,14 @@ def test_each_kernel_leaves_the_other_kernels_rows_alone(fixed):
     want = paged_attention_ref(q, k_cache, v_cache, tables, lens, starts, 0.2)
     long_rows = torch.zeros(sum(queries), dtype=torch.bool, device=DEVICE)
     long_rows[1:24] = True
-    for attention, kwargs, written in [(extend_attention, dict(rows_above=1), long_rows),
-                                       (verify_attention, dict(rows_at_most=1, max_query_len=1), ~long_rows)]:
+    out = torch.full_like(q, 7.0)
+    extend_attention(q, k_cache, v_cache, tables, lens, starts, 0.2, max_query_len=max(queries), fixed_launch=fixed,
+                     rows_above=1, out=out)
+    torch.testing.assert_close(out[long_rows], want[long_rows], **tol(torch.float32))
+    assert (out[~long_rows] == 7.0).all()
+    # the flash-decoding kernel's varlen form, which paged_attention gives a mixed step's decode rows, split or not
+    for num_splits in (1, 3):
         out = torch.full_like(q, 7.0)
-        extra = {} if attention is verify_attention else dict(max_query_len=max(queries))
-        attention(q, k_cache, v_cache, tables, lens, starts, 0.2, fixed_launch=fixed, out=out, **kwargs, **extra)
-        torch.testing.assert_close(out[written], want[written], **tol(torch.float32))
-        assert (out[~written] == 7.0).all(), attention.__name__
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, num_splits, query_start_loc=starts, out=out)
+        torch.testing.assert_close(out[~long_rows], want[~long_rows], **tol(torch.float32))
+        assert (out[long_rows] == 7.0).all(), num_splits

@@ -265,39 +265,17 @@ def test_the_start_up_warm_up_over_a_cached_context_fits_small_blocks(tiny_dir, 
     assert all(width * block_size >= context for context, width in seen)
 
 
-def test_mixed_step_chunks_reach_each_split_bound():
-    """Qwen3-8B's heads on an H200 (132 SMs, 8 kv heads: 33 programs a kv head at batch 1, so 32 splits at most): a
-    decode row beside a chunk of 17 rows has 7 work items (32 splits); from 244 rows (cdiv(245, 4) + 2 = 64 items) the
-    bound is 64. Every chunk up to the budget falls into one of the warmed bounds."""
-    from orinfer.engine.warmup import mixed_step_chunks
-    from orinfer.kernels.verify_attention import verify_config, verify_grid
-
-    shape = dict(group=4, head_dim=128, dot_f32=False, fp8=False)
-    chunks = mixed_step_chunks(**shape, kv_heads=8, sms=132, max_chunk=2047)
-    assert chunks == [17, 244]
-
-    def bound(chunk: int) -> int:
-        qb = verify_config(chunk + 1, 1, shape["group"], shape["head_dim"], False, False)["QB"]
-        return verify_grid(chunk + 1, qb, 2, 8, 132)[1]
-
-    assert [bound(c) for c in chunks] == [32, 64]
-    assert {bound(c) for c in range(17, 2048)} == {32, 64}
-    # 4 kv heads (Qwen2.5-7B, the MoE models): 66 programs, 64 splits from the first chunk on.
-    assert mixed_step_chunks(**shape, kv_heads=4, sms=132, max_chunk=2047) == [17]
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_the_mixed_step_warm_up_runs_a_decode_row_beside_each_chunk(tiny_dir, block_size):
+def test_the_mixed_step_warm_up_runs_decode_rows_beside_a_chunk(tiny_dir, block_size):
     """The GPU runner's mixed-step warm-up (run here on the CPU, with the interpreter's stand-in of 4 SMs): one
-    forward per split bound, each of a one-row sequence beside a chunk past VERIFY_MAX_ROWS rows, with a block table
-    wide enough for the chunk's context."""
+    forward per class of the decode kernel's launch, each of one-row sequences beside a chunk past VERIFY_MAX_ROWS
+    rows, with a block table wide enough for the chunk's context."""
     from orinfer import LLM
-    from orinfer.engine.warmup import _attention_classes, mixed_step_chunks, warm_mixed_steps
-    from orinfer.kernels.attention import num_sms
+    from orinfer.engine.warmup import mixed_step_classes, warm_mixed_steps
     from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS
 
-    with LLM(tiny_dir, dtype="float32", device="cpu", progress=False, block_size=block_size,
-             max_num_batched_tokens=512) as llm:
+    with LLM(tiny_dir, dtype="float32", device="cpu", progress=False, block_size=block_size, max_num_seqs=8,
+             max_model_len=256) as llm:
         runner = llm.engine.runner
         seen = []
         forward = runner.model.forward
@@ -308,8 +286,38 @@ def test_the_mixed_step_warm_up_runs_a_decode_row_beside_each_chunk(tiny_dir, bl
 
         runner.model.forward = spy
         warm_mixed_steps(runner)
-    want = mixed_step_chunks(*_attention_classes(runner), runner.model_config.num_key_value_heads,
-                             num_sms(runner.device), min(512, runner.max_model_len) - 1)
-    assert want and [rows for rows, _, _ in seen] == [[1, chunk] for chunk in want]
-    assert all(rows[1] > VERIFY_MAX_ROWS and context == rows and width * block_size >= rows[1]
-               for rows, context, width in seen)
+        want = mixed_step_classes(runner)
+    assert want and [rows for rows, _, _ in seen] == [[1] * (b - 1) + [VERIFY_MAX_ROWS + 1] for b, _ in want]
+    assert all(context == rows and width * block_size >= rows[-1] for rows, context, width in seen)
+    assert [width for _, _, width in seen] == [w for _, w in want]
+
+
+def test_mixed_step_classes_cover_every_decode_launch_on_an_h200():
+    """Qwen3-8B's heads on an H200 (132 SMs, 8 kv heads), up to 64 sequences and a 4096-token context: the classes
+    hold every (tile, split or not, merge width) an eager mixed step's decode rows can take, once each."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import triton
+
+    from orinfer.engine import warmup
+    from orinfer.kernels import decode_attention
+
+    runner = SimpleNamespace(block_size=16, max_model_len=4096, config=SimpleNamespace(max_num_seqs=64),
+                             model_config=SimpleNamespace(num_key_value_heads=8, num_attention_heads=32, head_dim=128),
+                             device=torch.device("cuda"), kv_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+
+    def launch(batch: int, width: int) -> tuple:
+        tile = decode_attention.default_tile(128, False, False, batch * 8, 132)
+        splits = decode_attention.default_num_splits(batch, 8, triton.cdiv(width * 16, tile.block_n),
+                                                     torch.device("cuda"))
+        return tile, splits > 1, decode_attention.combine_width(splits) if splits > 1 else 0
+
+    # (the interpreter takes exact fp32 dots even for 16-bit caches; the GPU takes tensor-core dots)
+    with mock.patch.object(decode_attention, "num_sms", lambda device: 132), \
+            mock.patch.object(warmup, "exact_fp32_dots", lambda *dtypes: False):
+        classes = warmup.mixed_step_classes(runner)
+        launches = [launch(b, w) for b, w in classes]
+        every = {launch(b, w) for b in range(2, 65) for w in range(2, 257)}
+    assert len(set(launches)) == len(launches) and set(launches) == every
+    assert len({tile for tile, _, _ in every}) == 3 and {split for _, split, _ in every} == {False, True}

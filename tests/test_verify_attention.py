@@ -165,8 +165,8 @@ def calls(monkeypatch) -> list[str]:
 
 def test_paged_attention_dispatch(calls):
     """Decode rows -> flash-decoding; at most 16 rows per sequence (eager, or a graph bucket of <= 16 tokens) ->
-    verify; more -> verify for the one-row sequences and extend for the others. Every choice matches the
-    reference."""
+    verify; more -> flash-decoding (varlen) for the one-row sequences and extend for the others. Every choice matches
+    the reference."""
     k_cache, v_cache, tables, lens, starts = make_batch([1, 5, 12, 1], [9, 30, 40, 3], 16, 2, 16, torch.float32)
     q = torch.randn(40, 4, 16).to(DEVICE)  # rows past a batch's last sequence: padding
 
@@ -187,7 +187,8 @@ def test_paged_attention_dispatch(calls):
     run(3, 18, max_query_len=12)                     # a 12-row chunk beside them: still <= 16 rows per sequence
     run(3, 32, max_query_len=32, fixed_launch=True)  # a 32-token bucket: a sequence could have 32 rows
     run(3, 18)                                       # eager, 18 rows, no bound given
-    assert calls == ["paged_decode_attention"] + ["verify_attention"] * 5 + ["verify_attention", "extend_attention"] * 2
+    assert calls == (["paged_decode_attention"] + ["verify_attention"] * 5
+                     + ["paged_decode_attention", "extend_attention"] * 2)
 
 
 # --- GPU: real head shapes, CUDA graphs -------------------------------------------------------------------------------

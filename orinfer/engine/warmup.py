@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from orinfer.kernels.attention import exact_fp32_dots, num_sms
+from orinfer.kernels.attention import exact_fp32_dots
 from orinfer.kernels.decode_attention import eager_launch_classes
 from orinfer.kernels.kv_fp8 import KV_FP8_DTYPE
-from orinfer.kernels.verify_attention import (MAX_SPLITS, VERIFY_MAX_ROWS, verify_config, verify_grid,
-                                              verify_row_classes)
+from orinfer.kernels.verify_attention import VERIFY_MAX_ROWS, verify_row_classes
 from orinfer.layers.attention import AttentionMetadata
 from orinfer.layers.sampler import apply_token_bitmask
 from orinfer.structured.constraint import bitmask_words
@@ -108,37 +107,26 @@ def warm_cached_prefix(runner: ModelRunner) -> None:
             _rows_over_context(runner, rows, width)
 
 
-def mixed_step_chunks(group: int, head_dim: int, dot_f32: bool, fp8: bool, kv_heads: int, sms: int,
-                      max_chunk: int) -> list[int]:
-    """The fewest prompt-chunk rows beside one decode row that reach each split bound S_MAX of the split-KV kernel
-    (`verify_attention.verify_grid`), over chunks of VERIFY_MAX_ROWS + 1 .. `max_chunk` rows (shorter ones make no
-    mixed split: `decode_attention.paged_attention`)."""
-    firsts: dict[int, int] = {}
-    for chunk in range(VERIFY_MAX_ROWS + 1, max_chunk + 1):
-        tokens = chunk + 1
-        qb = verify_config(tokens, 1, group, head_dim, dot_f32, fp8)["QB"]  # the decode rows' tiles
-        bound = verify_grid(tokens, qb, 2, kv_heads, sms)[1]
-        firsts.setdefault(bound, chunk)
-        if bound == MAX_SPLITS:  # the bound never falls as the chunk grows: no new one past the largest
-            break
-    return sorted(firsts.values())
+def mixed_step_classes(runner: ModelRunner) -> list[tuple[int, int]]:
+    """(sequences, block-table width) of one eager mixed step per set of flash-decoding kernels (tile, split or not,
+    merge width: `eager_launch_classes`) that the decode rows of an eager mixed step can take: batches of 2 ..
+    max_num_seqs sequences, tables wide enough for a chunk past VERIFY_MAX_ROWS rows up to the longest context."""
+    group, head_dim, dot_f32, fp8 = _attention_classes(runner)
+    narrowest = -(-(VERIFY_MAX_ROWS + 1) // runner.block_size)
+    widest = max(narrowest, -(-runner.max_model_len // runner.block_size))
+    return eager_launch_classes(list(range(2, runner.config.max_num_seqs + 1)), list(range(narrowest, widest + 1)),
+                                runner.model_config.num_key_value_heads, head_dim, runner.block_size, fp8, dot_f32,
+                                runner.device)
 
 
 @torch.inference_mode()
 def warm_mixed_steps(runner: ModelRunner) -> None:
-    """Decode rows beside a prompt chunk: `paged_attention` gives the one-row sequences to the split-KV kernel and
-    the chunk to the extend kernel. The split-KV kernel's split bound grows with the step's rows, and each bound is a
-    kernel of its own: one forward of a decode row beside a chunk per bound a step within the token budget reaches
-    (on the H200, Qwen3-8B's 8 kv heads take 32 splits at batch 1 and 64 in most mixed steps; compiling that one on
-    first use stalled the first wave of a cold machine's c64 serving bench for ~1.5 s, NOTES run 398)."""
-    group, head_dim, dot_f32, fp8 = _attention_classes(runner)
-    tokens = runner.config.max_num_batched_tokens
-    if not runner.config.enable_chunked_prefill:  # a whole prompt may then pass the budget (as in `warm_prefill`)
-        tokens = max(tokens, runner.max_model_len)
-    max_chunk = min(tokens, runner.max_model_len) - 1
-    for chunk in mixed_step_chunks(group, head_dim, dot_f32, fp8, runner.model_config.num_key_value_heads,
-                                   num_sms(runner.device), max_chunk):
-        _sequences_over_context(runner, [1, chunk], max(2, -(-chunk // runner.block_size)))
+    """Decode rows beside a prompt chunk: `paged_attention` gives the one-row sequences to the flash-decoding kernel
+    (its varlen form, a kernel of its own) and the chunk to the extend kernel. Graphs of mixed steps compile theirs at
+    capture; an eager mixed step (past the graphs' tokens) takes the decode kernel's tile, split and merge width by
+    its batch and table width: one forward of decode rows beside a chunk per class."""
+    for batch, width in mixed_step_classes(runner):
+        _sequences_over_context(runner, [1] * (batch - 1) + [VERIFY_MAX_ROWS + 1], width)
 
 
 @torch.inference_mode()

@@ -112,13 +112,26 @@ def eager_launch_classes(batches: list[int], widths: list[int], kv_heads: int, h
 
 # Eager batches differ in their block-table width and split count: not specialized on, so they share the kernels that
 # start-up compiled (tests/test_gpu_startup_compiles.py).
+@triton.jit
+def _decode_row(qsl_ptr, b, VARLEN: tl.constexpr):
+    """(the query row of sequence b, 1 if b has a row here else 0): row b in a decode batch; with VARLEN (a mixed
+    step, `query_start_loc` given) query_start_loc[b], for a sequence of exactly one row (the others belong to
+    another kernel)."""
+    row = b
+    mine = 1
+    if VARLEN:
+        row = tl.load(qsl_ptr + b)
+        mine = (tl.load(qsl_ptr + b + 1) - row == 1).to(tl.int32)
+    return row, mine
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                         HQ, GROUP, num_splits, scale_log2,
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, part_o_ptr,
+                         part_lse_ptr, HQ, GROUP, num_splits, scale_log2,
                          stride_qb, stride_qh, stride_bt, stride_cblk, stride_ctok, stride_ch, stride_ob, stride_oh,
                          D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr,
-                         SPLIT: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, VARLEN: tl.constexpr, DOT_F32: tl.constexpr,
+                         FP8: tl.constexpr, PDL: tl.constexpr):
     # Under PDL this program may start while the kernel before it (the new token's RoPE and KV store) still runs.
     # The context length and the block table come from the step's inputs, written before any kernel of the step,
     # so they are read before the wait (kernels/pdl.py), taking two dependent loads off the path to the first K/V
@@ -126,7 +139,8 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr,
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
+    q_row, mine = _decode_row(qsl_ptr, b, VARLEN)
+    ctx = tl.load(ctx_ptr + b) * mine  # not this kernel's sequence: no tiles, nothing stored
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     per_split = tl.cdiv(n_tiles, num_splits)
     tile_lo = split * per_split
@@ -140,10 +154,10 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr,
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    g_mask = g < GROUP
+    g_mask = (g < GROUP) & (mine > 0)
     d_mask = d < D
     heads = kvh * GROUP + g  # the query heads that read this kv head (GQA): K/V tiles are loaded once for all
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -195,27 +209,31 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr,
         tl.store(part_o_ptr + idx[:, None] * D + d[None, :], o, mask=o_mask)
         tl.store(part_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
     else:
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
-                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _combine_splits_kernel(part_o_ptr, part_lse_ptr, qsl_ptr, out_ptr, HQ, num_splits, stride_ob, stride_oh,
+                           D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+                           PDL: tl.constexpr):
     if PDL:  # see kernels/pdl.py: wait for the previous kernel before touching memory
         small_kernel_prologue()
     b = tl.program_id(0)
     h = tl.program_id(1)
+    row, mine = _decode_row(qsl_ptr, b, VARLEN)
     out = merge_splits(part_o_ptr, part_lse_ptr, (b * HQ + h).to(tl.int64) * num_splits, 1, num_splits, D, BLOCK_S,
                        BLOCK_D)
     d = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(out_ptr + row.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=(d < D) & (mine > 0))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           tile: DecodeTile | None = None) -> torch.Tensor:
+                           tile: DecodeTile | None = None, query_start_loc: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding over the paged cache: one query token per sequence, q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
     Query b attends over the first context_lens[b] cached tokens of its sequence (its own included: decode has
@@ -232,20 +250,32 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     which are valid), for benchmarks (bench/decode_attention_sweep.py); the default split rule then counts its tiles.
     Traffic: the context's K and V once (2*ctx*Hk*D elements per sequence; 1 byte each in fp8) + q/out +
     2*splits*Hq*(D+1) fp32.
+
+    A mixed step's decode rows (`paged_attention`): given query_start_loc [B+1], q and out are a step's [T, Hq, D]
+    rows and only the B sequences of exactly one row are attended, each at its row query_start_loc[b]; the others'
+    rows are left as they are in `out` (written in place when given). The grid stays (B, Hk, splits): shapes only,
+    as CUDA-graph capture of padded mixed steps needs.
     """
     check_device(q)
     fp8 = check_kv_scales("paged_decode_attention", k_cache, k_scale, v_scale)
-    batch, heads, head_dim = q.shape
+    rows, heads, head_dim = q.shape
+    varlen = query_start_loc is not None
+    batch = context_lens.shape[0] if varlen else rows
     _, block_size, kv_heads, _ = k_cache.shape
     if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
-            or block_tables.shape[0] != batch or context_lens.shape != (batch,)):
+            or block_tables.shape[0] != batch or context_lens.shape != (batch,)
+            or (varlen and query_start_loc.shape != (batch + 1,))
+            or (out is not None and out.shape != q.shape)):
         raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
-                         f"block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}")
+                         f"block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}"
+                         + (f", query_start_loc {tuple(query_start_loc.shape)}" if varlen else "")
+                         + (f", out {tuple(out.shape)}" if out is not None else ""))
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_decode_attention: the caches must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     group = heads // kv_heads
@@ -268,19 +298,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_o = part_lse = out  # unused
     _paged_decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, context_lens, out, part_o,
-        part_lse,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, context_lens,
+        query_start_loc if varlen else context_lens, out, part_o, part_lse,
         heads, group, num_splits, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         D=head_dim, BS=block_size, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=tile.block_n, SPLIT=split,
-        DOT_F32=dot_f32, FP8=fp8, num_warps=tile.warps, num_stages=tile.stages, PDL=use_pdl(q),
+        VARLEN=varlen, DOT_F32=dot_f32, FP8=fp8, num_warps=tile.warps, num_stages=tile.stages, PDL=use_pdl(q),
         launch_pdl=use_pdl(q))
     if split:
         _combine_splits_kernel[(batch, heads)](
-            part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1), D=head_dim,
-            BLOCK_S=combine_width(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-            PDL=use_pdl(q), launch_pdl=use_pdl(q))
+            part_o, part_lse, query_start_loc if varlen else part_lse, out, heads, num_splits, out.stride(0),
+            out.stride(1), D=head_dim, BLOCK_S=combine_width(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
+            VARLEN=varlen, num_warps=4, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return out
 
 
@@ -294,7 +324,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `fixed_launch` max_query_len is the graph's token bucket), the split-KV verify kernel
     (`kernels/verify_attention.py`: speculative verify steps, short chunks over a cached prefix); beyond, the extend
     kernel (`kernels/extend_attention.py`: prompt chunks, prefix-cache hits), and, when there may be several
-    sequences, the verify kernel in decode-sized tiles for the decode rows among them. Both take padded mixed-step
+    sequences, the flash-decoding kernel for the decode rows among them. Both take padded mixed-step
     batches (`fixed_launch`)."""
     tokens, num_seqs = q.shape[0], context_lens.shape[0]
     if tokens == num_seqs and not fixed_launch:
@@ -309,12 +339,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                 max_query_len=max_query_len, k_scale=k_scale, v_scale=v_scale)
     # A mixed step: decode rows beside prompt chunks. In the extend kernel each decode row would fill a whole
     # 128-row query tile per query head (H200, Qwen3-8B, 63 decode rows + a 200-token prompt: 197 us a layer, NOTES
-    # run 396); the split-KV kernel packs a row's query heads into one 16-row tile, as decode does (with the extend
-    # kernel for the prompt: 71 us). Only one-row sequences move: chunks of any length keep the extend kernel's
-    # tiles and summation order, whatever else shares their step. Each kernel leaves the other's rows alone.
+    # run 396); the decode kernel, over the step's sequences, attends the one-row ones at their rows, as in a decode
+    # step (21 us a layer for 63 rows; run 397's split-KV verify kernel took 27 + a 20 us combine). Only one-row
+    # sequences move: chunks of any length keep the extend kernel's tiles and summation order, whatever else shares
+    # their step. Each kernel leaves the other's rows alone.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    verify_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len=1,
-                     fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale, rows_at_most=1, out=out)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=k_scale, v_scale=v_scale,
+                           query_start_loc=query_start_loc, out=out)
     return extend_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                             max_query_len=max_query_len, fixed_launch=fixed_launch, k_scale=k_scale, v_scale=v_scale,
                             rows_above=1, out=out)

@@ -33,10 +33,6 @@ its own, [P, Hk, QB * GROUP] rows of D fp32 (+ the LSEs) in all: sized by shapes
 index whatever the batch (a [T, Hq, S_MAX] layout would take 64 splits' room for every row of a large eager batch).
 Rows past query_start_loc[B] (padding) are left unwritten, as by the extend kernel.
 
-Mixed steps (`decode_attention.paged_attention`): given `rows_at_most`, sequences of more rows count no work items and
-their rows are left alone (the extend kernel writes them into the same output); the decode rows of a step beside a
-prompt chunk come here, in QB = 16 / GROUP tiles, as the decode kernel would hold them.
-
 Traffic: each item's K/V keys [0, E) once per kv head (2 * E * Hk * D cache elements; 1 byte each in fp8), q and
 out once, and the partials written and read back (2 * rows * Hq * (D + 1) fp32 per split, mostly from L2).
 """
@@ -65,34 +61,33 @@ SEQ_CHUNK = 64  # sequences read per step of the device-side scans of query_star
 
 
 @triton.jit
-def _seq_chunk(qsl_ptr, num_seqs, c, max_rows, QB: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Sequences c..c+BLOCK_B-1: (in the batch, query_start_loc[s+1], query blocks of QB rows; 0 past the batch and
-    for a sequence of more than `max_rows` rows, which another kernel takes)."""
+def _seq_chunk(qsl_ptr, num_seqs, c, QB: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Sequences c..c+BLOCK_B-1: (in the batch, query_start_loc[s+1], query blocks of QB rows; 0 past the batch)."""
     s = c + tl.arange(0, BLOCK_B)
     ok = s < num_seqs
     lo = tl.load(qsl_ptr + s, mask=ok, other=0)
     hi = tl.load(qsl_ptr + s + 1, mask=ok, other=0)
-    return ok, hi, tl.where(hi - lo <= max_rows, (hi - lo + QB - 1) // QB, 0)
+    return ok, hi, (hi - lo + QB - 1) // QB
 
 
 @triton.jit
-def _count_items(qsl_ptr, num_seqs, max_rows, QB: tl.constexpr, BLOCK_B: tl.constexpr):
+def _count_items(qsl_ptr, num_seqs, QB: tl.constexpr, BLOCK_B: tl.constexpr):
     """W: the batch's work items (query blocks of QB rows; an empty sequence has none)."""
     total = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
-        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, max_rows, QB, BLOCK_B)
+        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, QB, BLOCK_B)
         total += tl.sum(blocks, 0)
     return total
 
 
 @triton.jit
-def _find_item(qsl_ptr, num_seqs, item, max_rows, QB: tl.constexpr, BLOCK_B: tl.constexpr):
+def _find_item(qsl_ptr, num_seqs, item, QB: tl.constexpr, BLOCK_B: tl.constexpr):
     """(sequence, query block) of work item `item`: items are numbered in sequence order."""
     seq = tl.full((), 0, tl.int32)
     first = tl.full((), 0, tl.int32)  # the item number of that sequence's first block
     before = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
-        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, max_rows, QB, BLOCK_B)
+        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, QB, BLOCK_B)
         ends = before + tl.cumsum(blocks, 0)
         done = ok & (ends <= item)  # sequences whose items all come before `item` (a prefix: ends never decrease)
         seq += tl.sum(done.to(tl.int32), 0)
@@ -102,13 +97,13 @@ def _find_item(qsl_ptr, num_seqs, item, max_rows, QB: tl.constexpr, BLOCK_B: tl.
 
 
 @triton.jit
-def _find_row(qsl_ptr, num_seqs, t, max_rows, QB: tl.constexpr, BLOCK_B: tl.constexpr):
+def _find_row(qsl_ptr, num_seqs, t, QB: tl.constexpr, BLOCK_B: tl.constexpr):
     """(the sequence holding query row t, the number of its first work item); the sequence is num_seqs for a
     padding row past query_start_loc[B]."""
     seq = tl.full((), 0, tl.int32)
     first = tl.full((), 0, tl.int32)
     for c in range(0, num_seqs, BLOCK_B):
-        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, max_rows, QB, BLOCK_B)
+        ok, hi, blocks = _seq_chunk(qsl_ptr, num_seqs, c, QB, BLOCK_B)
         done = ok & (hi <= t)  # the sequences before row t's (a prefix: query_start_loc never decreases)
         seq += tl.sum(done.to(tl.int32), 0)
         first += tl.sum(tl.where(done, blocks, 0), 0)
@@ -206,9 +201,9 @@ def _verify_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, part_o_ptr, par
 
 
 # Integer arguments that vary per step or batch are not specialised on (Triton compiles a variant per class of value).
-@triton.jit(do_not_specialize=["num_seqs", "programs", "stride_bt", "max_rows"])
+@triton.jit(do_not_specialize=["num_seqs", "programs", "stride_bt"])
 def _verify_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, part_o_ptr, part_lse_ptr, num_seqs,
-                   programs, scale_log2, stride_qt, stride_qh, stride_bt, max_rows,
+                   programs, scale_log2, stride_qt, stride_qh, stride_bt,
                    HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
                    S_MAX: tl.constexpr, MIN_TILES: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
@@ -217,12 +212,12 @@ def _verify_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_p
         gdc_wait()
     p = tl.program_id(0)
     kvh = tl.program_id(1)
-    n_items = _count_items(qsl_ptr, num_seqs, max_rows, QB, BLOCK_B)
+    n_items = _count_items(qsl_ptr, num_seqs, QB, BLOCK_B)
     splits = _splits_per_item(n_items, programs, S_MAX)
     item = p // splits
     split = p % splits
     if item < n_items:
-        seq, q_block = _find_item(qsl_ptr, num_seqs, item, max_rows, QB, BLOCK_B)
+        seq, q_block = _find_item(qsl_ptr, num_seqs, item, QB, BLOCK_B)
         start = tl.load(qsl_ptr + seq)
         n_new = tl.load(qsl_ptr + seq + 1) - start
         ctx = tl.load(ctx_ptr + seq)
@@ -233,20 +228,20 @@ def _verify_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_p
                           stride_bt, HK, D, BS, GROUP, QB, BLOCK_M, BLOCK_N, BLOCK_D, DOT_F32, FP8, PDL)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "programs", "max_rows"])
+@triton.jit(do_not_specialize=["num_seqs", "programs"])
 def _verify_combine_kernel(part_o_ptr, part_lse_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs, programs, stride_ot,
-                           stride_oh, max_rows, HK: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+                           stride_oh, HK: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                            QB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
                            S_MAX: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         small_kernel_prologue()
     t = tl.program_id(0)
     h = tl.program_id(1)
-    seq, first = _find_row(qsl_ptr, num_seqs, t, max_rows, QB, BLOCK_B)
+    seq, first = _find_row(qsl_ptr, num_seqs, t, QB, BLOCK_B)
     start = tl.load(qsl_ptr + seq, mask=seq < num_seqs, other=0)
     n_new = tl.load(qsl_ptr + seq + 1, mask=seq < num_seqs, other=0) - start
-    if (seq < num_seqs) & (n_new <= max_rows):
-        n_items = _count_items(qsl_ptr, num_seqs, max_rows, QB, BLOCK_B)
+    if seq < num_seqs:
+        n_items = _count_items(qsl_ptr, num_seqs, QB, BLOCK_B)
         ctx = tl.load(ctx_ptr + seq)
         q_block = (t - start) // QB
         splits = _splits_per_item(n_items, programs, S_MAX)
@@ -289,8 +284,7 @@ def verify_config(tokens: int, rows: int, group: int, head_dim: int, dot_f32: bo
 def verify_grid(tokens: int, qb: int, num_seqs: int, kv_heads: int, sms: int,
                 num_programs: int | None = None) -> tuple[int, int]:
     """(P, S_MAX) of a launch (the module docstring): P programs per kv head, about two per SM at batch 1 and at
-    least one per work item; S_MAX, the split bound and the combine's tile, a constexpr: a step with more work items
-    can fall into a larger bound's kernel (`warmup.warm_mixed_steps` compiles each at start-up)."""
+    least one per work item; S_MAX, the split bound and the combine's tile (a constexpr)."""
     max_items = min(tokens, triton.cdiv(tokens, qb) + num_seqs)
     programs = max(num_programs or triton.cdiv(2 * sms, kv_heads), max_items)
     s_max = min(programs, MAX_SPLITS)
@@ -310,8 +304,7 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                      max_query_len: int | None = None, fixed_launch: bool = False, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, num_programs: int | None = None,
-                     min_split_tiles: int = MIN_SPLIT_TILES, rows_at_most: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     min_split_tiles: int = MIN_SPLIT_TILES) -> torch.Tensor:
     """`paged_attention_ref`'s contract (as `extend_attention`): q [T, Hq, D] (unit last stride), caches [blocks,
     block_size, Hk, D] (contiguous), block_tables [B, W] int32, context_lens [B] and query_start_loc [B+1] int32 ->
     [T, Hq, D] in q's dtype; rows past query_start_loc[B] are left unwritten; fp8 caches with k_scale, v_scale [Hk].
@@ -320,9 +313,6 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_query_len (rows per sequence; T when None) only sizes the query blocks, and the launch always depends on the
     shapes alone, so fixed_launch (CUDA-graph capture with padding rows and empty sequences) needs nothing more.
     num_programs (per kv head; default about two per SM at batch 1) and min_split_tiles: for tests and benchmarks.
-    rows_at_most: only sequences of at most this many query rows are attended; the others' rows are left unwritten
-    (a mixed step gives its prompt chunks to the extend kernel: `decode_attention.paged_attention`). out: written in
-    place ([T, Hq, D] in q's dtype) instead of a new tensor.
     """
     check_device(q)
     fp8 = check_kv_scales("verify_attention", k_cache, k_scale, v_scale)
@@ -330,11 +320,9 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = context_lens.shape[0]
-    if out is None:
-        out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0:
         return out
-    max_rows = tokens if rows_at_most is None else rows_at_most
     group = heads // kv_heads
     dot_f32 = exact_fp32_dots(q.dtype, k_cache.dtype)
     rows = tokens if max_query_len is None else max(1, min(max_query_len, tokens))
@@ -348,10 +336,10 @@ def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _verify_kernel[(programs, kv_heads)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, context_lens,
         query_start_loc, part_o, part_lse, num_seqs, programs, scale * LOG2E, q.stride(0), q.stride(1),
-        block_tables.stride(0), max_rows, HK=kv_heads, D=head_dim, BS=block_size, GROUP=group, BLOCK_B=SEQ_CHUNK,
+        block_tables.stride(0), HK=kv_heads, D=head_dim, BS=block_size, GROUP=group, BLOCK_B=SEQ_CHUNK,
         S_MAX=s_max, MIN_TILES=max(1, int(min_split_tiles)), DOT_F32=dot_f32, FP8=fp8, PDL=pdl, launch_pdl=pdl, **cfg)
     _verify_combine_kernel[(tokens, heads)](
         part_o, part_lse, context_lens, query_start_loc, out, num_seqs, programs, out.stride(0), out.stride(1),
-        max_rows, HK=kv_heads, D=head_dim, GROUP=group, QB=qb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+        HK=kv_heads, D=head_dim, GROUP=group, QB=qb, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
         BLOCK_B=SEQ_CHUNK, S_MAX=s_max, MIN_TILES=max(1, int(min_split_tiles)), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

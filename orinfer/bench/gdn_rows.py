@@ -1,5 +1,5 @@
 """Gated DeltaNet step timings at Qwen3.5-27B's linear-attention shapes (16 key / 48 value heads of 128, conv
-kernel 4, bf16): the fused kernels of kernels/gated_delta_decode.py against the unfused chains they replace, for
+kernel 4, bf16; `--model 35b-a3b`: Qwen3.5-35B-A3B's 16 / 32): the fused kernels of kernels/gated_delta_decode.py against the unfused chains they replace, for
 decode rows (1 a sequence), speculative verify rows (1 + k) and the state rollback's replay of accepted rows.
 
   step     out = conv -> delta rule -> gated RMSNorm: `gated_delta_decode_step` (one launch) against the conv kernel,
@@ -13,7 +13,8 @@ fused step and advance are told (a verify graph's bucket: 16; the rollback tells
 one-row kernel where every sequence has one row); the row loop prepares min(4, next power of two of the bound) rows
 at once (`gated_delta_decode.rows_tile`).
 
-Run: `python -m orinfer.bench.gdn_rows [--batches 1,8] [--rows 1,4] [--layers 48] [--json]` (needs a CUDA device).
+Run: `python -m orinfer.bench.gdn_rows [--model 35b-a3b] [--batches 1,8] [--rows 1,4] [--layers 48] [--json]`
+(needs a CUDA device).
 """
 
 from __future__ import annotations
@@ -25,28 +26,30 @@ from typing import Callable
 
 import torch
 
-K_HEADS, V_HEADS, HEAD_DIM, WIDTH = 16, 48, 128, 4  # Qwen3.5-27B
-CHANNELS = 2 * K_HEADS * HEAD_DIM + V_HEADS * HEAD_DIM
+HEAD_DIM, WIDTH = 128, 4
+MODELS = {"27b": (16, 48), "35b-a3b": (16, 32)}  # (key heads, value heads) of the linear-attention layers
 
 
-def _inputs(batch: int, rows: int, layers: int, device: torch.device) -> tuple[dict, list[dict], dict]:
+def _inputs(batch: int, rows: int, layers: int, device: torch.device, k_heads: int, v_heads: int
+            ) -> tuple[dict, list[dict], dict]:
     """(the step's activations and weights, each layer's state pools, the batch layout): batch sequences of `rows`
     rows on shuffled slots, every state continuing."""
+    channels = 2 * k_heads * HEAD_DIM + v_heads * HEAD_DIM
     gen = torch.Generator(device=device).manual_seed(0)
     dtype, tokens = torch.bfloat16, batch * rows
 
     def randn(*shape: int, scale: float = 1.0, dt: torch.dtype = dtype) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
 
-    row = randn(tokens, CHANNELS + V_HEADS * HEAD_DIM + 2 * V_HEADS)
-    mixed, z, gates = row.split([CHANNELS, V_HEADS * HEAD_DIM, 2 * V_HEADS], dim=-1)
-    args = dict(mixed=mixed, z=z, gates=gates, conv_weight=randn(CHANNELS, WIDTH, scale=0.5),
-                A_log=torch.rand(V_HEADS, generator=gen, device=device) * 2.5,
-                dt_bias=randn(V_HEADS, scale=0.5, dt=torch.float32), norm_weight=randn(HEAD_DIM, scale=0.2) + 1,
+    row = randn(tokens, channels + v_heads * HEAD_DIM + 2 * v_heads)
+    mixed, z, gates = row.split([channels, v_heads * HEAD_DIM, 2 * v_heads], dim=-1)
+    args = dict(mixed=mixed, z=z, gates=gates, conv_weight=randn(channels, WIDTH, scale=0.5),
+                A_log=torch.rand(v_heads, generator=gen, device=device) * 2.5,
+                dt_bias=randn(v_heads, scale=0.5, dt=torch.float32), norm_weight=randn(HEAD_DIM, scale=0.2) + 1,
                 eps=1e-6)
     slots = batch + 2
-    pools = [dict(conv_states=randn(slots, CHANNELS, WIDTH - 1),
-                  ssm_states=randn(slots, V_HEADS, HEAD_DIM, HEAD_DIM, scale=0.1, dt=torch.float32))
+    pools = [dict(conv_states=randn(slots, channels, WIDTH - 1),
+                  ssm_states=randn(slots, v_heads, HEAD_DIM, HEAD_DIM, scale=0.1, dt=torch.float32))
              for _ in range(layers)]
     layout = dict(query_start_loc=torch.arange(0, tokens + 1, rows, dtype=torch.int32, device=device),
                   state_slots=torch.randperm(slots, generator=gen, device=device)[:batch],
@@ -85,12 +88,13 @@ def time_per_layer(op: Callable, args: dict, pools: list[dict], layout: dict, re
     return graph_us(lambda copies: calls, weight_bytes=1 << 62, iters=repeats)
 
 
-def run(batches: list[int], rows_list: list[int], layers: int, bound: int | None, repeats: int) -> list[dict]:
+def run(batches: list[int], rows_list: list[int], layers: int, bound: int | None, repeats: int,
+        model: str = "27b") -> list[dict]:
     device = torch.device("cuda")
     results = []
     for batch in batches:
         for rows in rows_list:
-            args, pools, layout = _inputs(batch, rows, layers, device)
+            args, pools, layout = _inputs(batch, rows, layers, device, *MODELS[model])
             told = bound if bound is not None else rows
             for name, op in _ops(told).items():
                 us = time_per_layer(op, args, pools, layout, repeats)
@@ -109,15 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bound", type=int, default=None,
                         help="max_rows_per_seq the fused step and advance are told (default: the rows; a 16-row "
                              "graph: 16)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="27b", help="whose linear-attention heads")
     parser.add_argument("--repeats", type=int, default=50, help="timed graph replays (the median is reported)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     results = run([int(b) for b in opts.batches.split(",")], [int(r) for r in opts.rows.split(",")], opts.layers,
-                  opts.bound, opts.repeats)
-    print(f"# {torch.cuda.get_device_name()}: Qwen3.5-27B GDN shapes, bf16, us per layer ({opts.layers} layers a "
-          f"graph)")
+                  opts.bound, opts.repeats, opts.model)
+    print(f"# {torch.cuda.get_device_name()}: Qwen3.5-{opts.model} GDN shapes, bf16, us per layer ({opts.layers} "
+          f"layers a graph)")
     for r in results:
         print(json.dumps(r) if opts.json else
               f"B={r['batch']:<3} rows={r['rows']:<2} bound={r['bound']:<2} {r['op']:<16} {r['us_per_layer']:8.2f} us")

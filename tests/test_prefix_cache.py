@@ -265,6 +265,28 @@ def test_the_start_up_warm_up_over_a_cached_context_fits_small_blocks(tiny_dir, 
     assert all(width * block_size >= context for context, width in seen)
 
 
+def test_the_prefill_warm_up_keeps_its_prompts_within_max_model_len(tiny_dir):
+    """The GPU runner's warm-up of the largest step (run here on the CPU): its prompts are of at most 1024 tokens and
+    max_model_len, so no position reads past the RoPE tables (a device-side assert on the GPU's torch backend, a
+    read past the table in the Triton kernel)."""
+    from orinfer import LLM
+    from orinfer.engine.warmup import warm_prefill
+
+    with LLM(tiny_dir, dtype="float32", device="cpu", progress=False, max_model_len=256, max_num_seqs=4,
+             max_num_batched_tokens=600) as llm:
+        runner = llm.engine.runner
+        seen = []
+        forward = runner.model.forward
+
+        def spy(ids, positions, meta, *args, **kwargs):
+            seen.append((meta.query_start_loc.diff().tolist(), int(positions.max())))
+            return forward(ids, positions, meta, *args, **kwargs)
+
+        runner.model.forward = spy
+        warm_prefill(runner)
+    assert seen == [([256, 256, 88], 255)]
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_the_mixed_step_warm_up_runs_decode_rows_beside_a_chunk(tiny_dir, block_size):
     """The GPU runner's mixed-step warm-up (run here on the CPU, with the interpreter's stand-in of 4 SMs): one

@@ -31,15 +31,17 @@ if TYPE_CHECKING:
 
 @torch.inference_mode()
 def warm_prefill(runner: ModelRunner) -> None:
-    """The largest step the scheduler will form, as prompts of at most 1024 tokens (from their start: the varlen
-    kernels), and its logits. Also the peak of a step's activations, which `ModelRunner._gpu_kv_budget` measures.
-    Without chunked prefill a prompt longer than the budget runs whole, in a step of its own."""
+    """The largest step the scheduler will form, as prompts of at most 1024 tokens and max_model_len (from their
+    start: the varlen kernels; a longer one would read RoPE tables past their end), and its logits. Also the peak of
+    a step's activations, which `ModelRunner._gpu_kv_budget` measures. Without chunked prefill a prompt longer than
+    the budget runs whole, in a step of its own."""
     config, device = runner.config, runner.device
     tokens = config.max_num_batched_tokens
     if not config.enable_chunked_prefill:
         tokens = max(tokens, runner.max_model_len)
     tokens = min(tokens, runner.max_model_len * config.max_num_seqs)
-    lengths = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
+    longest = min(1024, runner.max_model_len)
+    lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)

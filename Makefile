@@ -1,13 +1,14 @@
 # Two entry points on a fresh machine (each installs what it needs into .venv first):
 #   make demo   - build a tiny Qwen3 model locally (tokenizer + half a minute of training) and generate from it
 #   make test   - install the test dependencies (HF transformers is the reference) and run the default test tier
-# and on demand (not in CI): make test-slow (the slow tier: the rest of the kernel test matrices), make test-matrix (the
+# then make test-heavy (the default tier's costliest checks, which CI runs after it), and on demand (not in CI):
+# make test-slow (the slow tier: the rest of the kernel test matrices), make test-matrix (the
 # costliest matrices beyond a pairwise cover) and make test-all (everything).
 VENV ?= .venv
 BIN := $(VENV)/bin
 TINY ?= build/tiny-qwen3
 
-.PHONY: demo test test-slow test-matrix test-all install install-test clean
+.PHONY: demo test test-heavy test-slow test-matrix test-all install install-test clean
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -28,7 +29,12 @@ TEST_WORKERS ?= 2
 PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: install-test
-	$(PYTEST) -m "not slow" || [ $$? -eq 5 ]
+	$(PYTEST) -m "not slow and not heavy" || [ $$? -eq 5 ]
+
+# The default tier's costliest checks (tests/cpu_heavy_cases.txt), split off so that `make test` ends in minutes; CI
+# runs them right after it.
+test-heavy: install-test
+	$(PYTEST) -m "heavy and not slow" || [ $$? -eq 5 ]
 
 test-slow: install-test
 	$(PYTEST) -m "slow and not matrix" || [ $$? -eq 5 ]

@@ -1,11 +1,14 @@
-"""Lists the default tier's tests that took longer than a bound on the CPU, for tests/cpu_slow_cases.txt.
+"""Lists the default tier's tests that took longer than a bound on the CPU, for tests/cpu_heavy_cases.txt or
+tests/cpu_slow_cases.txt.
 
 The default tier must end in minutes on CI's 2-core machine. Tests whose cost is the Triton interpreter or a large
-engine set-up go to the slow tier by measurement rather than by hand: conftest.py marks every node id in that file
-`slow`. Regenerate it from a JUnit report of a default-tier run on a CI-like machine (`make test` with
-`PYTEST_ADDOPTS=--junitxml=report.xml`), merging with the ids already listed (those no longer run in the default tier):
+engine set-up leave it by measurement rather than by hand: conftest.py marks every node id in cpu_heavy_cases.txt
+`heavy` (`make test-heavy`, which CI runs right after the default tier) and every one in cpu_slow_cases.txt `slow`
+(the slow tier, not in CI). Regenerate a list from a JUnit report of a default-tier run on a CI-like machine (`make
+test` with `PYTEST_ADDOPTS=--junitxml=report.xml`), merging with the ids already listed (those no longer run in the
+default tier):
 
-    python scripts/cpu_slow_cases.py report.xml --over 10 >> tests/cpu_slow_cases.txt
+    python scripts/cpu_slow_cases.py report.xml --over 2 >> tests/cpu_heavy_cases.txt
 
 A test's time in the report includes its fixtures' set-up: moving the first test of a module that builds an engine
 moves that set-up onto the next one, which the next regeneration may then list.

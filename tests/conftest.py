@@ -91,7 +91,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from prebuilt import NAMES as PREBUILT_NAMES, Prebuilt, build as build_prebuilt  # noqa: E402
 
 
-# --- test tiers: `make test` runs -m "not slow", `make test-slow` -m slow ---------------------------------------------
+# --- test tiers (Makefile): `make test`, `make test-heavy`, `make test-slow`, `make test-matrix` by marker ------------
 
 def _value_key(value: object) -> tuple[str, str]:
     return type(value).__qualname__, repr(value)
@@ -118,20 +118,22 @@ def pairwise_cover(cases: list[dict[str, object]], each_value: bool = False) -> 
     return chosen
 
 
-def _cpu_slow_cases() -> frozenset[str]:
-    """The node ids in cpu_slow_cases.txt (scripts/cpu_slow_cases.py): default-tier tests measured too slow for CI."""
-    lines = (Path(__file__).parent / "cpu_slow_cases.txt").read_text().splitlines()
+def _listed_cases(name: str) -> frozenset[str]:
+    """The node ids listed in tests/`name` (scripts/cpu_slow_cases.py makes the lists from a JUnit report)."""
+    lines = (Path(__file__).parent / name).read_text().splitlines()
     return frozenset(node for node in (line.split("#")[0].strip() for line in lines) if node)
 
 
-_CPU_SLOW_CASES = _cpu_slow_cases()
+_CPU_SLOW_CASES = _listed_cases("cpu_slow_cases.txt")     # measured too slow for CI: the slow tier
+_CPU_HEAVY_CASES = _listed_cases("cpu_heavy_cases.txt")   # CI runs them after the default tier
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """The tests listed in cpu_slow_cases.txt get `slow`. `@pytest.mark.pairwise` on a parametrized test: the default
-    tier keeps the cases `pairwise_cover` picks from the collected ones (every pair of parameter values still meets
-    in some case), the others get `slow`, so the slow tier runs the rest of the matrix.
+    """The tests listed in cpu_slow_cases.txt get `slow`, those in cpu_heavy_cases.txt `heavy`.
+    `@pytest.mark.pairwise` on a parametrized test: the default tier keeps the cases `pairwise_cover` picks from the
+    collected ones (every pair of parameter values still meets in some case), the others get `slow`, so the slow
+    tier runs the rest of the matrix.
     `@pytest.mark.pairwise(each_value=True)`, for the costliest interpreter matrices: the default tier keeps only
     enough cases for every value of each parameter to run once, the slow tier the cases of a pairwise cover, and the
     rest of the matrix gets `matrix` too (`make test-matrix`, and the GPU runs of these files, where a case takes
@@ -139,6 +141,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in _CPU_SLOW_CASES:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in _CPU_HEAVY_CASES:
+            item.add_marker(pytest.mark.heavy)
     matrices = defaultdict(list)
     for item in items:
         if item.get_closest_marker("pairwise") is not None and hasattr(item, "callspec"):

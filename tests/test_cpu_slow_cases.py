@@ -1,11 +1,12 @@
-"""The measured tiering: scripts/cpu_slow_cases.py reads a JUnit report, and conftest.py marks the listed tests slow."""
+"""The measured tiering: scripts/cpu_slow_cases.py reads a JUnit report, and conftest.py marks the listed tests slow
+(cpu_slow_cases.txt) or heavy (cpu_heavy_cases.txt)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from conftest import _CPU_SLOW_CASES, pytest_collection_modifyitems
+from conftest import _CPU_HEAVY_CASES, _CPU_SLOW_CASES, pytest_collection_modifyitems
 
 ROOT = Path(__file__).parent.parent
 REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
@@ -32,8 +33,8 @@ def test_lists_the_tests_over_the_bound_slowest_first_without_skipped_ones(tmp_p
 
 
 def test_every_listed_test_names_a_test_file_that_exists():
-    assert _CPU_SLOW_CASES
-    for node in _CPU_SLOW_CASES:
+    assert _CPU_SLOW_CASES and _CPU_HEAVY_CASES
+    for node in _CPU_SLOW_CASES | _CPU_HEAVY_CASES:
         path, _, name = node.partition("::")
         assert (ROOT / path).is_file() and name.startswith("test_"), node
 
@@ -51,7 +52,8 @@ class _Item:
         return name if name in self.markers else None
 
 
-def test_the_collection_hook_marks_listed_tests_slow_and_no_others():
-    listed, other = _Item(sorted(_CPU_SLOW_CASES)[0]), _Item("tests/test_cpu_slow_cases.py::test_not_listed")
-    pytest_collection_modifyitems(None, [listed, other])
-    assert listed.markers == ["slow"] and other.markers == []
+def test_the_collection_hook_marks_listed_tests_slow_or_heavy_and_no_others():
+    slow, heavy = _Item(sorted(_CPU_SLOW_CASES)[0]), _Item(sorted(_CPU_HEAVY_CASES)[0])
+    other = _Item("tests/test_cpu_slow_cases.py::test_not_listed")
+    pytest_collection_modifyitems(None, [slow, heavy, other])
+    assert slow.markers == ["slow"] and heavy.markers == ["heavy"] and other.markers == []

@@ -110,8 +110,6 @@ def eager_launch_classes(batches: list[int], widths: list[int], kv_heads: int, h
     return list(firsts.values())
 
 
-# Eager batches differ in their block-table width and split count: not specialized on, so they share the kernels that
-# start-up compiled (tests/test_gpu_startup_compiles.py).
 @triton.jit
 def _decode_row(qsl_ptr, b, VARLEN: tl.constexpr):
     """(the query row of sequence b, 1 if b has a row here else 0): row b in a decode batch; with VARLEN (a mixed
@@ -125,6 +123,8 @@ def _decode_row(qsl_ptr, b, VARLEN: tl.constexpr):
     return row, mine
 
 
+# Eager batches differ in their block-table width and split count: not specialized on, so they share the kernels that
+# start-up compiled (tests/test_gpu_startup_compiles.py).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, part_o_ptr,
                          part_lse_ptr, HQ, GROUP, num_splits, scale_log2,

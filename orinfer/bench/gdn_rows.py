@@ -1,6 +1,7 @@
 """Gated DeltaNet step timings at Qwen3.5-27B's linear-attention shapes (16 key / 48 value heads of 128, conv
-kernel 4, bf16; `--model 35b-a3b`: Qwen3.5-35B-A3B's 16 / 32): the fused kernels of kernels/gated_delta_decode.py against the unfused chains they replace, for
-decode rows (1 a sequence), speculative verify rows (1 + k) and the state rollback's replay of accepted rows.
+kernel 4, bf16; `--model 35b-a3b`: Qwen3.5-35B-A3B's 16 / 32): the fused kernels of kernels/gated_delta_decode.py
+against the unfused chains they replace, for decode rows (1 a sequence), speculative verify rows (1 + k) and the
+state rollback's replay of accepted rows.
 
   step     out = conv -> delta rule -> gated RMSNorm: `gated_delta_decode_step` (one launch) against the conv kernel,
            the recurrent delta-rule kernel and the gated-norm kernel (three)

@@ -103,10 +103,16 @@ def eager_launch_classes(batches: list[int], widths: list[int], kv_heads: int, h
     sms = num_sms(device) if device.type == "cuda" else 0
     for batch in batches:
         tile = default_tile(head_dim, fp8, dot_f32, batch * kv_heads, sms)
-        for width in widths:
+        # The split count never falls as the table widens, and stops rising at the count of an unbounded context:
+        # wider tables from there on take the kernels already found (a 40k-token context over 256 batches was 655k
+        # calls, 5 s of start-up on a slow CPU).
+        most = default_num_splits(batch, kv_heads, 1 << 30, device)
+        for width in sorted(widths):
             splits = default_num_splits(batch, kv_heads, max(1, triton.cdiv(width * block_size, tile.block_n)),
                                         device)
             firsts.setdefault((tile, splits > 1, combine_width(splits) if splits > 1 else 0), (batch, width))
+            if splits == most:
+                break
     return list(firsts.values())
 
 

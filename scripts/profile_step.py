@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from orinfer.args import EngineArgs
 from orinfer.bench.engine_bench import build_synthetic_llm
-from orinfer.bench.run import SYNTHETIC_QUANT
+from orinfer.bench.run import SPEC_QUANTIZATIONS, SYNTHETIC_QUANT
 from orinfer.config import preset
 from orinfer.sampling_params import SamplingParams
 
@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
     p.add_argument("--forced-acceptance", type=float, default=0.8, help="with --speculative (default 0.8)")
     p.add_argument("--draft-synthetic", default="qwen3-0.6b", help="--speculative draft_model: the draft's shapes")
+    p.add_argument("--speculative-quantization", choices=list(SPEC_QUANTIZATIONS), default=None,
+                   help="with --speculative mtp / draft_model: the drafter's linears and LM head copy in FP8")
     p.add_argument("--decode-steps", type=int, default=16, help="tokens decoded after the prompt (default 16)")
     p.add_argument("--trace", default=None, metavar="FILE", help="also write the decode part's Chrome trace here")
     return p.parse_args(argv)
@@ -55,6 +57,8 @@ def speculative_config(args: argparse.Namespace, cfg) -> dict | None:
             "forced_acceptance": args.forced_acceptance, "max_batch": max(8, args.batch)}
     if args.speculative == "draft_model":
         spec["model"] = args.draft_synthetic
+    if args.speculative_quantization:
+        spec["quantization"] = args.speculative_quantization
     if args.speculative == "mtp":
         cfg.mtp_num_hidden_layers = 1
     return spec

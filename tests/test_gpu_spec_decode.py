@@ -22,12 +22,16 @@ def engine(tiny_dir, spec: dict | None) -> LLM:
 def test_ngram_greedy_matches_plain_with_graphs(tiny_dir):
     plain, spec = engine(tiny_dir, None), engine(tiny_dir, {"method": "ngram", "num_speculative_tokens": 4})
     assert spec.engine.runner.step_graphs is not None
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=2)
+    # 160 tokens as in the CPU twin: the trained tiny model's first 96 greedy tokens draft 20 n-gram tokens and accept
+    # none of them (run 407, the same counts on the CPU), 160 accept some.
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True, logprobs=2)
     want, got = plain.generate(PROMPTS, params), spec.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-4)
-    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    drafted = sum(o.metrics.num_draft_tokens for o in got)
+    accepted = sum(o.metrics.num_accepted_tokens for o in got)
+    assert 0 < accepted < drafted
     blocks = spec.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
     seeded = SamplingParams(temperature=0.8, max_tokens=64, seed=5, ignore_eos=True)

@@ -129,7 +129,8 @@ class MTPProposer:
                 break
         if position == end:
             return None
-        return position, torch.cat(parts[::-1])
+        # (one chunk, the common case after a verify step: its view, without a device copy on the host's path)
+        return position, parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
 
     def keep_only(self, running) -> None:
         ids = {seq.seq_id for seq in running}

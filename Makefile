@@ -25,16 +25,22 @@ demo: install
 # test at all (a tier with nothing in it): that is no failure.
 # TEST_WORKERS: pytest-xdist worker processes (CI's machine has two cores; each worker runs torch on one thread);
 # files stay whole on one worker, so module fixtures are made once. TEST_WORKERS=0 runs in this process.
+# Compiled modules (and pytest's rewritten test modules) are cached in __pycache__ even where the environment says not
+# to: each pytest process (the xdist controller and each worker) otherwise compiles all of orinfer and tests/ again.
 TEST_WORKERS ?= 2
-PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+# CI's two tiers load no pytest plugin they do not use: schemathesis's (its fuzz test is in the slow tier) has pytest
+# rewrite and import its whole package in every process, ~20 s each on CI's machine; the unraisable-exception
+# plugin's five garbage collections at each worker's end take seconds over a heap of torch and transformers objects.
+CI_TIER_OPTS = -p no:schemathesis -p no:hypothesispytest -p no:anyio -p no:unraisableexception
 
 test: install-test
-	$(PYTEST) -m "not slow and not heavy" || [ $$? -eq 5 ]
+	$(PYTEST) $(CI_TIER_OPTS) -m "not slow and not heavy" || [ $$? -eq 5 ]
 
-# The default tier's costliest checks (tests/cpu_heavy_cases.txt), split off so that `make test` ends in minutes; CI
-# runs them right after it.
+# The default tier's costliest checks (tests/cpu_heavy_cases.txt, and every check of a trained prebuilt model of
+# tests/prebuilt.py), split off so that `make test` ends in minutes; CI runs them right after it.
 test-heavy: install-test
-	$(PYTEST) -m "heavy and not slow" || [ $$? -eq 5 ]
+	$(PYTEST) $(CI_TIER_OPTS) -m "heavy and not slow" || [ $$? -eq 5 ]
 
 test-slow: install-test
 	$(PYTEST) -m "slow and not matrix" || [ $$? -eq 5 ]

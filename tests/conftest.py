@@ -130,7 +130,10 @@ _CPU_HEAVY_CASES = _listed_cases("cpu_heavy_cases.txt")   # CI runs them after t
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """The tests listed in cpu_slow_cases.txt get `slow`, those in cpu_heavy_cases.txt `heavy`.
+    """The tests listed in cpu_slow_cases.txt get `slow`, those in cpu_heavy_cases.txt (a node id, or a file: all its
+    tests) `heavy`, and so does every
+    test of a prebuilt model (tests/prebuilt.py: a trained model, minutes of one core to make), so that the default
+    tier starts no build at all.
     `@pytest.mark.pairwise` on a parametrized test: the default tier keeps the cases `pairwise_cover` picks from the
     collected ones (every pair of parameter values still meets in some case), the others get `slow`, so the slow
     tier runs the rest of the matrix.
@@ -141,7 +144,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in _CPU_SLOW_CASES:
             item.add_marker(pytest.mark.slow)
-        if item.nodeid in _CPU_HEAVY_CASES:
+        if item.nodeid in _CPU_HEAVY_CASES or item.nodeid.split("::")[0] in _CPU_HEAVY_CASES or _prebuilt_uses(item):
             item.add_marker(pytest.mark.heavy)
     matrices = defaultdict(list)
     for item in items:
@@ -177,9 +180,9 @@ def _model_files_last(items: list) -> None:
     items.sort(key=lambda item: item.nodeid.split("::")[0] in files)  # stable: the order within each group stays
 
 
-# Under pytest-xdist (`make test` runs two workers) the controller starts the child for every prebuilt model: it
-# collects no tests, so it cannot tell which are needed, and both are in the default tier. The workers wait on its
-# folder, named by this variable.
+# Under pytest-xdist (`make test-heavy` runs two workers) the controller starts the child for every prebuilt model
+# when its -m expression can select their (heavy) tests: it collects no tests, so it cannot tell which are needed. The
+# workers wait on its folder, named by this variable.
 _SHARED_PREBUILT = "ORINFER_TEST_PREBUILT_DIR"
 
 
@@ -187,8 +190,22 @@ def _is_xdist_controller(config) -> bool:
     return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
+def _may_select_heavy(config) -> bool:
+    """Whether the run's -m expression can select a `heavy` test (every test of a prebuilt model is one), whatever
+    other tier markers it has."""
+    markexpr = config.option.markexpr
+    if not markexpr:
+        return True
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(markexpr)
+    tiers = ("slow", "matrix", "pairwise", "gpu")
+    return any(expression.evaluate(lambda name, **_: name == "heavy" or name in chosen)
+               for n in range(len(tiers) + 1) for chosen in itertools.combinations(tiers, n))
+
+
 def pytest_configure(config):
-    if _is_xdist_controller(config) and not config.option.collectonly:
+    if _is_xdist_controller(config) and not config.option.collectonly and _may_select_heavy(config):
         _prebuilt.append(Prebuilt(list(PREBUILT_NAMES)))
         os.environ[_SHARED_PREBUILT] = str(_prebuilt[0].root)  # the workers start after this, with this environment
 

@@ -11,7 +11,9 @@ default tier):
     python scripts/cpu_slow_cases.py report.xml --over 2 >> tests/cpu_heavy_cases.txt
 
 A test's time in the report includes its fixtures' set-up: moving the first test of a module that builds an engine
-moves that set-up onto the next one, which the next regeneration may then list.
+moves that set-up onto the next one, which the next regeneration may then list. Where a module's first test pays a
+module-wide cost (compiling kernels), list the file instead (a line without `::`): conftest.py then marks all its
+tests. Tests of the trained prebuilt models (tests/prebuilt.py) are heavy without being listed.
 """
 
 from __future__ import annotations

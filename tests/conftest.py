@@ -131,9 +131,8 @@ _CPU_HEAVY_CASES = _listed_cases("cpu_heavy_cases.txt")   # CI runs them after t
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """The tests listed in cpu_slow_cases.txt get `slow`, those in cpu_heavy_cases.txt (a node id, or a file: all its
-    tests) `heavy`, and so does every
-    test of a prebuilt model (tests/prebuilt.py: a trained model, minutes of one core to make), so that the default
-    tier starts no build at all.
+    tests) `heavy`, and so does every test of a prebuilt model (tests/prebuilt.py: a trained model, minutes of one
+    core to make), so that the default tier starts no build at all.
     `@pytest.mark.pairwise` on a parametrized test: the default tier keeps the cases `pairwise_cover` picks from the
     collected ones (every pair of parameter values still meets in some case), the others get `slow`, so the slow
     tier runs the rest of the matrix.

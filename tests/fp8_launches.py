@@ -133,7 +133,8 @@ def _candidate_calls():
             w, s, _ = weight(n, k, block)
             w8 = w8_weight(n, k, 128)
             for cfg in fp8_gemv.CANDIDATES:
-                yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w, s, block, gated=gated, cfg=cfg)
+                for rows in (1, 2):
+                    yield partial(fp8_gemv.fp8_gemv, _x(rows, k, dtype), w, s, block, gated=gated, cfg=cfg)
                 yield partial(fp8_gemv.fp8_gemv, _x(1, k, dtype), w8.codes, w8.scales, (1, 128), gated=gated,
                               cfg=cfg, zeros=w8.zeros)
             for cfg, rows in itertools.product(fp8_mm.CANDIDATES, (1, 8, 64)):
@@ -156,15 +157,17 @@ def _test_file_calls():
     """The explicit tiles and shapes of tests/test_fp8_kernels.py (run on the GPU as on the interpreter)."""
     import test_fp8_kernels as t
 
-    for case in _parametrized(t.test_fp8_gemv) + _parametrized(t.test_fp8_mm) + _parametrized(t.test_fp8_gemm):
+    cases = [(fp8_gemv.fp8_gemv, case) for case in _parametrized(t.test_fp8_gemv)]
+    cases += [(fp8_mm.fp8_mm, case) for case in _parametrized(t.test_fp8_mm)]
+    cases += [(_w8a8, case) for case in _parametrized(t.test_fp8_gemm)]
+    for kernel, case in cases:
         c = {"rows": 1, "gated": False} | case
         w, s, rb = weight(c["n"], c["k"], c["block"], c["shards"] > 1)
         bias = torch.empty(c["n"] // 2 if c["gated"] else c["n"], dtype=c["dtype"]) if c["bias"] else None
         x = _x(c["rows"], c["k"], c["dtype"])
-        if "gated" not in case:                                        # the W8A8 GEMM's cases
+        if kernel is _w8a8:
             yield partial(_w8a8, x, w, s, c["block"], rb, bias, c["cfg"])
         else:
-            kernel = fp8_mm.fp8_mm if "rows" in case else fp8_gemv.fp8_gemv
             yield partial(kernel, x, w, s, c["block"], rb, bias, gated=c["gated"], cfg=c["cfg"])
     for case in _parametrized(t.test_fp8_quantize_act):
         yield partial(fp8_quant.fp8_quantize_act, _x(case["rows"], case["k"], case["dtype"]), case["group"])

@@ -120,18 +120,23 @@ def test_e4m3_to_bf16_bits():
 # --- one row: the CUDA-core GEMV ------------------------------------------------------------------------------------
 
 @needs_kernels
-@pytest.mark.parametrize("n,k,block,dtype,bias,shards,gated,cfg", [
-    (37, 70, (16, 32), torch.float32, True, 1, False, Fp8GemvConfig(16, 64, 1)),
-    (130, 200, (128, 128), torch.bfloat16, False, 1, True, Fp8GemvConfig(16, 128, 2)),
-    (48, 96, (16, 48), torch.float16, True, 2, False, Fp8GemvConfig(8, 32, 1)),
-    (96, 384, (32, 128), torch.bfloat16, False, 2, True, None),
-    (24, 256, (128, 128), torch.float16, False, 1, False, None),
+@pytest.mark.parametrize("n,k,block,dtype,bias,shards,gated,cfg,rows", [
+    (37, 70, (16, 32), torch.float32, True, 1, False, Fp8GemvConfig(16, 64, 1), 1),
+    (130, 200, (128, 128), torch.bfloat16, False, 1, True, Fp8GemvConfig(16, 128, 2), 1),
+    (48, 96, (16, 48), torch.float16, True, 2, False, Fp8GemvConfig(8, 32, 1), 1),
+    (96, 384, (32, 128), torch.bfloat16, False, 2, True, None, 1),
+    (24, 256, (128, 128), torch.float16, False, 1, False, None, 1),
+    # Two rows (one pass over the weight for both): partial blocks and steps, shards, gated, bias.
+    (37, 70, (16, 32), torch.float32, True, 1, False, Fp8GemvConfig(16, 64, 1), 2),
+    (130, 200, (128, 128), torch.bfloat16, False, 1, True, Fp8GemvConfig(16, 128, 2), 2),
+    (48, 96, (16, 48), torch.float16, True, 2, False, Fp8GemvConfig(8, 32, 1), 2),
+    (96, 384, (32, 128), torch.bfloat16, False, 2, True, None, 2),
 ])
-def test_fp8_gemv(n, k, block, dtype, bias, shards, gated, cfg, poison):
+def test_fp8_gemv(n, k, block, dtype, bias, shards, gated, cfg, rows, poison):
     weight, scale, row_block, deq = fp8_weight(n, k, block, shards)
     n_out = n // 2 if gated else n
     b = randn(n_out, dtype=dtype, scale=0.1) if bias else None
-    x = randn(1, k, dtype=dtype)
+    x = randn(rows, k, dtype=dtype)
     got = fp8_gemv(x, weight, scale, block, row_block, b, gated=gated, cfg=cfg)
     check(got, w8a16_ref(x, deq, b, gated), dtype)
 
@@ -266,7 +271,10 @@ _DOCUMENTED_PATHS = [
     ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 8, True, "mma"),
     ({"SMALL_M": "w8a8"}, False, "bfloat16", (128, 128), 64, False, "mma"),
     ({"SMALL_M": "w8a8"}, True, "float16", (128, 128), 65, True, "dequant+silu"),
-    ({"SMALL_M": "w8a8", "PREFILL": "triton"}, True, "float16", (128, 128), 2, True, "w8a8+silu"),
+    ({"SMALL_M": "w8a8", "PREFILL": "triton"}, True, "float16", (128, 128), 8, True, "w8a8+silu"),
+    # Two rows (a draft model's catch-up) stay on the GEMV: one pass over the weight for both.
+    ({"SMALL_M": "w8a8"}, True, "bfloat16", (128, 128), 2, True, "gemv"),
+    ({"SMALL_M": "w8a8", "ONE_ROW": "mma"}, True, "bfloat16", (128, 128), 2, False, "w8a8"),
     ({"SMALL_M": "w8a8", "PREFILL": "w8a16"}, True, "bfloat16", (128, 128), 8, False, "mma"),
     ({"SMALL_M": "w8a8"}, True, "float32", (128, 128), 8, True, "mma"),
     ({"SMALL_M": "w8a8"}, True, "bfloat16", (16, 48), 8, False, "mma"),
@@ -337,8 +345,8 @@ def test_fp8_ops_single_row_and_errors():
         fp8_gemv(randn(1, 63, dtype=torch.float32), weight, scale, (128, 128))
     with pytest.raises(ValueError, match="do not fit"):
         fp8_mm(randn(2, 64, dtype=torch.float32), weight, scale[:, :0], (128, 128))
-    with pytest.raises(ValueError, match="one row"):
-        fp8_gemv(randn(2, 64, dtype=torch.float32), weight, scale, (128, 128))
+    with pytest.raises(ValueError, match="one or two rows"):
+        fp8_gemv(randn(3, 64, dtype=torch.float32), weight, scale, (128, 128))
     with pytest.raises(ValueError, match="bk % 32"):
         xq, xs = fp8_quantize_act(randn(2, 64, dtype=torch.bfloat16), 16)
         fp8_gemm(xq, xs[:2], weight, torch.ones(1, 4, device=DEVICE), (128, 16), torch.bfloat16)

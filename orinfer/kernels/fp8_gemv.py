@@ -1,5 +1,5 @@
-"""FP8 block-wise W8A16 GEMV for one row of x (decode at batch 1): y = x W^T (+ b), every FP8 weight byte read once,
-dequantised in registers; optionally the fused gate/up + SwiGLU over a packed gate_up weight.
+"""FP8 block-wise W8A16 GEMV for one row of x (decode at batch 1), or two: y = x W^T (+ b), every FP8 weight byte read
+once, dequantised in registers; optionally the fused gate/up + SwiGLU over a packed gate_up weight.
 
 Math: x [1, K] (fp32, fp16 or bf16), weight [N, K] float8_e4m3fn row-major, scale [R, ceil(K / bk)] fp32 (W = q * s
 of its [bn, bk] block; `kernels/fp8_block.py`), row_block [N] int32 (output row -> scale row; None: n // bn), b [N].
@@ -22,6 +22,10 @@ Traffic: N*K bytes of weight + N*K/(bn*bk)*4 of scales + 2K of x (from L2/L1, pe
 bf16 GEMV's bytes, so the target time is N*K / (HBM read bandwidth). Qwen3-8B in FP8: qkv 6144x4096 = 25 MB (6 us on an
 H100 at 3.35 TB/s... 4.3 TB/s on an H200), o 4096x4096 = 17 MB, gate_up 24576x4096 = 101 MB, down 4096x12288 = 50 MB.
 More rows: `kernels/fp8_mm.py` (tensor cores, split-K).
+
+Two rows (TWO_ROWS, `_pair_loop`; a draft model's two catch-up rows): each weight tile is loaded and converted once
+and meets both rows' x chunks, so the weight bytes stay those of one row and the FMAs double; the second row's
+output follows the first's ([2, N]).
 
 8-bit integer codes (the W8 layout of GPTQ-Int8, `kernels/w8.py`): the same kernel with CODES = UINT8, weight uint8
 [N, K], scales fp16 [N, groups] with bn = 1 and bk = the group size, and zeros [N, groups] (the zero points, same
@@ -121,30 +125,44 @@ def _load_x(x_ptr, k0, K, CH: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.conste
 
 
 @triton.jit
-def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexpr, ZERO: tl.constexpr,
-                EVEN_K: tl.constexpr):
-    """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights (uint8 codes:
-    of (q - z) * x; FLOAT16: 16-bit weights, no scale: s_ptrs and smask are not read)."""
+def _load_tile(w_ptrs, s_ptrs, z_ptrs, kmask, smask, CODES: tl.constexpr, ZERO: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [CH, BLOCK_N, VEC] tile of weights as fp32 values before their scale (uint8 codes: q - z), and the scale
+    of each (chunk, row) as fp32 (1.0 for FLOAT16 weights: s_ptrs and smask are not read)."""
     zoff = 0.0
     s = 1.0
     if EVEN_K:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
         if CODES != FLOAT16:
-            s = tl.load(s_ptrs)
+            s = tl.load(s_ptrs).to(tl.float32)
         if CODES == UINT8:
             zoff = zero_offsets(z_ptrs, None, ZERO)
     else:
         w = tl.load(w_ptrs, mask=kmask[:, None, :], other=0.0, eviction_policy="evict_first")
         if CODES != FLOAT16:
-            s = tl.load(s_ptrs, mask=smask[:, None], other=0.0)
+            s = tl.load(s_ptrs, mask=smask[:, None], other=0.0).to(tl.float32)
         if CODES == UINT8:       # masked inputs have x = 0: any value of q - z times it is 0
             zoff = zero_offsets(z_ptrs, smask[:, None], ZERO)
     if CODES == UINT8 and ZERO < 0:
         zoff = zoff[:, :, None]
-    sums = tl.sum(code_values(w, zoff, CODES) * x[:, None, :], axis=2)
+    return code_values(w, zoff, CODES), s
+
+
+@triton.jit
+def _scaled_sums(w, s, x, CODES: tl.constexpr):
+    """[CH, BLOCK_N] s * (per-chunk sums of w * x) for a tile from `_load_tile` and x chunks [CH, VEC]."""
+    sums = tl.sum(w * x[:, None, :], axis=2)
     if CODES != FLOAT16:
-        sums = sums * s.to(tl.float32)
-    return acc + sums
+        sums = sums * s
+    return sums
+
+
+@triton.jit
+def _chunk_sums(acc, w_ptrs, s_ptrs, z_ptrs, x, kmask, smask, CODES: tl.constexpr, ZERO: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """acc [CH, BLOCK_N] + s * (per-chunk sums of q * x) for one [CH, BLOCK_N, VEC] tile of weights (uint8 codes:
+    of (q - z) * x; FLOAT16: 16-bit weights, no scale: s_ptrs and smask are not read)."""
+    w, s = _load_tile(w_ptrs, s_ptrs, z_ptrs, kmask, smask, CODES, ZERO, EVEN_K)
+    return acc + _scaled_sums(w, s, x, CODES)
 
 
 @triton.jit
@@ -183,10 +201,41 @@ def _rows_loop(x_ptr, wg_ptrs, wu_ptrs, s_ptr, z_ptr, sg_offs, su_offs, K, BK: t
 
 
 @triton.jit
+def _pair_loop(x_ptr, stride_xm, wg_ptrs, wu_ptrs, s_ptr, z_ptr, sg_offs, su_offs, K, BK: tl.constexpr,
+               CODES: tl.constexpr, ZERO: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """`_rows_loop` for two rows of x (the second at x_ptr + stride_xm): each weight tile is loaded and converted
+    once and meets both rows. Returns (acc_g, acc_u, acc_g1, acc_u1): the rows' partial sums, in that order."""
+    CH: tl.constexpr = BLOCK_K // 16
+    offs_c = tl.arange(0, CH)
+    kk = _chunk_inputs(CH)
+    acc_g = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
+    acc_g1 = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
+    acc_u1 = tl.zeros([CH, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + kk) < K
+        smask = (k0 + offs_c * 16) < K
+        sc = ((k0 + offs_c * 16) // BK)[:, None]
+        x0 = _load_x(x_ptr, k0, K, CH, EVEN_K)
+        x1 = _load_x(x_ptr + stride_xm, k0, K, CH, EVEN_K)
+        w, s = _load_tile(wg_ptrs + k0, s_ptr + sg_offs + sc, z_ptr + sg_offs + sc, kmask, smask, CODES, ZERO, EVEN_K)
+        acc_g += _scaled_sums(w, s, x0, CODES)
+        acc_g1 += _scaled_sums(w, s, x1, CODES)
+        if GATED:
+            w, s = _load_tile(wu_ptrs + k0, s_ptr + su_offs + sc, z_ptr + su_offs + sc, kmask, smask, CODES, ZERO,
+                              EVEN_K)
+            acc_u += _scaled_sums(w, s, x0, CODES)
+            acc_u1 += _scaled_sums(w, s, x1, CODES)
+    return acc_g, acc_u, acc_g1, acc_u1
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, K, stride_wn, stride_sn, UP,
-                     BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
+                     stride_xm, BN: tl.constexpr, BK: tl.constexpr, CODES: tl.constexpr, ZERO: tl.constexpr,
                      HAS_RB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, CLAMP16: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TWO_ROWS: tl.constexpr,
+                     PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: wait for the previous kernel before touching memory
         gdc_wait()
     CH: tl.constexpr = BLOCK_K // 16
@@ -197,17 +246,25 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, rb_ptr, b_ptr, out_ptr, N_OUT, 
     su_offs = sg_offs
     if GATED:
         su_offs = _scale_rows(rb_ptr, rn + UP, BN, HAS_RB)[None, :] * stride_sn
-    acc_g, acc_u = _rows_loop(x_ptr, wg_ptrs, wg_ptrs + UP * stride_wn, s_ptr, z_ptr, sg_offs, su_offs, K, BK, CODES,
-                              ZERO, GATED, BLOCK_N, BLOCK_K, EVEN_K)
+    if TWO_ROWS:
+        acc_g, acc_u, acc_g1, acc_u1 = _pair_loop(x_ptr, stride_xm, wg_ptrs, wg_ptrs + UP * stride_wn, s_ptr, z_ptr,
+                                                  sg_offs, su_offs, K, BK, CODES, ZERO, GATED, BLOCK_N, BLOCK_K,
+                                                  EVEN_K)
+    else:
+        acc_g, acc_u = _rows_loop(x_ptr, wg_ptrs, wg_ptrs + UP * stride_wn, s_ptr, z_ptr, sg_offs, su_offs, K, BK,
+                                  CODES, ZERO, GATED, BLOCK_N, BLOCK_K, EVEN_K)
     if PDL:  # the main loop is done: let the next kernel launch while this one reduces and stores
         gdc_launch_dependents()
-    g = tl.sum(acc_g, axis=0)
-    u = tl.sum(acc_u, axis=0)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + offs_n, epilogue(g, u, bias, out_ty, HAS_BIAS, GATED, CLAMP16), mask=offs_n < N_OUT)
+    stored = offs_n < N_OUT
+    y = epilogue(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), bias, out_ty, HAS_BIAS, GATED, CLAMP16)
+    tl.store(out_ptr + offs_n, y, mask=stored)
+    if TWO_ROWS:
+        y1 = epilogue(tl.sum(acc_g1, axis=0), tl.sum(acc_u1, axis=0), bias, out_ty, HAS_BIAS, GATED, CLAMP16)
+        tl.store(out_ptr + N_OUT + offs_n, y1, mask=stored)
 
 
 def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
@@ -248,7 +305,7 @@ def check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tupl
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
              row_block: torch.Tensor | None = None, bias: torch.Tensor | None = None, gated: bool = False,
              cfg: Fp8GemvConfig | None = None, zeros: torch.Tensor | int | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) [..., N] for x [..., K] holding one row, in x's dtype (`fp8_block_linear_ref`'s values up to
+    """y = x W^T (+ b) [..., N] for x [..., K] holding one or two rows, in x's dtype (`fp8_block_linear_ref`'s values up to
     summation order); gated: weight is a packed [2I, K] gate_up and the result silu(x Wg^T) * (x Wu^T) [..., I].
     Needs bk % 16 == 0 (Qwen's 128); `cfg` forces a tile (benchmarks, tests). `zeros`: uint8 codes with these zero
     points, or this one zero point (module docstring; `kernels/w8_ops.py` calls it so)."""
@@ -258,10 +315,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_s
     bn, bk = block_size
     if bk % VEC:
         raise ValueError(f"fp8_gemv needs a block width that is a multiple of {VEC}, got {bk}")
-    if x.numel() != k or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"fp8_gemv takes one row of fp32/fp16/bf16 x, got {tuple(x.shape)} {x.dtype}")
-    x1 = x.reshape(k).contiguous()
-    out = torch.empty(n_out, dtype=x.dtype, device=x.device)
+    rows = x.numel() // k if k else 0
+    if rows not in (1, 2) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"fp8_gemv takes one or two rows of fp32/fp16/bf16 x, got {tuple(x.shape)} {x.dtype}")
+    x1 = x.reshape(rows, k).contiguous()
+    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     cfg = cfg or default_config(n_out, k, gated)
     block_k = min(cfg.block_k, max(VEC, triton.next_power_of_2(k)))   # short rows: one step, no masked-off chunks
     pdl = use_pdl(x1)
@@ -269,7 +327,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_s
     _fp8_gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x1, weight, scale, z, scale if row_block is None else row_block,
         scale if bias is None else bias, out, n_out, k, weight.stride(0), scale.stride(0), n_out if gated else 0,
-        BN=bn, BK=bk, **code_args(zeros), HAS_RB=row_block is not None,
+        k, BN=bn, BK=bk, **code_args(zeros), HAS_RB=row_block is not None,
         HAS_BIAS=bias is not None, GATED=gated, CLAMP16=x.dtype == torch.float16, BLOCK_N=cfg.block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl)
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, TWO_ROWS=rows == 2, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=1, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)

@@ -1,8 +1,9 @@
 """The FP8 block-wise linear entry points of the triton backend: pick the kernel for the row count of x.
 
-  1 row                  -> `fp8_gemv` (CUDA cores, one 16-byte load per thread per row chunk, thousands of programs:
-                            decode at batch 1; ONE_ROW = "mma": `fp8_mm` instead)
-  2..MMA_MAX_ROWS rows   -> W8A8 as prefill (SMALL_M = "w8a8", the default), except that where prefill would take
+  1 or 2 rows           -> `fp8_gemv` (CUDA cores, one 16-byte load per thread per row chunk, thousands of programs:
+                            decode at batch 1, and a draft model's two catch-up rows, which the W8A8 path ran ~4 us
+                            a linear slower on Qwen3-0.6B's shapes, NOTES run 416; ONE_ROW = "mma": `fp8_mm` instead)
+  3..MMA_MAX_ROWS rows   -> W8A8 as prefill (SMALL_M = "w8a8", the default), except that where prefill would take
                             torch._scaled_mm the Triton `fp8_gemm` runs on its decode-batch tiles
                             (`fp8_gemm.small_m_config`; Qwen3-8B's four GEMMs a layer at M = 8 / 64 on an H200,
                             run 365: 83.5 / 86.3 us against _scaled_mm's 97.7 / 115.8); SMALL_M = "w8a16": `fp8_mm` (W8A16 on tensor cores, split-K,
@@ -46,6 +47,7 @@ from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
 from orinfer.kernels.fp8_quant import Fp8Act, fp8_quantize_act
 
 MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
+GEMV_MAX_ROWS = 2      # `fp8_gemv` takes this many rows (one weight pass for both)
 ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
 SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a8")         # w8a8 | w8a16
 PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
@@ -130,7 +132,7 @@ def linear_path(x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Ten
     rows = _rows(x)
     if rows == 0 or x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
         return "ref"
-    if rows == 1 and ONE_ROW == "fma":
+    if rows <= GEMV_MAX_ROWS and ONE_ROW == "fma":
         return "gemv"
     a8 = _a8_fits(block_size) and x.dtype != torch.float32
     small_m_a8 = SMALL_M == "w8a8" and a8

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from orinfer import LLM, SamplingParams
-from orinfer.spec_decode.draft_graphs import DraftGraphs, graph_feed, graph_key, needs_eager_catch_up
+from orinfer.spec_decode.draft_graphs import (DraftGraphs, advance_after_verify, graph_feed, graph_key,
+                                             needs_eager_catch_up)
 from orinfer.spec_decode.draft_model import DraftModelProposer
 from orinfer.spec_decode.proposal_graphs import InputLayout, fill_inputs
 from test_mtp_graphs import count_proposals, record_comparison
@@ -74,6 +75,34 @@ def test_one_row_graphs_give_padding_sequences_a_decode_context():
     assert graphs.host["context_lens"].tolist() == [3, 2, 0, 0]  # the extend kernel's empty sequences
 
 
+def test_inputs_advanced_on_the_device_equal_the_inputs_of_the_known_outcome():
+    """A proposal queued behind its verify step: inputs filled for no accepted draft, then shifted by each sequence's
+    accepted count on the device, equal the inputs filled once the outcome is known (`graph_feed`'s two rows ending
+    at the token after the accepted run), for every count 0 .. k, across block boundaries; padding untouched."""
+    block_size, bucket = 4, 4
+    layout = InputLayout(max_batch=bucket, k=K, max_blocks=6, rows_per_seq=2)
+
+    def views():
+        return layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8))
+
+    tables = [[3, 1, 4, 9, 2], [5, 7, 8, 6, 0], [11, 12, 13, 14, 15]]
+    newest = [5, 6, 11]        # positions of each sequence's newest token before the verify step
+    verified = [[70, 71, 72, 73, 74], [80, 81, 82, 83, 84], [90, 91, 92, 93, 94]]  # x_P, then its K drafts
+    for accepted in ([0, 2, K], [K, 0, 1], [1, K, 3]):
+        emitted = [row[1:1 + a] + [100 + j] + [-1] * (K - a) for j, (row, a) in enumerate(zip(verified, accepted))]
+        want = views()
+        feeds = [[row[a], 100 + j] for j, (row, a) in enumerate(zip(verified, accepted))]
+        fill_inputs({n: v.numpy() for n, v in want.items()}, bucket, K, tables, feeds,
+                    [p + a for p, a in zip(newest, accepted)], block_size)
+        got = views()
+        fill_inputs({n: v.numpy() for n, v in got.items()}, bucket, K, tables, [[row[0], 0] for row in verified],
+                    newest, block_size)
+        advance_after_verify(got, 3, torch.tensor(accepted + [0]), torch.tensor(emitted + [[0] * (K + 1)]),
+                             block_size)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (accepted, name)
+
+
 # --- the padded proposal on the CPU -----------------------------------------------------------------------------------
 
 def engine(tiny_dir, draft_dir, spec: dict | None = None, **settings) -> LLM:
@@ -100,9 +129,9 @@ def graph_kinds(draft: DraftModelProposer) -> list[bool]:
     """Records, for each proposal through `draft`'s graphs, whether it ran the one-row graph (filled as it runs)."""
     kinds, run = [], draft.graphs.run
 
-    def recorded(key, *args):
+    def recorded(key, *args, **kwargs):
         kinds.append(key[1])
-        return run(key, *args)
+        return run(key, *args, **kwargs)
 
     draft.graphs.run = recorded
     return kinds
@@ -135,6 +164,34 @@ def draft_both_ways(llm: LLM, tolerance: float) -> list[tuple[list, list]]:
     return compared
 
 
+def chained_both_ways(llm: LLM, tolerance: float) -> list[tuple[list, list]]:
+    """Checks every proposal that was queued behind its verify step (spec_decode/chain.py) and taken by the next
+    one against the eager proposal from the state after that step (`num_draft_computed` as it was): the same drafts,
+    and the eager path finds nothing to change in the draft's KV cache (within `tolerance`). Returns the (queued,
+    eager) drafts of each, filled as `llm` runs."""
+    draft = llm.engine.draft
+    caches = [cache for k_cache, v_cache in draft.runner.kv_caches for cache in (k_cache, v_cache)]
+    adopt = draft.adopt
+    run_eager = DraftModelProposer._draft_eager.__get__(draft)
+    compared = []
+
+    def both(drafts, seqs, rooms):
+        computed = [seq.num_draft_computed for seq in seqs]
+        taken = adopt(drafts, seqs, rooms)
+        if taken is not None:
+            after_queued = [cache.clone() for cache in caches]
+            adopted = [seq.num_draft_computed for seq in seqs]
+            for seq, n in zip(seqs, computed):
+                seq.num_draft_computed = n
+            record_comparison(compared, caches, after_queued, taken.ids.clone(), run_eager(seqs), tolerance)
+            for seq, n in zip(seqs, adopted):
+                seq.num_draft_computed = n
+        return taken
+
+    draft.adopt = both
+    return compared
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -153,20 +210,31 @@ def plain(tiny_dir):
     return engine(tiny_dir, None)
 
 
-def test_padded_proposals_draft_and_cache_what_the_eager_ones_do(tiny_dir, perturbed_dir, plain):  # noqa: F811
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_padded_proposals_draft_and_cache_what_the_eager_ones_do(tiny_dir, perturbed_dir, plain,  # noqa: F811
+                                                                 lookahead):
     """A draft that agrees often: proposals after partly and fully accepted steps (1 and 2 catch-up rows), in a batch
-    of three sequences with different acceptance, and the prompts' long catch-ups (run eagerly first)."""
+    of three sequences with different acceptance, and the prompts' long catch-ups (run eagerly first). With the
+    lookahead, most proposals are queued behind their verify step; those queued for a batch that then changes (a
+    sequence finished) are dropped, and the next proposal runs as without the lookahead."""
     lengths = [40, 23, 31]  # the batch shrinks: several buckets
     params = [greedy(n) for n in lengths]
-    llm = engine(tiny_dir, perturbed_dir)
+    llm = engine(tiny_dir, perturbed_dir, async_scheduling=lookahead)
     counts = padded(llm)
     kinds = graph_kinds(llm.engine.draft)
     compared = draft_both_ways(llm, 1e-5)
+    chained = chained_both_ways(llm, 1e-5)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == tokens(plain, params)
+    chain = llm.engine.chain
     assert counts["graph"] >= 10 and counts["eager"] == 0
     assert True in kinds and False in kinds  # both graphs of a bucket ran
-    assert len(compared) == counts["graph"] and all(got == expected for got, expected in compared)
+    assert len(compared) + chain.num_queued == counts["graph"] and len(chained) == chain.num_taken
+    if lookahead:
+        assert chain.num_taken == chain.num_queued >= 5  # (none near max_tokens: `ProposalChain._room_after`)
+    else:
+        assert chain.num_queued == 0
+    assert all(got == expected for got, expected in compared + chained)
     accepted = [o.metrics.num_accepted_tokens / o.metrics.num_draft_tokens for o in outs]
     assert 0 < min(accepted) < 1 and len(set(accepted)) > 1  # different acceptance within the batch
 
@@ -176,11 +244,14 @@ def test_the_model_as_its_own_draft_accepts_everything_through_the_graphs(tiny_d
     llm = engine(tiny_dir, tiny_dir)
     counts = padded(llm)
     compared = draft_both_ways(llm, 1e-5)
+    chained = chained_both_ways(llm, 1e-5)
     outs = llm.generate(PROMPTS, greedy(41))
     assert [o.token_ids for o in outs] == tokens(plain, greedy(41))
-    # 1 token from the prompt step, then 8 verify steps of 4 drafts + 1, all accepted.
+    # 1 token from the prompt step, then 8 verify steps of 4 drafts + 1, all accepted. The first proposal follows the
+    # prompt step; the next 7 are queued behind the verify step before them (none behind the last: max_tokens).
     assert [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outs] == [(32, 32)] * 3
-    assert counts["graph"] == 8 and all(got == expected for got, expected in compared)
+    assert counts["graph"] == 8 and len(compared) == 1 and len(chained) == 7 == llm.engine.chain.num_queued
+    assert all(got == expected for got, expected in compared + chained)
 
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
@@ -226,3 +297,27 @@ def test_preemption_and_prefix_cache_hits_keep_greedy_output(tiny_dir, perturbed
     assert [o.token_ids for o in outs] == want[:2]
     assert outs[0].num_cached_tokens > 0
     assert counts["graph"] > 0 and all(got == expected for got, expected in compared)
+
+
+def test_stops_inside_accepted_runs_with_proposals_queued_behind_verify_steps(tiny_dir, plain):
+    """The model as its own draft accepts every draft, so a stop token, a stop string or max_tokens falls inside an
+    accepted run while the next proposal is already queued: the output is plain decoding's, the queued proposal of
+    the finished sequence is dropped, and every block comes back."""
+    free = plain.generate(PROMPTS[:1], greedy(60))[0]
+    stop_text = free.text[len(free.text) // 2:][:6]
+    llm = engine(tiny_dir, tiny_dir)
+    padded(llm)
+    chain = llm.engine.chain
+    for params, stops in ((SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[free.token_ids[27]],
+                                          ignore_eos=True), True),
+                          (SamplingParams(temperature=0.0, max_tokens=60, stop=[stop_text], ignore_eos=True), True),
+                          (greedy(23), False)):
+        queued, dropped = chain.num_queued, chain.num_queued - chain.num_taken
+        want = plain.generate(PROMPTS, params)
+        got = llm.generate(PROMPTS, params)
+        assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in want]
+        assert chain.num_queued > queued
+        # A stop inside a run drops the proposal queued for the batch; max_tokens is foreseen (none queued there).
+        assert (chain.num_queued - chain.num_taken > dropped) == stops
+        blocks = llm.engine.block_manager
+        assert not llm.engine.has_unfinished() and blocks.num_free_blocks == blocks.num_blocks

@@ -110,9 +110,9 @@ def count_proposals(mtp: MTPProposer) -> dict[str, int]:
     counts = {"graph": 0, "eager": 0}
     run, eager = mtp.graphs.run, mtp._draft_eager
 
-    def counted_run(*args):
+    def counted_run(*args, **kwargs):
         counts["graph"] += 1
-        return run(*args)
+        return run(*args, **kwargs)
 
     def counted_eager(*args):
         counts["eager"] += 1

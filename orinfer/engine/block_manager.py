@@ -191,10 +191,10 @@ class BlockManager:
         while len(seq.block_table) < seq.blocks_needed(self.block_size, seq.num_tokens + num_drafts):
             seq.block_table.append(self._take_free())
 
-    def trim(self, seq: Sequence) -> None:
-        """Returns the blocks past the sequence's tokens (those of rejected draft tokens) to the free list: they hold
-        nothing registered, so they go back as plain free blocks."""
-        while len(seq.block_table) > seq.blocks_needed(self.block_size):
+    def trim(self, seq: Sequence, spare_tokens: int = 0) -> None:
+        """Returns the blocks past the sequence's tokens and `spare_tokens` slots after them (those of rejected draft
+        tokens) to the free list: they hold nothing registered, so they go back as plain free blocks."""
+        while len(seq.block_table) > seq.blocks_needed(self.block_size, seq.num_tokens + spare_tokens):
             block = seq.block_table.pop()
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

@@ -61,6 +61,7 @@ class InFlightStep:
         self.deferred = None
         self.verifies = out.num_accepted is not None  # a verify step: no lookahead behind it (inputs unknown)
         self.device_ids = out.token_ids        # a lookahead step launched behind this one reads its inputs here
+        self.device_accepted = out.num_accepted  # a verify step's accepted counts (a proposal queued behind it)
         host = {f.name: _to_host(getattr(out, f.name)) for f in dataclasses.fields(out)
                 if f.name not in ("token_ids", "host_token_ids")}
         ids = out.host_token_ids if out.host_token_ids is not None else _to_host(out.token_ids)

@@ -49,6 +49,7 @@ from orinfer.engine.warmup import warm_mtp_drafts
 from orinfer.errors import ConfigError, RequestError
 from orinfer.layers.ops import Ops
 from orinfer.sampling_params import SamplingParams
+from orinfer.spec_decode.chain import ProposalChain
 from orinfer.spec_decode.config import SpeculativeConfig
 from orinfer.spec_decode.draft_graphs import capture_draft_graphs
 from orinfer.spec_decode.draft_model import DraftModelProposer
@@ -148,6 +149,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, attention_keys_per_token(mcfg))
         self.sequences: dict[str, Sequence] = {}
         self.lookahead = config.async_scheduling
+        # With lookahead, a verify step's next proposal is queued behind it (spec_decode/chain.py).
+        self.chain = ProposalChain(self.block_manager, self.max_model_len, config.max_num_batched_tokens)
+        self.device_proposal = None  # the drafts the step being launched verifies, when they are on the device
         self.spec: SpeculativeConfig | None = None
         self.proposer = None
         self.set_speculation(SpeculativeConfig.parse(config.speculative_config))
@@ -357,6 +361,9 @@ class LLMEngine:
             if not plan:
                 return []
             current = self.in_flight = self._launch(plan)
+            # (Not after a try that did not pay: drafts the target keeps rejecting would waste each queued proposal.)
+            if self.lookahead and current.verifies and not self._spec_misses:
+                self.chain.queue(self.proposer, self.device_proposal, current, bool(self.scheduler.waiting))
         self._finish_sampling(current)  # (only if a failure left it unsampled: it was launched as a lookahead)
         nxt, self.queued = self.queued, None
         if nxt is None:
@@ -486,6 +493,7 @@ class LLMEngine:
                               "made then)")
         self.spec = spec
         self.proposer = make_proposer(spec, self.draft, self.mtp) if spec is not None else None
+        self.chain.drop()
         self._spec_misses = self._spec_pause = 0  # tries in a row that did not pay; steps until the next try
         self.runner.forced_acceptance = spec.forced_acceptance if spec is not None else None
         self.runner.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -522,7 +530,8 @@ class LLMEngine:
         cut off (`SequenceConstraint.valid_drafts`), and the verify step masks each row with the grammar's state
         after the drafts before it. One under a thinking budget drafts no further than the token that could reach
         its budget (`ThinkingBudget.draft_room`): the host writes `</think>` right after that one."""
-        self.runner.device_drafts = None  # (an earlier proposal's, if its verify step never ran)
+        self.runner.device_drafts = self.device_proposal = None  # (an earlier proposal's, if never verified)
+        chained = self.chain.release()  # the proposal queued behind the last verify step, if any
         if not self._speculates():
             return
         decoders = self._decoders()
@@ -540,10 +549,11 @@ class LLMEngine:
                 rooms.append(room)
                 budget -= room
         if eligible and self._drafts_stay_on_device():
-            proposal = self.proposer.propose_on_device(eligible, rooms)
+            proposal = (self.chain.adopt(self.proposer, chained, eligible, rooms)
+                        or self.proposer.propose_on_device(eligible, rooms))
             for seq in proposal.seqs:
                 seq.draft_token_ids = [0] * proposal.k  # stand-ins: the verify step reads the ids on the device
-            self.runner.device_drafts = proposal if proposal.seqs else None
+            self.runner.device_drafts = self.device_proposal = proposal if proposal.seqs else None
         elif eligible:
             for seq, draft in zip(eligible, self.proposer.propose_batch(eligible, rooms)):
                 seq.draft_token_ids = draft if seq.constraint is None else seq.constraint.valid_drafts(draft)
@@ -627,7 +637,7 @@ class LLMEngine:
         if not seq.is_finished:
             seq.num_computed_tokens = known + num_accepted
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-            self.block_manager.trim(seq)
+            self.block_manager.trim(seq, self.chain.spare_tokens(seq))
 
     def _process_token(self, seq: Sequence, token: int, sample: HostSample, row: int, position: int,
                        now: float) -> bool:

@@ -18,6 +18,13 @@ two graphs:
 Longer catch-ups (a new prompt, a preemption's recompute, steps that did not speculate) first run eagerly up to the
 newest token (`needs_eager_catch_up`); batches past the largest bucket, block tables wider than the graphs' and a
 draft of another k run the whole proposal eagerly.
+
+A proposal may also be queued right behind the verify step it follows, before the host knows how many drafts that
+step accepts (`run_after_verify`, spec_decode/chain.py): a sequence whose newest token x_P verified drafts
+d_1..d_k and accepts a of them then feeds two rows, the token at P + a (x_P itself when a = 0, else d_a) and the
+token the step emits after the run, at P + a + 1. When a < k the draft already holds the first row's K/V and
+rewrites the same entry. The host fills the inputs as for a = 0; `advance_after_verify` then shifts them by the
+accepted counts on the device, so the two-row graph of the bucket replays as it is.
 """
 
 from __future__ import annotations
@@ -54,6 +61,37 @@ def graph_key(buckets: list[int], feeds: list[list[int]]) -> tuple[int, bool] | 
     return None if bucket is None else (bucket, all(len(feed) == 1 for feed in feeds))
 
 
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, n] int64 KV slots of `positions` [B, n] int64 in the block tables `tables` [B, W] int32."""
+    return tables.gather(1, positions // block_size).to(torch.int64) * block_size + positions % block_size
+
+
+def advance_after_verify(dev: dict[str, torch.Tensor], batch: int, accepted: torch.Tensor, emitted: torch.Tensor,
+                         block_size: int) -> None:
+    """Shifts two-row proposal inputs filled for no accepted draft (`fill_inputs` with feeds [x_P, any] from P, in the
+    device views `dev`) to the verify step's outcome for the first `batch` sequences: accepted [>= batch] int64 drafts
+    accepted, emitted [>= batch, k + 1] int64 the tokens the step emits (the accepted drafts, then one more). Row 0
+    of sequence j takes the token at P_j + a_j, row 1 emitted[j, a_j]; every position, context length and KV slot
+    moves by a_j. About 20 small device operations, queued (no host sync)."""
+    a = accepted[:batch]
+    tokens = emitted[:batch]
+    rows = dev["positions"][:2 * batch].view(batch, 2)
+    rows += a[:, None]
+    ids = dev["ids"][:2 * batch].view(batch, 2)
+    last_accepted = tokens.gather(1, (a - 1).clamp(min=0)[:, None]).squeeze(1)
+    ids[:, 0] = torch.where(a > 0, last_accepted, ids[:, 0])
+    ids[:, 1] = tokens.gather(1, a[:, None]).squeeze(1)
+    tables = dev["block_tables"][:batch]
+    dev["slots"][:2 * batch].view(batch, 2).copy_(_slots(tables, rows, block_size))
+    shift = a.to(torch.int32)
+    dev["context_lens"][:batch] += shift
+    if dev["step_positions"].shape[0]:  # (k = 1: no single-row steps)
+        steps = dev["step_positions"][:, :batch]
+        steps += a
+        dev["step_context_lens"][:, :batch] += shift
+        dev["step_slots"][:, :batch].copy_(_slots(tables, steps.t(), block_size).t())
+
+
 class DraftGraphs(ProposalGraphs):
     """The draft model's proposal (catch-up, k - 1 single-row steps, their logits and argmaxes), two graphs per batch
     bucket, keyed (bucket, one row a sequence)."""
@@ -74,6 +112,16 @@ class DraftGraphs(ProposalGraphs):
         """The graph that runs catch-ups `feeds` (`graph_key`) for block tables at most `widest_table` wide; None:
         the proposal runs eagerly."""
         return None if widest_table > self.max_blocks else graph_key(self.buckets, feeds)
+
+    def run_after_verify(self, key: tuple[int, bool], tables: list[list[int]], newest: list[int],
+                         positions: list[int], accepted: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+        """Drafts [B, k] on the device, as `run`, for B sequences whose verify step is still in flight: sequence j's
+        newest token before it is newest[j] at positions[j]; `accepted` [>= B] and `emitted` [>= B, k + 1] are the
+        step's outputs on the device (`advance_after_verify`). `key`: a two-row graph (`key_for` of two-row feeds).
+        The tables must already hold the blocks of positions up to positions[j] + 2 k."""
+        feeds = [[token, 0] for token in newest]  # (row 1's id is set on the device)
+        return self.run(key, tables, feeds, positions, before_replay=lambda rows: advance_after_verify(
+            self.dev, len(tables), accepted, emitted, self.block_size))
 
     def graph_keys(self) -> list[tuple[int, bool]]:
         return [(bucket, one_row) for bucket in reversed(self.buckets) for one_row in (False, True)]

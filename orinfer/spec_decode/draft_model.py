@@ -81,6 +81,44 @@ class DraftModelProposer:
             seq.num_draft_computed = len(seq.token_ids) + k - 1  # the newest token and the first k - 1 drafts
         return DeviceDrafts(picked, drafts)
 
+    def drafts_after_verify(self, batch: int) -> bool:
+        """Whether `propose_after_verify` can run for `batch` sequences (draft graphs of this k hold them)."""
+        graphs = self.graphs
+        return graphs is not None and graphs.k == self.k and batch <= graphs.buckets[-1]
+
+    @torch.inference_mode()
+    def propose_after_verify(self, seqs: list[Sequence], accepted: torch.Tensor, emitted: torch.Tensor
+                             ) -> DeviceDrafts | None:
+        """The drafts of the proposal after a verify step still in flight (spec_decode/chain.py), queued behind it:
+        `seqs` verified k drafts of this proposer each (the step's rows, in order) and their blocks reach 2 k slots
+        past the step's newest token; `accepted`, `emitted`: the step's outputs on the device. None when the draft
+        graphs cannot run it (no graphs, too many sequences, tables too wide). Nothing here waits for the device, and
+        `num_draft_computed` moves only when the engine takes the drafts (`adopt`)."""
+        graphs = self.graphs
+        if not self.drafts_after_verify(len(seqs)):
+            return None
+        tables = [seq.block_table for seq in seqs]
+        key = graphs.key_for([[0, 0]] * len(seqs), max(map(len, tables)))
+        if key is None:
+            return None
+        drafts = graphs.run_after_verify(key, tables, [seq.token_ids[-1] for seq in seqs],
+                                         [len(seq.token_ids) - 1 for seq in seqs], accepted, emitted)
+        return DeviceDrafts(list(seqs), drafts)
+
+    def adopt(self, drafts: DeviceDrafts, seqs: list[Sequence], rooms: list[int]) -> DeviceDrafts | None:
+        """`drafts` (from `propose_after_verify`) as this proposal's, when they were made for exactly `seqs` and each
+        has room for k drafts (its blocks were appended then); None otherwise (the caller proposes anew)."""
+        k = self.k
+        if len(seqs) != len(drafts.seqs) or any(a is not b for a, b in zip(seqs, drafts.seqs)) or min(rooms) < k:
+            return None
+        for seq in seqs:  # (no-ops in practice: the blocks were appended before the drafts were queued)
+            if not self.block_manager.can_append(seq, k):
+                return None
+            self.block_manager.append_slot(seq, k)
+        for seq in seqs:
+            seq.num_draft_computed = len(seq.token_ids) + k - 1
+        return drafts
+
     def _draft(self, seqs: list[Sequence]) -> torch.Tensor:
         """Catch-up and k greedy steps for `seqs`: drafts [B, k] on the device. Replayed from the draft graphs when a
         bucket holds the batch (same k, few enough sequences, tables narrow enough), after an eager catch-up of the

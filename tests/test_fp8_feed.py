@@ -74,7 +74,8 @@ def _probe(passes: bool):
 # straddle blocks: row_block), "bk48" (no W8A8), "dense" (a 16-bit shard), "torch" (the torch backend).
 TRUTH = [
     ({}, True, "qkv", torch.bfloat16, 1, False),                      # the one-row GEMV
-    ({}, True, "qkv", torch.bfloat16, 2, True),                       # decode batch: W8A8 Triton GEMM
+    ({}, True, "qkv", torch.bfloat16, 2, False),                      # ... which takes two rows too
+    ({}, True, "qkv", torch.bfloat16, 3, True),                       # decode batch: W8A8 Triton GEMM
     ({}, True, "qkv", torch.bfloat16, 64, True),
     ({}, True, "qkv", torch.bfloat16, 512, True),                     # prefill: _scaled_mm
     ({}, False, "qkv", torch.bfloat16, 64, False),                    # no block-scaled _scaled_mm: W8A16 MMA

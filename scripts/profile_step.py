@@ -12,6 +12,7 @@ Usage (on a machine with a CUDA GPU, from the repo root):
 
     python3 scripts/profile_step.py [--preset qwen3-30b-a3b] [--quant awq] [--batch 8] [--prompt-len 512] [--rows 24]
     python3 scripts/profile_step.py --preset qwen3-8b --speculative draft_model --cuda-graph --trace draft.json
+    python3 scripts/profile_step.py --preset qwen3-8b --tensor-parallel-size 2 --batch 64 --cuda-graph
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --speculative mtp / draft_model: the drafter's linears and LM head copy in FP8")
     p.add_argument("--decode-steps", type=int, default=16, help="tokens decoded after the prompt (default 16)")
     p.add_argument("--trace", default=None, metavar="FILE", help="also write the decode part's Chrome trace here")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard over N GPUs; the tables show rank 0's kernels (the driver's process)")
     return p.parse_args(argv)
 
 
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     engine_args = EngineArgs(max_num_seqs=max(8, args.batch), max_model_len=args.prompt_len + 1024,
                              cuda_graph=args.cuda_graph,
                              backend="triton", max_num_batched_tokens=max(2048, args.prompt_len * args.batch),
-                             speculative_config=spec)
+                             speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size)
     draft = preset(args.draft_synthetic) if args.speculative == "draft_model" else None
     llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), engine_args, draft=draft)
     prompts = [torch.randint(100, cfg.vocab_size - 100, (args.prompt_len,)).tolist() for _ in range(args.batch)]
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.trace and max_tokens > 1:
             prof.export_chrome_trace(args.trace)
             print(f"Chrome trace: {args.trace}")
+    llm.close()  # under tensor parallelism, stops the workers before the process exits
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ as GB/s and as a share of the read bandwidth measured in the same run (`read_ban
 candidate and its speedup over the default; `max diff` is the largest |candidate - default| output (a sanity check).
 
 Run: `python -m orinfer.bench.decode_attention_sweep [--preset qwen3-8b] [--cases 64:528,64:1024] [--fp8] [--iters 20]
-[--reps 32] [--out DIR] [--json FILE]` (needs a CUDA device; importing this module does not); --out writes
+[--reps 32] [--tensor-parallel-size N] [--out DIR] [--json FILE]` (needs a CUDA device; importing this module does not); --out writes
 DIR/decode-attention-sweep.md and DIR/decode-attention-sweep.json.
 """
 
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(f"{b}:{c}" for b, c in DEFAULT_CASES),
                    help="comma-separated BATCH:CONTEXT pairs")
     p.add_argument("--fp8", action="store_true", help="also the fp8 (e4m3) cache with its per-head scales")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="one rank's heads under N-way tensor parallelism (kv heads replicated below N)")
     p.add_argument("--iters", type=int, default=20, help="graph replays per candidate (median)")
     p.add_argument("--reps", type=int, default=32, help="calls per CUDA graph")
     p.add_argument("--json", help="also write the rows to this JSON file")
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cases:
         p.error("--cases is empty")
     cfg = preset(args.preset)
-    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    tp = args.tensor_parallel_size
+    heads = (cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp), cfg.head_dim)
     if not torch.cuda.is_available():
         print("the decode attention sweep needs a CUDA device")
         return 1
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (lambda ext: os.path.join(args.out, f"decode-attention-sweep.{ext}")) if args.out else (lambda ext: None)
     table = (summary(rows) + "\n\nEvery candidate, the default first, then fastest first per case:\n\n"
              + markdown(rows, speedup="speedup vs default"))
-    report(rows, table, f"Paged decode attention tiles on {{device}} ({args.preset}: Hq {heads[0]}, Hk {heads[1]}, "
+    report(rows, table, f"Paged decode attention tiles on {{device}} ({args.preset}" + (f" TP{tp}" if tp > 1 else "")
+           + f": Hq {heads[0]}, Hk {heads[1]}, "
            f"D {heads[2]}; block size {BLOCK_SIZE}; {args.reps} calls a graph; torch {torch.__version__})",
            args.device, args.json or out("json"), out("md"), torch=torch.__version__)
     return 0

@@ -111,3 +111,59 @@ def test_a_launch_scope_without_a_built_plan_says_so(monkeypatch):
     with pytest.raises(RuntimeError, match="do not nest"), prefetch_scope(linear.weight.device, launch=False):
         with prefetch_scope(linear.weight.device, launch=False):
             pass
+
+
+class _Recorder:
+    """Stands in for an Ops table: records each `prefetch_weights(linear, fraction)` call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[nn.Module, float]] = []
+
+    def prefetch_weights(self, linear: nn.Module, fraction: float = 1.0) -> None:
+        self.calls.append((linear, fraction))
+
+
+class _CpuLinear(nn.Module):
+    def __init__(self, ops: _Recorder, rows: int, cols: int) -> None:
+        super().__init__()
+        self.ops, self.weight = ops, torch.zeros(rows, cols, dtype=torch.bfloat16)
+
+    def decode_weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[0], self.weight.shape[0])
+
+
+class _Norm(nn.Module):
+    def __init__(self, ops: _Recorder) -> None:
+        super().__init__()
+        self.ops, self.input_fold = ops, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Layer(nn.Module):
+    """A decoder layer as decode_hooks reads one: a norm feeding qkv, an attention section from qkv to o."""
+    norm_consumers = {"input_layernorm": "qkv_proj"}
+    attention_section = ("qkv_proj", "o_proj")
+
+    def __init__(self, ops: _Recorder) -> None:
+        super().__init__()
+        self.input_layernorm = _Norm(ops)
+        self.qkv_proj, self.o_proj = _CpuLinear(ops, 3072, 4096), _CpuLinear(ops, 4096, 2048)
+
+
+def test_the_attention_section_prefetches_only_for_small_batches():
+    from orinfer.layers import decode_hooks
+
+    ops = _Recorder()
+    model = nn.Sequential(_Layer(ops), _Layer(ops))
+    decode_hooks.install_decode_hooks(model)
+    model[0].qkv_proj(torch.zeros(decode_hooks.PREFETCH_MAX_ROWS, 4096))
+    assert ops.calls == [(model[0].o_proj, 1.0), (model[1].qkv_proj, decode_hooks.NEXT_SECTION_PREFETCH)]
+    ops.calls.clear()
+    model[0].qkv_proj(torch.zeros(decode_hooks.PREFETCH_MAX_ROWS + 1, 4096))
+    assert ops.calls == []  # a large batch's attention streams its KV: nothing competes with it
+

@@ -210,18 +210,22 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     return rms_norm(all_reduce(partial), weight, eps, residual)
 
 
-def all_gather_columns(x: torch.Tensor) -> torch.Tensor:
-    """[R, n] per rank -> [R, world * n]: rank r's columns at [r * n, (r + 1) * n) (a vocab-parallel head's
-    logits)."""
+def all_gather_columns(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[R, n] per rank -> [R, world * n] in `out_dtype` (default x's): rank r's columns at [r * n, (r + 1) * n) (a
+    vocab-parallel head's logits). The ranks' blocks are gathered in x's dtype; one copy puts them in column order and
+    converts them."""
+    out_dtype = out_dtype or x.dtype
     if not _group.enabled:
-        return x
+        return x.to(out_dtype)
     x = x.contiguous()
     stacked = torch.empty((_group.world_size, *x.shape), dtype=x.dtype, device=x.device)
     if x.device.type == "cuda":
         dist.all_gather_into_tensor(stacked, x)
     else:  # gloo has no all_gather_into_tensor
         dist.all_gather(list(stacked.unbind(0)), x)
-    return stacked.permute(1, 0, 2).reshape(x.shape[0], -1)
+    out = torch.empty((x.shape[0], _group.world_size, x.shape[1]), dtype=out_dtype, device=x.device)
+    out.copy_(stacked.permute(1, 0, 2))
+    return out.view(x.shape[0], -1)
 
 
 def broadcast_(x: torch.Tensor) -> torch.Tensor:

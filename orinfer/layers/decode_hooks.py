@@ -28,6 +28,10 @@ from torch import nn
 # Batch-1 AWQ step replay on the H200: none 1.749 ms, 25% 1.738, 40% 1.735, 50% 1.739, all of it 1.748
 # (docs/performance.md, "L2 prefetch").
 NEXT_SECTION_PREFETCH = 0.4
+# Steps of more rows prefetch nothing: their attention streams the whole batch's KV, so the section is not memory-light
+# and the prefetch competes with it. Qwen3-8B at TP2 (whose 16.7 MB o is under the plans' cap), batch 64: decode
+# attention 27.7 -> 23.8 us a layer in the step (the kernel alone: 21.9), NOTES runs 423 and 427.
+PREFETCH_MAX_ROWS = 16
 
 
 def install_decode_hooks(model: nn.Module) -> None:
@@ -52,7 +56,7 @@ def install_decode_hooks(model: nn.Module) -> None:
 def _prefetch_hook(closing: nn.Module, following: nn.Module | None):
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         prefetch = module.ops.prefetch_weights
-        if prefetch is not None:
+        if prefetch is not None and output.shape[0] <= PREFETCH_MAX_ROWS:
             prefetch(closing)
             if following is not None:
                 prefetch(following, NEXT_SECTION_PREFETCH)

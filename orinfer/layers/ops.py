@@ -40,9 +40,11 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
-def lm_head_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits: x W^T in x's dtype (`linear_ref`), returned as fp32, as HF's models return them."""
-    return linear_ref(x, weight).float()
+def lm_head_ref(x: torch.Tensor, weight: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    """Logits: x W^T in x's dtype (`linear_ref`), returned as fp32, as HF's models return them; widen=False returns
+    them in x's dtype (a vocab-parallel head gathers those, half the bytes, and widens them as it reorders them)."""
+    y = linear_ref(x, weight)
+    return y.float() if widen else y
 
 
 def linear_bias_gelu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh"
@@ -118,7 +120,7 @@ class Ops:
     # Whether attention materialises the [heads, N, N] scores (the torch reference does): memory quadratic in tokens,
     # so the vision tower's memory probe with the largest image is skipped.
     materializes_attention: bool = True
-    # lm_head_ref's contract: fp32 logits with the values of the linear in x's dtype.
+    # lm_head_ref's contract: fp32 logits with the values of the linear in x's dtype (in x's dtype with widen=False).
     lm_head: Callable = lm_head_ref
     # The Qwen3-VL vision tower's ops (kernels/vision.py documents each signature).
     layer_norm: Callable = layer_norm_ref

@@ -57,10 +57,12 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return gemv(x, weight, bias) if _gemv_applies(x, weight) else linear_ref(x, weight, bias)
 
 
-def triton_lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def triton_lm_head(x: torch.Tensor, weight: torch.Tensor, widen: bool = True) -> torch.Tensor:
     """`lm_head_ref`'s contract: decode-sized x through the GEMV, which stores the fp32 logits itself (one copy
     kernel less per step); otherwise the linear, then the widening."""
-    return gemv(x, weight, out_dtype=torch.float32) if _gemv_applies(x, weight) else lm_head_ref(x, weight)
+    if _gemv_applies(x, weight):
+        return gemv(x, weight, out_dtype=torch.float32 if widen else None)
+    return lm_head_ref(x, weight, widen)
 
 
 def segment_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -113,6 +113,7 @@ def test_a_launch_scope_without_a_built_plan_says_so(monkeypatch):
             pass
 
 
+
 class _Recorder:
     """Stands in for an Ops table: records each `prefetch_weights(linear, fraction)` call."""
 
@@ -124,35 +125,21 @@ class _Recorder:
 
 
 class _CpuLinear(nn.Module):
-    def __init__(self, ops: _Recorder, rows: int, cols: int) -> None:
+    def __init__(self, ops: _Recorder, rows: int) -> None:
         super().__init__()
-        self.ops, self.weight = ops, torch.zeros(rows, cols, dtype=torch.bfloat16)
-
-    def decode_weights(self) -> tuple[torch.Tensor, ...]:
-        return (self.weight,)
+        self.ops, self.rows = ops, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(x.shape[0], self.weight.shape[0])
-
-
-class _Norm(nn.Module):
-    def __init__(self, ops: _Recorder) -> None:
-        super().__init__()
-        self.ops, self.input_fold = ops, None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return x.new_zeros(x.shape[0], self.rows)
 
 
 class _Layer(nn.Module):
-    """A decoder layer as decode_hooks reads one: a norm feeding qkv, an attention section from qkv to o."""
-    norm_consumers = {"input_layernorm": "qkv_proj"}
+    """A decoder layer as decode_hooks reads one: an attention section from qkv to o."""
     attention_section = ("qkv_proj", "o_proj")
 
     def __init__(self, ops: _Recorder) -> None:
         super().__init__()
-        self.input_layernorm = _Norm(ops)
-        self.qkv_proj, self.o_proj = _CpuLinear(ops, 3072, 4096), _CpuLinear(ops, 4096, 2048)
+        self.qkv_proj, self.o_proj = _CpuLinear(ops, 3072), _CpuLinear(ops, 4096)
 
 
 def test_the_attention_section_prefetches_only_for_small_batches():
@@ -166,4 +153,3 @@ def test_the_attention_section_prefetches_only_for_small_batches():
     ops.calls.clear()
     model[0].qkv_proj(torch.zeros(decode_hooks.PREFETCH_MAX_ROWS + 1, 4096))
     assert ops.calls == []  # a large batch's attention streams its KV: nothing competes with it
-

@@ -15,8 +15,8 @@ as GB/s and as a share of the read bandwidth measured in the same run (`read_ban
 candidate and its speedup over the default; `max diff` is the largest |candidate - default| output (a sanity check).
 
 Run: `python -m orinfer.bench.decode_attention_sweep [--preset qwen3-8b] [--cases 64:528,64:1024] [--fp8] [--iters 20]
-[--reps 32] [--tensor-parallel-size N] [--out DIR] [--json FILE]` (needs a CUDA device; importing this module does not); --out writes
-DIR/decode-attention-sweep.md and DIR/decode-attention-sweep.json.
+[--reps 32] [--tensor-parallel-size N] [--out DIR] [--json FILE]` (needs a CUDA device; importing this module does
+not); --out writes DIR/decode-attention-sweep.md and DIR/decode-attention-sweep.json.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (lambda ext: os.path.join(args.out, f"decode-attention-sweep.{ext}")) if args.out else (lambda ext: None)
     table = (summary(rows) + "\n\nEvery candidate, the default first, then fastest first per case:\n\n"
              + markdown(rows, speedup="speedup vs default"))
-    report(rows, table, f"Paged decode attention tiles on {{device}} ({args.preset}" + (f" TP{tp}" if tp > 1 else "")
-           + f": Hq {heads[0]}, Hk {heads[1]}, "
+    model = args.preset + (f" TP{tp}" if tp > 1 else "")
+    report(rows, table, f"Paged decode attention tiles on {{device}} ({model}: Hq {heads[0]}, Hk {heads[1]}, "
            f"D {heads[2]}; block size {BLOCK_SIZE}; {args.reps} calls a graph; torch {torch.__version__})",
            args.device, args.json or out("json"), out("md"), torch=torch.__version__)
     return 0

@@ -12,24 +12,30 @@ from __future__ import annotations
 
 import torch
 
-from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows, unpack_gptq_cols,
-                                 unpack_gptq_rows)
+from orinfer.kernels.gptq import (REPACK_COLUMNS, gptq_input_order, pack_gptq_cols, pack_gptq_rows,
+                                 unpack_gptq_cols, unpack_gptq_rows)
 from orinfer.kernels.w4 import W4Weight, check_group_size, w4_from_codes, w4_unpack
 
 
 def gptq_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                group_size: int) -> tuple[W4Weight, torch.Tensor | None]:
     """(W4 weight of W' [N, K], perm or None) for a 4-bit GPTQ matrix; ValueError when W4 cannot hold it (group size
-    not dividing K or not one W4 supports, zero points above 15)."""
-    q = unpack_gptq_rows(qweight, 4)                      # [K, N]
-    g = check_group_size(q.shape[0], group_size)
+    not dividing K or not one W4 supports, zero points above 15). Repacked REPACK_COLUMNS outputs at a time."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    g = check_group_size(k, group_size)
     zeros = unpack_gptq_cols(qzeros, 4) + 1               # [G, N]: the classic format stores zero - 1
     if int(zeros.max()) > 15:
         raise ValueError("a zero point of 16 (stored 15) does not fit W4's 4-bit zeros")
     perm = gptq_input_order(g_idx, g)
-    if perm is not None:
-        q = q[perm]
-    return w4_from_codes(q.t(), zeros.t(), scales.t(), g), perm
+    parts = []
+    for lo in range(0, n, REPACK_COLUMNS):
+        q = unpack_gptq_rows(qweight[:, lo:lo + REPACK_COLUMNS], 4)      # [K, cols]
+        if perm is not None:
+            q = q[perm]
+        parts.append(w4_from_codes(q.t(), zeros[:, lo:lo + REPACK_COLUMNS].t(),
+                                   scales[:, lo:lo + REPACK_COLUMNS].t(), g))
+    return W4Weight(torch.cat([w.packed for w in parts]), torch.cat([w.scales for w in parts]),
+                    torch.cat([w.zeros for w in parts]), g), perm
 
 
 def w4_to_gptq(w: W4Weight, perm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

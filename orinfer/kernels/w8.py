@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from orinfer.kernels.activation import silu_and_mul_ref
 from orinfer.kernels.fp8_block import fp16_guard
-from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows, unpack_gptq_cols,
-                                  unpack_gptq_rows)
+from orinfer.kernels.gptq import (REPACK_COLUMNS, gptq_input_order, pack_gptq_cols, pack_gptq_rows,
+                                  unpack_gptq_cols, unpack_gptq_rows)
 
 
 class W8Weight(NamedTuple):
@@ -54,18 +54,19 @@ def gptq_to_w8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """(W8 weight of W' [N, K], perm or None) for an 8-bit GPTQ matrix (qweight [K/4, N], qzeros [G, N/4], scales
     [G, N], g_idx [K]), on their device; ValueError when g_idx's groups are not all of `group_size` inputs (the last
     may be short)."""
-    q = unpack_gptq_rows(qweight, 8)                       # [K, N]
-    k, n = q.shape
+    k, n = qweight.shape[0] * 4, qweight.shape[1]
     if g_idx.shape != (k,) or scales.shape != (-(-k // group_size), n) or qzeros.shape != (scales.shape[0], n // 4):
         raise ValueError(f"GPTQ tensors do not fit: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                          f"scales {tuple(scales.shape)}, g_idx {tuple(g_idx.shape)}, group size {group_size}")
     perm = gptq_input_order(g_idx, group_size)
-    if perm is not None:
-        q = q[perm]
+    codes = torch.empty(n, k, dtype=torch.uint8, device=qweight.device)
+    for lo in range(0, n, REPACK_COLUMNS):   # a slice's int32 codes at a time (`gptq.REPACK_COLUMNS`)
+        q = unpack_gptq_rows(qweight[:, lo:lo + REPACK_COLUMNS], 8)      # [K, cols]
+        codes[lo:lo + REPACK_COLUMNS] = (q if perm is None else q[perm]).t()
     zeros = unpack_gptq_cols(qzeros, 8) + 1                # [G, N]: the classic format stores zero - 1
     first = int(zeros[0, 0]) if zeros.numel() else 128
     uniform = bool((zeros == first).all())
-    return W8Weight(_row_major(q.to(torch.uint8)), _row_major(scales.to(torch.float16)),
+    return W8Weight(codes, _row_major(scales.to(torch.float16)),
                     first if uniform else _row_major(zeros.to(torch.float16)), group_size), perm
 
 

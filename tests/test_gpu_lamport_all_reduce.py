@@ -12,13 +12,13 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawned_ranks import report_failure, run_spawned
 
 pytestmark = [pytest.mark.gpu]
 
@@ -39,25 +39,8 @@ def run_ranks(check: str, world: int, tmp_path: Path, monkeypatch) -> None:
     """Runs `CHECKS[check]` on ranks 0..world-1, one spawned process per GPU; fails with the first rank's traceback,
     or when the ranks have not finished by DEADLINE_S."""
     monkeypatch.setenv("ORINFER_TP_ALLREDUCE", "lamport")  # the children read it when they import orinfer
-    ctx = mp.get_context("spawn")
     store = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_rank_main, args=(check, rank, world, store, str(tmp_path)), daemon=True)
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    errors = [(tmp_path / f"rank{rank}.err").read_text() for rank in range(world)
-              if (tmp_path / f"rank{rank}.err").exists()]
-    assert not errors, errors[0]
-    assert not hung, f"ranks {hung} did not finish within {DEADLINE_S:.0f} s"
-    assert [proc.exitcode for proc in procs] == [0] * world
+    run_spawned(_rank_main, lambda rank: (check, rank, world, store, str(tmp_path)), world, tmp_path, DEADLINE_S)
 
 
 def _rank_main(check: str, rank: int, world: int, store: str, out_dir: str) -> None:
@@ -71,8 +54,7 @@ def _rank_main(check: str, rank: int, world: int, store: str, out_dir: str) -> N
         torch.cuda.synchronize(device)
         group.destroy_group()
     except BaseException:  # noqa: BLE001 - reported to the test through the file
-        Path(out_dir, f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        os._exit(1)
+        report_failure(out_dir, rank)
 
 
 def _partial(call: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -4,12 +4,11 @@ the whole head's fp32 logits."""
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from spawned_ranks import report_failure, run_spawned
 
 WORLD = 2
 DEADLINE_S = 120.0
@@ -45,24 +44,9 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
         torch.testing.assert_close(logits, torch.nn.functional.linear(x, weight).float(), rtol=0, atol=0)
         group.destroy_group()
     except BaseException:  # noqa: BLE001 - reported to the test through the file
-        Path(out_dir, f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        os._exit(1)
+        report_failure(out_dir, rank)
 
 
 def test_columns_gather_in_rank_order_and_widen(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
     store = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_rank_main, args=(rank, store, str(tmp_path)), daemon=True) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(DEADLINE_S)
-    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
-    assert not errors, errors[0]
-    assert not hung, f"ranks {hung} did not finish within {DEADLINE_S:.0f} s"
-    assert [proc.exitcode for proc in procs] == [0] * WORLD
+    run_spawned(_rank_main, lambda rank: (rank, store, str(tmp_path)), WORLD, tmp_path, DEADLINE_S)

@@ -22,7 +22,7 @@ from orinfer.config import ModelConfig
 from orinfer.errors import WeightsError
 from orinfer.gptq_config import GPTQConfig
 from orinfer.kernels.gptq import gptq_dequantize_ref, gptq_linear_ref, unpack_gptq_cols, unpack_gptq_rows
-from orinfer.kernels import gptq_w4
+from orinfer.kernels import gptq
 from orinfer.kernels.gptq_w4 import gptq_to_w4, w4_to_gptq
 from orinfer.kernels.w4 import w4_dequantize_ref
 from orinfer.layers.gptq_linear import GPTQLinear
@@ -193,10 +193,10 @@ def test_dense_weights_with_a_gptq_config_are_a_clear_error(gptq_dir, tmp_path):
 
 @pytest.mark.parametrize("group,desc_act,shape", [(32, False, (24, 64)), (16, True, (40, 48)), (128, True, (16, 256)),
                                                   (-1, False, (8, 128))])
-@pytest.mark.parametrize("columns", [4096, 16])
-def test_w4_repack_dequantizes_identically_and_round_trips(group, desc_act, shape, columns, monkeypatch):
-    """Also repacked 16 output columns at a time (`gptq.REPACK_COLUMNS`: slices and a partial last one)."""
-    monkeypatch.setattr(gptq_w4, "REPACK_COLUMNS", columns)
+@pytest.mark.parametrize("weights", [1 << 23, 1024])
+def test_w4_repack_dequantizes_identically_and_round_trips(group, desc_act, shape, weights, monkeypatch):
+    """Also repacked 1024 weights at a time (`gptq.REPACK_WEIGHTS`: slices of whole columns, a partial last one)."""
+    monkeypatch.setattr(gptq, "REPACK_WEIGHTS", weights)
     packed, deq = gptq_pack(torch.randn(shape, generator=torch.Generator().manual_seed(7)), 4, group, desc_act, seed=5)
     g = shape[1] if group == -1 else group
     w4, perm = gptq_to_w4(packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], g)

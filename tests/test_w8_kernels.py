@@ -21,11 +21,10 @@ import torch
 from kernel_checks import (DEVICE, INTERPRET, assert_stored_as_kernels_round, gpu, poison_allocations, randn,
                            tol)
 from test_fp8_kernels import check, w8a16_ref
-from orinfer.kernels import splitk, w8_ops
+from orinfer.kernels import gptq, splitk, w8_ops
 from orinfer.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
 from orinfer.kernels.fp8_mm import Fp8MmConfig, fp8_mm
 from orinfer.kernels.gptq import pack_gptq_cols, pack_gptq_rows
-from orinfer.kernels import w8 as w8_module
 from orinfer.kernels.w8 import W8Weight, gptq_to_w8, w8_dequantize_ref, w8_linear_ref, w8_to_gptq
 
 needs_kernels = pytest.mark.skipif(DEVICE.type == "cpu" and not INTERPRET, reason="no CUDA and no TRITON_INTERPRET")
@@ -77,10 +76,10 @@ def permuted(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 @pytest.mark.parametrize("n,k,group,desc_act,sym", [
     (24, 64, 32, False, False), (40, 200, 32, True, False), (16, 256, 128, True, True), (8, 136, 128, False, False),
     (12, 36, -1, False, True), (20, 96, -1, True, False)])
-@pytest.mark.parametrize("columns", [4096, 16])
-def test_repack_dequantizes_identically_and_round_trips(n, k, group, desc_act, sym, columns, monkeypatch):
-    """Also repacked 16 output columns at a time (`gptq.REPACK_COLUMNS`: slices and a partial last one)."""
-    monkeypatch.setattr(w8_module, "REPACK_COLUMNS", columns)
+@pytest.mark.parametrize("weights", [1 << 23, 1024])
+def test_repack_dequantizes_identically_and_round_trips(n, k, group, desc_act, sym, weights, monkeypatch):
+    """Also repacked 1024 weights at a time (`gptq.REPACK_WEIGHTS`: slices of whole columns, a partial last one)."""
+    monkeypatch.setattr(gptq, "REPACK_WEIGHTS", weights)
     t, w = random_gptq8(n, k, group, desc_act, seed=n, device="cpu", sym=sym)
     w8, perm = gptq_to_w8(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], k if group == -1 else group)
     assert (perm is None) == (not desc_act or group == -1)   # one group: act-order changes nothing

@@ -15,11 +15,18 @@ import torch.nn.functional as F
 from orinfer.kernels.fp8_block import fp16_guard
 
 
-# Output columns repacked at a time (`gptq_w4.gptq_to_w4`, `w8.gptq_to_w8`): a slice's codes pass through int32 and
-# int64 tensors (4 and 8 bytes a weight, several of them at once), so repacking a whole Qwen3-8B gate_up (100M
-# weights) at once held ~2 GB of transients beside the model (peak 7.2 GiB against AWQ's 6.1 for the same 5.7 GiB of
-# weights, NOTES run 429); 4096 columns of a 4096-input matrix keep them near 200 MB.
-REPACK_COLUMNS = 4096
+# Weights repacked at a time (`gptq_w4.gptq_to_w4`, `w8.gptq_to_w8`: whole output columns, `repack_columns`): a
+# slice's codes pass through int32 and int64 tensors, so repacking a whole Qwen3-8B gate_up (100M weights) at once
+# held ~1.5 GB of transients beside the model (peak 7.2 GiB against AWQ's 6.1 for the same 5.7 GiB of weights, NOTES
+# run 429). 4096-column slices (run 434: 6.5 GiB) left down's 12288-input matrix whole. With 8M weights a slice the
+# 4-bit repack's peak rises 0.13-0.36 GB over its inputs at Qwen3-8B's shapes, against 0.51-1.46 GB whole (measured
+# on the CPU, NOTES run 438).
+REPACK_WEIGHTS = 1 << 23
+
+
+def repack_columns(k: int) -> int:
+    """Output columns of a K-input matrix repacked at a time: REPACK_WEIGHTS / K, at least one."""
+    return max(1, REPACK_WEIGHTS // max(k, 1))
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:

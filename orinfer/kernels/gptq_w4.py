@@ -24,7 +24,7 @@ def gptq_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     time."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     g = check_group_size(k, group_size)
-    zeros = unpack_gptq_cols(qzeros, 4) + 1               # [G, N]: the classic format stores zero - 1
+    zeros = unpack_gptq_cols(qzeros, 4)[:, :n] + 1        # [G, N]: the classic format stores zero - 1
     if int(zeros.max()) > 15:
         raise ValueError("a zero point of 16 (stored 15) does not fit W4's 4-bit zeros")
     perm = gptq_input_order(g_idx, g)

@@ -9,13 +9,15 @@ output dimension, P = 32 / bits values per int32, value i of a word in bits [bit
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from orinfer.kernels.fp8_block import fp16_guard
 
 
-# Weights repacked at a time (`gptq_w4.gptq_to_w4`, `w8.gptq_to_w8`: whole output columns, `repack_columns`): a
+# Weights repacked at a time (`gptq_w4.gptq_to_w4`, `w8.gptq_to_w8`: whole output columns, `unpacked_slices`): a
 # slice's codes pass through int32 and int64 tensors, so repacking a whole Qwen3-8B gate_up (100M weights) at once
 # held ~1.5 GB of transients beside the model (peak 7.2 GiB against AWQ's 6.1 for the same 5.7 GiB of weights, NOTES
 # run 429). 4096-column slices (run 434: 6.5 GiB) left down's 12288-input matrix whole. With 8M weights a slice the
@@ -24,9 +26,16 @@ from orinfer.kernels.fp8_block import fp16_guard
 REPACK_WEIGHTS = 1 << 23
 
 
-def repack_columns(k: int) -> int:
-    """Output columns of a K-input matrix repacked at a time: REPACK_WEIGHTS / K, at least one."""
-    return max(1, REPACK_WEIGHTS // max(k, 1))
+def unpacked_slices(qweight: torch.Tensor, bits: int, perm: torch.Tensor | None
+                    ) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(output columns, their codes q [K, cols] int32 with the inputs in perm's order) for a qweight [K / P, N], about
+    REPACK_WEIGHTS weights at a time (whole columns, at least one), for the repacks."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    step = max(1, REPACK_WEIGHTS // max(k, 1))
+    for lo in range(0, n, step):
+        cols = slice(lo, min(lo + step, n))
+        q = unpack_gptq_rows(qweight[:, cols], bits)
+        yield cols, (q if perm is None else q[perm])
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:

@@ -12,29 +12,24 @@ from __future__ import annotations
 
 import torch
 
-from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows,
-                                 repack_columns, unpack_gptq_cols, unpack_gptq_rows)
+from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows, unpack_gptq_cols,
+                                 unpacked_slices)
 from orinfer.kernels.w4 import W4Weight, check_group_size, w4_from_codes, w4_unpack
 
 
 def gptq_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                group_size: int) -> tuple[W4Weight, torch.Tensor | None]:
     """(W4 weight of W' [N, K], perm or None) for a 4-bit GPTQ matrix; ValueError when W4 cannot hold it (group size
-    not dividing K or not one W4 supports, zero points above 15). Repacked `gptq.repack_columns(K)` outputs at a
-    time."""
+    not dividing K or not one W4 supports, zero points above 15). Repacked a slice of columns at a time
+    (`gptq.unpacked_slices`)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     g = check_group_size(k, group_size)
     zeros = unpack_gptq_cols(qzeros, 4)[:, :n] + 1        # [G, N]: the classic format stores zero - 1
     if int(zeros.max()) > 15:
         raise ValueError("a zero point of 16 (stored 15) does not fit W4's 4-bit zeros")
     perm = gptq_input_order(g_idx, g)
-    parts = []
-    step = repack_columns(k)
-    for lo in range(0, n, step):
-        q = unpack_gptq_rows(qweight[:, lo:lo + step], 4)      # [K, cols]
-        if perm is not None:
-            q = q[perm]
-        parts.append(w4_from_codes(q.t(), zeros[:, lo:lo + step].t(), scales[:, lo:lo + step].t(), g))
+    parts = [w4_from_codes(q.t(), zeros[:, cols].t(), scales[:, cols].t(), g)
+             for cols, q in unpacked_slices(qweight, 4, perm)]
     return W4Weight(torch.cat([w.packed for w in parts]), torch.cat([w.scales for w in parts]),
                     torch.cat([w.zeros for w in parts]), g), perm
 

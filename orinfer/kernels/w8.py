@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from orinfer.kernels.activation import silu_and_mul_ref
 from orinfer.kernels.fp8_block import fp16_guard
-from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows,
-                                  repack_columns, unpack_gptq_cols, unpack_gptq_rows)
+from orinfer.kernels.gptq import (gptq_input_order, pack_gptq_cols, pack_gptq_rows, unpack_gptq_cols,
+                                  unpacked_slices)
 
 
 class W8Weight(NamedTuple):
@@ -60,10 +60,8 @@ def gptq_to_w8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                          f"scales {tuple(scales.shape)}, g_idx {tuple(g_idx.shape)}, group size {group_size}")
     perm = gptq_input_order(g_idx, group_size)
     codes = torch.empty(n, k, dtype=torch.uint8, device=qweight.device)
-    step = repack_columns(k)   # a slice's int32 codes at a time (`gptq.REPACK_WEIGHTS`)
-    for lo in range(0, n, step):
-        q = unpack_gptq_rows(qweight[:, lo:lo + step], 8)      # [K, cols]
-        codes[lo:lo + step] = (q if perm is None else q[perm]).t()
+    for cols, q in unpacked_slices(qweight, 8, perm):
+        codes[cols] = q.t()
     zeros = unpack_gptq_cols(qzeros, 8) + 1                # [G, N]: the classic format stores zero - 1
     first = int(zeros[0, 0]) if zeros.numel() else 128
     uniform = bool((zeros == first).all())

@@ -135,3 +135,23 @@ def test_moe_graphs_run_in_bf16(moe_model, nan_padding, replays):
     for name, prompts in BATCHES.items():
         assert len(out[name]) == len(prompts), name
         assert all(len(tokens) == STEPS and all(0 <= t < VOCAB for t in tokens) for tokens in out[name]), name
+
+
+def test_moe_graphs_replay_steps_past_1024_tokens(moe_model, replays):
+    """Under a 2048-token budget a non-hybrid MoE model's mixed-step graphs go past 1024 tokens (engine/step_graphs.py,
+    `graph_token_limit`): three 400-token prompts prefill in one 1200-token step, replayed from the 1280-token bucket,
+    with the eager steps' tokens (fp32). A hybrid model's graphs stop at 1024, so that step runs eagerly."""
+    _, path = moe_model
+    prompts = [_prompt(50 + i, 400) for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = {}
+    for graphs in (True, False):
+        llm = LLM(path, dtype="float32", device="cuda", backend="triton", progress=False, block_size=16,
+                  kv_cache_bytes=128 << 20, max_num_seqs=4, max_num_batched_tokens=2048, cuda_graph=graphs)
+        out[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        torch.cuda.synchronize()
+        if graphs:
+            hybrid = llm.engine.runner.model_config.is_hybrid
+            assert llm.engine.runner.step_graphs.max_tokens == (1024 if hybrid else 2048)
+            assert (1280 in replays["mixed"]) != hybrid, replays["mixed"]
+    assert out[True] == out[False]

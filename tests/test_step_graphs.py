@@ -11,7 +11,7 @@ import pytest
 from orinfer.engine import graph_capture
 from orinfer.engine.scheduler import StepPlan
 from orinfer.engine.sequence import Sequence
-from orinfer.engine.step_graphs import token_buckets
+from orinfer.engine.step_graphs import graph_token_limit, token_buckets
 from orinfer.engine.step_inputs import step_inputs
 from orinfer.sampling_params import SamplingParams
 
@@ -24,6 +24,16 @@ def test_token_buckets_cover_every_count_with_little_padding():
         assert (bucket - tokens) * 3 < bucket or tokens <= 128
     assert token_buckets(100) == [8, 16, 32, 64, 100]
     assert token_buckets(8) == [8]
+    assert token_buckets(2048)[-9:] == list(range(1024, 2049, 128))
+
+
+def test_moe_models_replay_larger_steps_from_graphs():
+    """Dense models' graphs stop at 1024 tokens, mixture-of-experts models' at 4096 (their eager steps are host-bound
+    well past 1024), hybrid ones' at 1024; none beyond the engine's token budget."""
+    assert graph_token_limit(0, False, 2048) == 1024 and graph_token_limit(0, False, 512) == 512
+    assert graph_token_limit(128, False, 2048) == 2048 and graph_token_limit(128, False, 8192) == 4096
+    assert graph_token_limit(128, False, 300) == 300
+    assert graph_token_limit(256, True, 2048) == 1024 and graph_token_limit(0, True, 2048) == 1024
 
 
 def test_step_inputs_lay_out_decode_rows_then_chunks():

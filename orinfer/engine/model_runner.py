@@ -26,7 +26,7 @@ from orinfer.engine.prompt_logprobs import PromptSpan, compute_prompt_logprobs
 from orinfer.engine.sequence import Sequence
 from orinfer.engine.state_pools import StatePools
 from orinfer.engine.state_rollback import StateRollback
-from orinfer.engine.step_graphs import MAX_GRAPH_TOKENS, MixedStepGraphs
+from orinfer.engine.step_graphs import MixedStepGraphs, graph_token_limit
 from orinfer.engine.step_inputs import StepInputs, step_inputs
 from orinfer.engine.warmup import (warm_cached_prefix, warm_eager_decode, warm_mixed_steps, warm_prefill,
                                    warm_sampler)
@@ -140,9 +140,10 @@ class ModelRunner:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             max_seqs = engine_config.max_num_seqs
             scratch = self.state.scratch_slot if self.state.num_slots else None
-            self.step_graphs = MixedStepGraphs(model, min(MAX_GRAPH_TOKENS, engine_config.max_num_batched_tokens),
-                                               max_seqs, max_blocks, self.block_size, device, scratch,
-                                               keep_linear_inputs=self._keep_linear_inputs)
+            max_tokens = graph_token_limit(model_config.num_experts, model_config.is_hybrid,
+                                           engine_config.max_num_batched_tokens)
+            self.step_graphs = MixedStepGraphs(model, max_tokens, max_seqs, max_blocks, self.block_size, device,
+                                               scratch, keep_linear_inputs=self._keep_linear_inputs)
             self.step_graphs.capture()
             self.graphs = DecodeGraphs(model, graph_hooks, max_seqs, max_blocks, device, self.block_size,
                                        pool=self.step_graphs.pool, state_scratch_slot=scratch)

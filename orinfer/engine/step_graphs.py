@@ -34,6 +34,20 @@ log = logging.getLogger(__name__)
 # Steps of more tokens run eagerly: from ~1k tokens the device time of a Qwen3-8B step (>= 20 ms) covers the host's
 # launches, and padding to a bucket would only add work.
 MAX_GRAPH_TOKENS = 1024
+# Mixture-of-experts models read ~3B parameters a token but launch more per layer (routing, alignment, two grouped
+# GEMMs, the weighted sum): an eager Qwen3-30B-A3B step costs ~60 ms of host time at any size, against 33 ms of device
+# time at 2048 tokens (H200, NOTES run 446: eager 1536- and 2048-token prompts both took 64-66 ms, the 1024-token
+# graph 21 ms; prefill 2048 27.4k -> 55.4k tok/s, run 447). Their graphs go as far as the device time of a step could
+# cover the host's: ~4k tokens. Not the hybrid (Gated DeltaNet) MoE models: Qwen3.5-35B-A3B's 2048-token prompt took
+# 110 ms from a graph against 62 ms eagerly (run 447), so theirs stop where dense models' do.
+MAX_MOE_GRAPH_TOKENS = 4096
+
+
+def graph_token_limit(num_experts: int, hybrid: bool, max_num_batched_tokens: int) -> int:
+    """The most tokens a step replayed from the mixed-step graphs holds, for a model of `num_experts` routed experts
+    a layer (0: dense), with linear-attention layers or not (`hybrid`), under the engine's token budget."""
+    moe = num_experts > 0 and not hybrid
+    return min(MAX_MOE_GRAPH_TOKENS if moe else MAX_GRAPH_TOKENS, max_num_batched_tokens)
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -240,3 +240,15 @@ def test_gpu_same_tokens_with_and_without_lookahead(tiny_dir, graphs):
         runs.append(([(o.token_ids, o.text, o.finish_reason) for o in outs], launches))
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] == 0 and runs[1][1] > 0
+
+
+def test_a_chunked_prompt_counts_its_prefill_time_once(tiny_dir):
+    """A prompt in several chunks under lookahead: each chunk's step is launched before the one before it resolves, so
+    their spans overlap; the prefill time counts their union (never more than the time to the first token), not
+    their sum."""
+    llm = _llm(tiny_dir, True, max_num_batched_tokens=16)
+    prompt = " ".join(PROMPTS * 4)
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, **GREEDY))[0]
+    m = out.metrics
+    assert m.num_prompt_tokens > 3 * 16 and llm.engine.num_lookahead_steps >= 3
+    assert m.num_prompt_tokens / m.prefill_tok_s <= m.ttft_s

@@ -595,7 +595,8 @@ class LLMEngine:
         sample = step.wait()
         now = time.perf_counter()
         for seq in step.prompt_seqs:
-            seq.prefill_seconds += now - step.start
+            seq.prefill_seconds += now - max(step.start, seq.prefill_counted_until)
+            seq.prefill_counted_until = now
         if step.spans:
             record_prompt_logprobs(step.spans, sample.prompt_logprobs, sample.prompt_top_logprobs,
                                    sample.prompt_top_ids)

@@ -77,6 +77,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.prefill_seconds = 0.0
+        # The end of the prefill time counted so far: under lookahead a chunk's step is launched before the previous
+        # chunk's resolves, and only the part of its span after that counts (the union of the spans, not their sum).
+        self.prefill_counted_until = 0.0
         self.detokenizer = None        # set by the engine
         self.mm = mm                   # images of the prompt (Qwen3-VL), None for text
         self.thinking = None           # engine/thinking.py ThinkingBudget when the request has a thinking budget

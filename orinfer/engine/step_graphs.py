@@ -38,8 +38,10 @@ MAX_GRAPH_TOKENS = 1024
 # GEMMs, the weighted sum): an eager Qwen3-30B-A3B step costs ~60 ms of host time at any size, against 33 ms of device
 # time at 2048 tokens (H200, NOTES run 446: eager 1536- and 2048-token prompts both took 64-66 ms, the 1024-token
 # graph 21 ms; prefill 2048 27.4k -> 55.4k tok/s, run 447). Their graphs go as far as the device time of a step could
-# cover the host's: ~4k tokens. Not the hybrid (Gated DeltaNet) MoE models: Qwen3.5-35B-A3B's 2048-token prompt took
-# 110 ms from a graph against 62 ms eagerly (run 447), so theirs stop where dense models' do.
+# cover the host's: ~4k tokens. Not the hybrid (Gated DeltaNet) MoE models: inside a graph their delta rule runs our
+# fixed-launch chunked kernel instead of fla-core's, and Qwen3.5-35B-A3B's 2048-token prompt gained nothing from a
+# graph (first token after 110 ms against 112 eagerly, run 447, fla-core absent from both), so theirs stop where dense
+# models' do.
 MAX_MOE_GRAPH_TOKENS = 4096
 
 

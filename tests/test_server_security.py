@@ -245,3 +245,36 @@ def test_dead_engine_reports_503(tiny_dir):
         stream = c.post(COMP, json=comp(stream=True))
         assert stream.status_code == 503
         assert "orinfer_engine_alive 0" in c.get("/metrics").text
+
+
+def test_guard_counts_responses_that_never_started():
+    """/metrics' status of a request without a response: 499 when the app was cancelled (the client left, or the
+    server is shutting down), 500 when it returned without answering (uvicorn answers 500 then)."""
+    import asyncio
+
+    from orinfer.server.guard import Guard
+    from orinfer.server.metrics import ServerMetrics
+
+    async def cancelled(scope, receive, send):
+        raise asyncio.CancelledError
+
+    async def silent(scope, receive, send):
+        return None
+
+    async def answers(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    metrics = ServerMetrics(dict)
+    scope = {"type": "http", "path": "/v1/models", "headers": [(b"authorization", b"Bearer " + KEY.encode())]}
+
+    async def call(app):
+        async def send(message):
+            pass
+        await Guard(app, KEY, metrics, 65536)(scope, None, send)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(call(cancelled))
+    asyncio.run(call(silent))
+    asyncio.run(call(answers))
+    assert [metrics.http_requests.value(route="/v1/models", code=c) for c in ("499", "500", "404")] == [1, 1, 1]

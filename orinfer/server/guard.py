@@ -4,6 +4,7 @@ by route and status for /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any
 
@@ -63,6 +64,7 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
+        cancelled = False
         try:
             if self._head_size(scope) > self.max_header_bytes:
                 err = APIError(431, f"the request headers are larger than {self.max_header_bytes} bytes",
@@ -81,5 +83,11 @@ class Guard:
                 await response(scope, receive, send_status)
                 return
             await self.app(scope, receive, send_status)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
-            self.metrics.http_requests.inc(route=path if path in _ROUTES else "other", code=str(status[0] or 500))
+            # A response that never started: cancelled (the client left, or the server is shutting down) is nginx's
+            # 499, as the handlers answer a client that left; an app that returned without one got uvicorn's 500.
+            code = status[0] or (499 if cancelled else 500)
+            self.metrics.http_requests.inc(route=path if path in _ROUTES else "other", code=str(code))

@@ -18,7 +18,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_generated_tokens: int
     ttft_s: float | None          # arrival -> first generated token
-    prefill_tok_s: float | None   # prompt tokens / time of the prefill step(s) that ran them, vision tower excluded
+    prefill_tok_s: float | None   # prompt tokens / the union of the spans of the steps that ran them, vision excluded
     decode_tok_s: float | None    # tokens after the first / time from the first token to the last
     e2e_s: float | None           # arrival -> finish
     num_preemptions: int = 0

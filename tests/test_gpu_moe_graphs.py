@@ -96,9 +96,11 @@ def replays(monkeypatch) -> dict[str, list[int]]:
     return seen
 
 
-def _engine(path, dtype: str, graphs: bool) -> LLM:
-    llm = LLM(path, dtype=dtype, device="cuda", backend="triton", progress=False, block_size=16,
-              kv_cache_bytes=64 << 20, max_num_seqs=16, max_num_batched_tokens=64, cuda_graph=graphs)
+def _engine(path, dtype: str, graphs: bool, **args) -> LLM:
+    """The test engine; `args` override its defaults (a 64-token budget: chunked prompts, small graph buckets)."""
+    args = {"kv_cache_bytes": 64 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 64, **args}
+    llm = LLM(path, dtype=dtype, device="cuda", backend="triton", progress=False, block_size=16, cuda_graph=graphs,
+              **args)
     runner = llm.engine.runner
     assert (runner.graphs is not None and runner.step_graphs is not None) == graphs
     return llm
@@ -146,8 +148,7 @@ def test_moe_graphs_replay_steps_past_1024_tokens(moe_model, replays):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     out = {}
     for graphs in (True, False):
-        llm = LLM(path, dtype="float32", device="cuda", backend="triton", progress=False, block_size=16,
-                  kv_cache_bytes=128 << 20, max_num_seqs=4, max_num_batched_tokens=2048, cuda_graph=graphs)
+        llm = _engine(path, "float32", graphs, kv_cache_bytes=128 << 20, max_num_seqs=4, max_num_batched_tokens=2048)
         out[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         torch.cuda.synchronize()
         if graphs:

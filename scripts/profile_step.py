@@ -81,12 +81,17 @@ def main(argv: list[str] | None = None) -> None:
                              speculative_config=spec, tensor_parallel_size=args.tensor_parallel_size)
     draft = preset(args.draft_synthetic) if args.speculative == "draft_model" else None
     llm = build_synthetic_llm(cfg, torch.bfloat16, torch.device("cuda"), engine_args, draft=draft)
-    prompts = [torch.randint(100, cfg.vocab_size - 100, (args.prompt_len,)).tolist() for _ in range(args.batch)]
-    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up, tuning
+    def fresh_prompts() -> list[list[int]]:
+        # Each run draws its own prompts: a prompt seen before would be served from the prefix cache, and its
+        # "prefill" would profile only the tokens past the cached blocks.
+        return [torch.randint(100, cfg.vocab_size - 100, (args.prompt_len,)).tolist() for _ in range(args.batch)]
+
+    llm.generate(fresh_prompts(), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up, tuning
     steps = args.decode_steps
     for label, max_tokens in ((f"prefill {args.prompt_len}", 1), (f"prefill {args.prompt_len} + {steps} decode tokens"
                                                                    + (f" ({args.speculative})" if spec else ""),
                                                                    steps + 1)):
+        prompts = fresh_prompts()
         torch.manual_seed(0)  # (forced acceptance draws from the global generator)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()

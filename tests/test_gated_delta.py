@@ -187,6 +187,15 @@ def test_delta_chunked_matches_the_reference(lens, dtype):
     check_delta(lens, dtype=dtype, decode=False)
 
 
+def test_delta_chunked_three_tf32_dots_path(monkeypatch):
+    """The GPU's product path (tf32 pairs, three dots each) run where the interpreter's dots are exact: checks the
+    pairs' plumbing (which half goes where) on the CPU too; on a GPU this is the path every other case takes."""
+    from orinfer.kernels import gated_delta_chunk
+
+    monkeypatch.setattr(gated_delta_chunk, "interpreting", lambda: False)
+    check_delta([3, 70, 0, 64], k_heads=1, v_heads=2, dk=128, dv=32, decode=False, seed=11)
+
+
 @pytest.mark.parametrize("lens, decode", [
     ([1, 1, 1, 1], None),       # decode rows: T == B picks the recurrent kernel
     ([1, 0, 1], None),
@@ -219,6 +228,8 @@ def test_delta_verify_rows_match_the_reference(lens):
     (2, 6, 32, 32, True),
     (2, 2, 24, 40, False),      # head dims not powers of two
     (2, 2, 24, 40, True),
+    (1, 2, 128, 16, False),     # a head dim of 128: the scan takes it in two halves of 64
+    (1, 1, 96, 16, False),      # ... and of 96: the second half partly masked
 ])
 def test_delta_shapes(k_heads, v_heads, dk, dv, decode):
     check_delta([5, 66] if not decode else [1, 2], k_heads=k_heads, v_heads=v_heads, dk=dk, dv=dv, decode=decode,

@@ -5,9 +5,9 @@ takes 776 us for a 2048-token prompt against 2843 us for ours (`kernels/gated_de
 11566 us at 8192 tokens: it computes the per-chunk states in parallel where ours walks a sequence's chunks in one
 program (benchmarks/NOTES.md, run 271). The issue allows a maintained implementation that measures faster. Since our
 kernels stopped spilling (run 454: 983 us at 27B's heads and 2048 tokens, 934 at Qwen3.5-35B-A3B's, where fla took
-~190 in run 451's profile) the gap is narrower, and an eager step through fla measured slower end to end at 35B
-(2048-token prompt: 113-126 ms with fla, runs 450 and 452, against 78.6 ms with ours, run 453; why is not profiled yet
-); which one eager prompts should take is to be measured again.
+~190 in run 451's profile) the gap is narrower, and an eager step through fla measured slower end to end at 35B: a
+2048-token prompt took 113-126 ms with fla (runs 450 and 452) against 78.6 ms with ours (run 453), why is not
+profiled yet. Which one eager prompts should take is to be measured again.
 
 fla takes the gates raw (`use_gate_in_kernel`: g = -exp(A_log) softplus(a + dt_bias); `use_beta_sigmoid_in_kernel`),
 normalises q and k (`use_qk_l2norm_in_kernel`), groups value heads over key heads (its GVA), and takes and returns

@@ -73,10 +73,14 @@ def test_rows_of_new_sequences_ignore_their_slots():
     want_args = dict(args, conv_states=torch.zeros_like(args["conv_states"]),
                      ssm_states=torch.zeros_like(args["ssm_states"]))
     want = unfused_triton(want_args, (qsl, slots, torch.ones_like(init)))  # zero states, read
-    assert torch.equal(got, want)
     used = slots.long()
-    assert torch.equal(args["ssm_states"][used], want_args["ssm_states"][used])
-    assert torch.equal(args["conv_states"][used], want_args["conv_states"][used])
+    assert torch.equal(args["conv_states"][used], want_args["conv_states"][used])  # copies of inputs
+    if INTERPRET:  # the same roundings in the same order: the same bits (check_step)
+        assert torch.equal(got, want)
+        assert torch.equal(args["ssm_states"][used], want_args["ssm_states"][used])
+    else:  # compiled, the two kernels' sums may round apart (H200, run 454); a NaN read would still show
+        torch.testing.assert_close(got, want, **tol(torch.float32))
+        torch.testing.assert_close(args["ssm_states"][used], want_args["ssm_states"][used], **tol(torch.float32, 2))
 
 
 # --- the advance-only variant --------------------------------------------------------------------------------------

@@ -89,26 +89,22 @@ def _tf32_split(x):
 
 
 @triton.jit
-def _mm(a_hi, a_lo, b, acc, PREC: tl.constexpr):
-    """acc + a @ b at about fp32 accuracy for a given as its tf32 pair (loaded as stored: no split, and no split
-    copies, in registers) and b [K, N] fp32: three tf32 tensor-core dots, the a_lo @ b_lo term (~2^-22 relative)
-    dropped, as Triton's tf32x3 does. PREC "ieee" (the interpreter): one exact dot of a_hi + a_lo."""
+def _mm_pairs(a_hi, a_lo, b_hi, b_lo, acc, PREC: tl.constexpr):
+    """acc + a @ b at about fp32 accuracy for operands given as tf32 pairs (a as stored: no split, and no split
+    copies, in registers): three tf32 tensor-core dots, the a_lo @ b_lo term (~2^-22 relative) dropped, as Triton's
+    tf32x3 does. PREC "ieee" (the interpreter): one exact dot of the pairs' sums (hi + lo is exact). acc None: 0."""
     if PREC == "ieee":
-        return tl.dot(a_hi + a_lo, b, acc, input_precision="ieee")
-    b_hi, b_lo = _tf32_split(b)
+        return tl.dot(a_hi + a_lo, b_hi + b_lo, acc, input_precision="ieee")
     acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
     return tl.dot(a_hi, b_lo, acc, input_precision="tf32")
 
 
 @triton.jit
-def _mm_pairs(a_hi, a_lo, b_hi, b_lo, PREC: tl.constexpr):
-    """a @ b for both operands given as tf32 pairs (see `_mm`)."""
-    if PREC == "ieee":
-        return tl.dot(a_hi + a_lo, b_hi + b_lo, input_precision="ieee")
-    acc = tl.dot(a_hi, b_hi, input_precision="tf32")
-    acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-    return tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+def _mm(a_hi, a_lo, b, acc, PREC: tl.constexpr):
+    """acc + a @ b for a given as its tf32 pair and b [K, N] fp32 (split here, in registers): `_mm_pairs`."""
+    b_hi, b_lo = _tf32_split(b)
+    return _mm_pairs(a_hi, a_lo, b_hi, b_lo, acc, PREC)
 
 
 @triton.jit(do_not_specialize=["tokens"])
@@ -234,8 +230,8 @@ def _chunk_prepare_kernel(kq_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_ptr, tp_p
         q_hi, q_lo = _pair(kq_ptr + 2 * part, at, part, mask)
         offs = rows[:, None] * (HV * BT) + h * BT + i[None, :]
         _store_pair(tp_ptr + 2 * tp_part, tp_part, offs, valid[:, None],
-                    _mm_pairs(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), PREC) * decay)
-        kk = _mm_pairs(k_hi, k_lo, tl.trans(k_hi), tl.trans(k_lo), PREC)
+                    _mm_pairs(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), None, PREC) * decay)
+        kk = _mm_pairs(k_hi, k_lo, tl.trans(k_hi), tl.trans(k_lo), None, PREC)
         tl.store(tp_ptr + offs, tl.where(i[:, None] > i[None, :], kk * decay * beta[:, None], 0.0),
                  mask=valid[:, None])
         tl.debug_barrier()  # A is in T's place: every thread's part of it, before any block is read back

@@ -1,6 +1,7 @@
 """The FP8 expert kernels compiled for Hopper (sm_90) without a GPU (`orinfer/kernels/sm90.py`): every launch that
 `fused_moe_fp8` makes at the expert shapes of Qwen3-30B-A3B-FP8 and the Qwen3.5/3.6 35B-A3B FP8 releases (bf16, fp16
-and fp32 activations; decode and prefill token counts) and at the GPU tests' explicit tiles compiles, with the
+and fp32 activations; decode and prefill token counts; the W8A8 prefill kernels of moe_a8.py) and at the GPU tests'
+explicit tiles compiles, with the
 launcher's own specialization, and the engine's launches keep their registers (no local-memory spills). The
 interpreter runs none of the bf16 / fp16 unpacking of the e4m3 tiles (`fp8_mm._w_operand`'s PTX) they use.
 """
@@ -19,7 +20,7 @@ _COMPILE = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from orinfer.kernels import moe_align, moe_decode, moe_fp8_decode, moe_ops, sm90
+from orinfer.kernels import fp8_quant, moe_a8, moe_align, moe_decode, moe_fp8_decode, moe_ops, sm90
 from orinfer.kernels.moe_config import MoeConfig, Tile
 from orinfer.kernels.moe_fp8 import expert_scale_shapes
 
@@ -46,8 +47,16 @@ def call(shape, tokens, dtype, cfg=None):
 
 launches = {}
 for engine in (True, False):   # the engine's launches (default configs, real shapes), then the tests' tiles
-    with sm90.recorded_launches(moe_ops, moe_align, moe_decode, moe_fp8_decode) as recorded:
+    with sm90.recorded_launches(moe_ops, moe_align, moe_decode, moe_fp8_decode, moe_a8, fp8_quant) as recorded:
         for name, shape in SHAPES.items():
+            if name != "odd" and engine:   # prefill batches on the GPU take the W8A8 kernels (CPU tensors here)
+                e, h, i, k = shape
+                s13, s2 = expert_scale_shapes(e, h, i, BLOCK)
+                for dtype in (torch.bfloat16, torch.float16):
+                    for tokens in (512, 2048):
+                        moe_a8.fused_moe_fp8_a8(torch.empty(tokens, h, dtype=dtype), torch.empty(e, 2 * i, h, dtype=FP8),
+                                                torch.empty(s13), torch.empty(e, h, i, dtype=FP8), torch.empty(s2),
+                                                BLOCK, torch.empty(tokens, k), torch.zeros(tokens, k, dtype=torch.int32))
             if name == "odd" and not engine:
                 for tokens, cfg in EXPLICIT:
                     call(shape, tokens, torch.bfloat16, cfg)
@@ -70,15 +79,15 @@ for launch, engine in launches.values():
                 "loops": sm90.loop_bodies(listing) if error is None else [],
                 "constexprs": {k: v for k, v in launch.kwargs.items() if k.isupper() and not isinstance(v, bool)
                                or k in ("FP8", "USE_DOT", "GATED", "EVEN_K")}})
-print(json.dumps(out))
+print(json.dumps(out, default=str))   # (a dtype constexpr: its name)
 """
 
 
 def test_fp8_expert_launches_compile_for_sm90_without_spills():
     built = compile_in_child(_COMPILE, str(Path(__file__).parent))
     kernels = {b["kernel"] for b in built}
-    assert {"_grouped_kernel", "_decode_up_kernel", "_decode_down_kernel", "_gemv_up_kernel",
-            "_gemv_down_kernel"} <= kernels and len(built) >= 20
+    assert {"_grouped_kernel", "_decode_up_kernel", "_decode_down_kernel", "_gemv_up_kernel", "_gemv_down_kernel",
+            "_grouped_a8_kernel"} <= kernels and len(built) >= 20
     for b in built:
         assert b["error"] is None, f"{b['kernel']} {b['constexprs']}: {b['error']}"
         # The tests' small-stage tiles may spill (the 16-bit grouped kernel's 64-row tile over a ragged K does too)

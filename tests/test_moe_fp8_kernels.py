@@ -17,8 +17,10 @@ from kernel_checks import DEVICE, captured, gpu, randn, skip_module_without_kern
 from quant_packers import fp8_pack
 from test_moe_kernels import (DECODE_DOT, DECODE_DOT_SPLIT, DECODE_FMA, DECODE_FMA_SPLIT, GROUPED_16, GROUPED_32,
                               GROUPED_64, QWEN3_30B, QWEN3_5_35B, check_tuning_candidates, poison, routing)  # noqa: F401 (poison: autouse)
+from orinfer.kernels import moe_a8
 from orinfer.kernels.fp8_block import fp8_block_dequantize_ref, fp8_block_quantize
 from orinfer.kernels.moe import fused_moe_ref
+from orinfer.kernels.moe_a8 import fused_moe_fp8_a8_ref
 from orinfer.kernels.moe_config import MoeConfig
 from orinfer.kernels.moe_fp8 import dequantize_experts, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_ops import fused_moe_fp8, moe_route
@@ -53,6 +55,22 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q, scale, fp8_block_dequantize_ref(q, scale, block)
 
 
+def assert_w8a8_close(got: torch.Tensor, want: torch.Tensor, want16: torch.Tensor, dtype: torch.dtype) -> None:
+    """got (the W8A8 kernels of moe_a8.py) against their reference `want`. The kernels' gate / up sums round to 16
+    bits in another order than the reference's fp64 ones, so now and then an element of h lands on the other side of
+    an e4m3 rounding boundary and its code differs by one step (1/8-1/16 of it): elementwise, a few outputs of a large
+    batch then miss the dtype's tolerance (H200, run 458: 263 of 4M at Qwen3-30B-A3B, 2048 tokens, fp16). So: the
+    tolerance for all but 1 in 1000 outputs, the difference's norm within it relative to the output's (run 459: 0.005
+    of it at 2048 tokens, bf16 and fp16), and (sanity) far below what quantizing x and h moves the output by against
+    the W8A16 reference `want16` (~10x)."""
+    t = tol(dtype, 2)
+    diff = (got.double() - want.double()).abs()
+    off = (diff > t["atol"] + t["rtol"] * want.double().abs()).double().mean()
+    assert off <= 1e-3, f"{off:.2e} of the outputs outside {t}"
+    err, size, quant = diff.norm(), want.double().norm(), (want.double() - want16.double()).norm()
+    assert err <= t["rtol"] * size and err <= 0.25 * quant, (err, size, quant)
+
+
 def check_fp8(tokens: int, n_experts: int, top_k: int, hidden: int, inter: int, block: tuple[int, int],
               dtype: torch.dtype, cfg, mode: str = "random") -> None:
     (w13, s13, w2, s2), (d13, d2) = fp8_experts(n_experts, hidden, inter, block)
@@ -61,7 +79,10 @@ def check_fp8(tokens: int, n_experts: int, top_k: int, hidden: int, inter: int, 
     got = fused_moe_fp8(x, w13, s13, w2, s2, block, weights, ids, config=cfg)
     want = fused_moe_ref(x.double(), d13, d2, weights, ids)
     assert got.dtype == dtype and got.shape == (tokens, hidden)
-    torch.testing.assert_close(got.double(), want, **tol(dtype, 2))
+    if cfg is None and moe_a8.takes(x, tokens, block):      # a prefill batch: the W8A8 kernels quantize x and h
+        assert_w8a8_close(got, fused_moe_fp8_a8_ref(x, w13, s13, w2, s2, block, weights, ids), want, dtype)
+    else:
+        torch.testing.assert_close(got.double(), want, **tol(dtype, 2))
 
 
 # --- the reference --------------------------------------------------------------------------------------------------

@@ -75,27 +75,61 @@ def _swiglu(g, u, act_ty: tl.constexpr):
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks, A_ROWS, N_OUT, K,
-                    N_PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_sn, UP_SROW, stride_om,
-                    TOP_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+def band_tile(block_expert_ptr, num_blocks, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(block of sorted rows, tile of output columns, its expert: -1 past the last segment) of this program: programs
+    go in bands of GROUP_M row blocks, all column tiles of a band before the next, so that the blocks of one expert
+    read its weight tiles from L2 while they are there."""
     pid = tl.program_id(0)
     band = GROUP_M * tl.cdiv(N_OUT, BLOCK_N)
     first_m = (pid // band) * GROUP_M
     band_m = tl.minimum(num_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % band) % band_m
     pid_n = (pid % band) // band_m
-    expert = tl.load(block_expert_ptr + pid_m)
+    return pid_m, pid_n, tl.load(block_expert_ptr + pid_m)
+
+
+@triton.jit
+def grouped_rows(sorted_ptr, pid_m, pid_n, A_ROWS, N_OUT, TOP_K: tl.constexpr, GATED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(sorted rows offs_m, their pairs, the A operand's rows, output columns offs_n, their clamped int64 rn) of tile
+    (pid_m, pid_n): up (GATED) gathers each pair's token (padding pairs read the last one), down reads h in sorted
+    order; columns past N_OUT re-read the last (never stored)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + offs_m)
+    if GATED:
+        rows = tl.minimum(pairs // TOP_K, A_ROWS - 1)
+    else:
+        rows = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, pairs, rows, offs_n, tl.minimum(offs_n, N_OUT - 1).to(tl.int64)
+
+
+@triton.jit
+def load_step(a_ptrs, wg_ptrs, wu_ptrs, k0, offs_k, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step's tiles: a [BLOCK_M, BLOCK_K], the gate (or only) weight tile [BLOCK_K, BLOCK_N] and (GATED) the up
+    one, inputs past K as zeros; not GATED, the weight tile stands in for the up one (unused)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        wg = tl.load(wg_ptrs)
+        wu = tl.load(wu_ptrs) if GATED else wg
+    else:
+        k_in = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_in[:, None], other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_in[:, None], other=0.0) if GATED else wg
+    return a, wg, wu
+
+
+@triton.jit
+def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_blocks, A_ROWS, N_OUT, K,
+                    N_PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_sn, UP_SROW, stride_om,
+                    TOP_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n, expert = band_tile(block_expert_ptr, num_blocks, N_OUT, BLOCK_N, GROUP_M)
     if expert >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ptr + offs_m)
-        if GATED:
-            rows = tl.minimum(pairs // TOP_K, A_ROWS - 1)        # the pair's token; padding reads the last one
-        else:
-            rows = offs_m                                        # h is in sorted order
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rn = tl.minimum(offs_n, N_OUT - 1).to(tl.int64)          # columns past N_OUT re-read the last (not stored)
+        offs_m, pairs, rows, offs_n, rn = grouped_rows(sorted_ptr, pid_m, pid_n, A_ROWS, N_OUT, TOP_K, GATED, BLOCK_M,
+                                                       BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
         wg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
@@ -105,17 +139,7 @@ def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                wg = tl.load(wg_ptrs)
-                if GATED:
-                    wu = tl.load(wu_ptrs)
-            else:
-                k_in = (k0 + offs_k) < K
-                a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=k_in[:, None], other=0.0)
-                if GATED:
-                    wu = tl.load(wu_ptrs, mask=k_in[:, None], other=0.0)
+            a, wg, wu = load_step(a_ptrs, wg_ptrs, wu_ptrs, k0, offs_k, K, GATED, EVEN_K)
             if FP8:
                 kb = k0 // BK
                 wg = _dequant_tile(wg, tl.load(sg_ptrs + kb), a.dtype)

@@ -16,7 +16,9 @@ Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit w
 `fused_moe_ref`, which syncs with the host (not capturable: refused inside a capture).
 
 `fused_moe_fp8` runs the same two paths over FP8 block-wise experts (`kernels/moe_fp8.py`: e4m3 weights, fp32 block
-scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference. One
+scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference.
+Prefill batches (`moe_a8.takes`: 16-bit x, `moe_a8.MIN_TOKENS` tokens or more) take the W8A8 grouped GEMMs of
+`kernels/moe_a8.py` instead (x and h quantized per token and group, FP8 tensor cores), unless a config is forced. One
 token with 16-bit x takes a third path, "gemv" (`kernels/moe_fp8_decode.py`: the experts as one-row FP8 GEMVs in
 16-byte chunks), whatever the table's entry for T = 1 names, unless that entry is a "gemv" config (its tiles run) or
 the caller forces a config.
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from orinfer.kernels import moe_a8
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.moe import fused_moe_ref
+from orinfer.kernels.moe_a8 import fused_moe_fp8_a8
 from orinfer.kernels.moe_config import GEMV, MoeConfig, default_config, pick_config, table_lookup, valid, w4_label
 from orinfer.kernels.moe_decode import fused_moe_decode
 from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
@@ -100,6 +104,9 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     if x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
         _refuse_capture(x, f"FP8 weights in blocks of {block_size[1]} inputs")
         return fused_moe_fp8_ref(x, w13, s13, w2, s2, block_size, topk_weights, topk_ids)
+    if config is None and moe_a8.takes(x, x.shape[0], block_size):
+        return fused_moe_fp8_a8(x.contiguous(), w13, s13, w2, s2, tuple(block_size), topk_weights.float().contiguous(),
+                                topk_ids.contiguous())
     return _run(x, w13, w2, topk_weights, topk_ids, config, (s13, s2), tuple(block_size))
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from orinfer.kernels.moe_align import moe_align
 from orinfer.kernels.moe_config import MoeConfig, Tile
 from orinfer.kernels.moe_decode import _expert_tokens, _leads
-from orinfer.kernels.moe_gemm import GROUP_M, _mma, _swiglu, dot_f32, moe_sum
+from orinfer.kernels.moe_gemm import GROUP_M, _mma, _swiglu, band_tile, dot_f32, grouped_rows, moe_sum
 from orinfer.kernels.moe_w4 import W4Experts
 from orinfer.kernels.w4_mma import _chunk_dot, _group_zero_scale, _x_slices
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -77,22 +77,10 @@ def _w4_grouped_kernel(a_ptr, q_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, block_ex
                        TOP_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, G8: tl.constexpr,
                        R: tl.constexpr, SLICED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    band = GROUP_M * tl.cdiv(N_OUT, BLOCK_N)
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % band_m
-    pid_n = (pid % band) // band_m
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = band_tile(block_expert_ptr, num_blocks, N_OUT, BLOCK_N, GROUP_M)
     if expert >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ptr + offs_m)
-        if GATED:
-            rows = tl.minimum(pairs // TOP_K, A_ROWS - 1)        # the pair's token; padding reads the last one
-        else:
-            rows = offs_m                                        # h is in sorted order
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rn = tl.minimum(offs_n, N_OUT - 1).to(tl.int64)          # columns past N_OUT re-read the last (not stored)
+        offs_m, pairs, rows, offs_n, rn = grouped_rows(sorted_ptr, pid_m, pid_n, A_ROWS, N_OUT, TOP_K, GATED, BLOCK_M,
+                                                       BLOCK_N)
         if SLICED:                                               # the chunk as eight [BLOCK_M, R] slices
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + tl.arange(0, R)[None, :]
         else:                                                    # the chunk as one [BLOCK_M, 8R] tile

@@ -28,12 +28,11 @@ def test_token_buckets_cover_every_count_with_little_padding():
 
 
 def test_moe_models_replay_larger_steps_from_graphs():
-    """Dense models' graphs stop at 1024 tokens, mixture-of-experts models' at 4096 (their eager steps are host-bound
-    well past 1024), hybrid ones' at 1024; none beyond the engine's token budget."""
-    assert graph_token_limit(0, False, 2048) == 1024 and graph_token_limit(0, False, 512) == 512
-    assert graph_token_limit(128, False, 2048) == 2048 and graph_token_limit(128, False, 8192) == 4096
-    assert graph_token_limit(128, False, 300) == 300
-    assert graph_token_limit(256, True, 2048) == 1024 and graph_token_limit(0, True, 2048) == 1024
+    """Dense models' graphs stop at 1024 tokens, mixture-of-experts models' (hybrid ones too) at 4096 (their eager
+    steps are host-bound well past 1024); none beyond the engine's token budget."""
+    assert graph_token_limit(0, 2048) == 1024 and graph_token_limit(0, 512) == 512
+    assert graph_token_limit(128, 2048) == 2048 and graph_token_limit(256, 8192) == 4096
+    assert graph_token_limit(128, 300) == 300
 
 
 def test_step_inputs_lay_out_decode_rows_then_chunks():

@@ -140,8 +140,7 @@ class ModelRunner:
             max_blocks = (max_model_len + self.block_size - 1) // self.block_size
             max_seqs = engine_config.max_num_seqs
             scratch = self.state.scratch_slot if self.state.num_slots else None
-            max_tokens = graph_token_limit(model_config.num_experts, model_config.is_hybrid,
-                                           engine_config.max_num_batched_tokens)
+            max_tokens = graph_token_limit(model_config.num_experts, engine_config.max_num_batched_tokens)
             self.step_graphs = MixedStepGraphs(model, max_tokens, max_seqs, max_blocks, self.block_size, device,
                                                scratch, keep_linear_inputs=self._keep_linear_inputs)
             self.step_graphs.capture()

@@ -38,18 +38,16 @@ MAX_GRAPH_TOKENS = 1024
 # GEMMs, the weighted sum): an eager Qwen3-30B-A3B step costs ~60 ms of host time at any size, against 33 ms of device
 # time at 2048 tokens (H200, NOTES run 446: eager 1536- and 2048-token prompts both took 64-66 ms, the 1024-token
 # graph 21 ms; prefill 2048 27.4k -> 55.4k tok/s, run 447). Their graphs go as far as the device time of a step could
-# cover the host's: ~4k tokens. Not the hybrid (Gated DeltaNet) MoE models: inside a graph their delta rule runs our
-# fixed-launch chunked kernel instead of fla-core's, and Qwen3.5-35B-A3B's 2048-token prompt gained nothing from a
-# graph (first token after 110 ms against 112 eagerly, run 447, fla-core absent from both), so theirs stop where dense
-# models' do.
+# cover the host's: ~4k tokens. The hybrid (Gated DeltaNet) MoE models too, since the chunked delta rule no longer
+# spills (runs 453-454): Qwen3.5-35B-A3B FP8's 2048-token prompt reaches its first token in 72.6 ms from a graph
+# against 80.1 eagerly (runs 456-457; before that kernel's rewrite the graph gained nothing, runs 447 and 450).
 MAX_MOE_GRAPH_TOKENS = 4096
 
 
-def graph_token_limit(num_experts: int, hybrid: bool, max_num_batched_tokens: int) -> int:
+def graph_token_limit(num_experts: int, max_num_batched_tokens: int) -> int:
     """The most tokens a step replayed from the mixed-step graphs holds, for a model of `num_experts` routed experts
-    a layer (0: dense), with linear-attention layers or not (`hybrid`), under the engine's token budget."""
-    moe = num_experts > 0 and not hybrid
-    return min(MAX_MOE_GRAPH_TOKENS if moe else MAX_GRAPH_TOKENS, max_num_batched_tokens)
+    a layer (0: dense), under the engine's token budget."""
+    return min(MAX_MOE_GRAPH_TOKENS if num_experts > 0 else MAX_GRAPH_TOKENS, max_num_batched_tokens)
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -296,7 +296,7 @@ def _rows_pair(ptr, part, rows, col0, valid, HK: tl.constexpr, DK: tl.constexpr,
     """The tf32 pair of k or q (`ptr` at its hi part) at `rows` [BT] and head-dim columns col0 + [0, HALF):
     [BT, HALF] tiles, zeros outside the rows and the head."""
     c = col0 + tl.arange(0, HALF)
-    return _pair(ptr, rows[:, None] * (HK * DK) + c[None, :], part, valid[:, None] & (c < col0 + DK)[None, :])
+    return _pair(ptr, rows[:, None] * (HK * DK) + c[None, :], part, valid[:, None] & (c < DK)[None, :])
 
 
 @triton.jit(do_not_specialize=["tokens"])

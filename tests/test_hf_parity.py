@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from hf_models import CONFIGS, build_hf_model, hf_greedy, save_hf_model
 from orinfer import LLM, SamplingParams
-from orinfer.engine.scheduler import StepPlan
-from orinfer.engine.sequence import Sequence
+from orinfer.engine.logits_probe import paged_logits  # noqa: F401 (other test files import it from here)
 
 pytest.importorskip("transformers")
 
@@ -23,38 +20,6 @@ def pair(request, tmp_path_factory):
     path = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, progress=False)
     return hf, llm
-
-
-def paged_logits(llm: LLM, ids: list[int], prefill_len: int, mm: Any = None) -> torch.Tensor:
-    """Logits for every position of `ids`, through the real paged path: a prefill of the first `prefill_len` tokens
-    (all rows' logits; with `mm`, a Qwen3-VL MultimodalInputs, the images go through the runner's batch), then one
-    decode step per remaining token."""
-    engine, runner = llm.engine, llm.engine.runner
-    seq = Sequence("probe", ids[:prefill_len], SamplingParams(max_tokens=1, temperature=0.0), mm=mm)
-    caching = engine.block_manager.enable_prefix_caching
-    engine.block_manager.enable_prefix_caching = False  # every row's logits: no prefix may come from the cache
-    try:
-        engine.block_manager.allocate(seq)
-    finally:
-        engine.block_manager.enable_prefix_caching = caching
-    rows = []
-    try:
-        with torch.inference_mode():
-            plan = StepPlan([seq], [prefill_len])
-            input_ids, positions, meta, _ = runner.prepare(plan)
-            batch = runner.prepare_multimodal(plan)
-            extra = () if batch is None else (batch,)
-            rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta, *extra)))
-            seq.num_computed_tokens = prefill_len
-            for token in ids[prefill_len:]:
-                seq.append_token(token)
-                engine.block_manager.append_slot(seq)
-                input_ids, positions, meta, _ = runner.prepare(StepPlan([seq], [1]))
-                rows.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
-                seq.num_computed_tokens += 1
-    finally:
-        engine.block_manager.free(seq)
-    return torch.cat(rows)
 
 
 def test_logits_match_hf(pair):

@@ -51,6 +51,7 @@ def engine_error(exc: Exception) -> APIError:
     """A failure of the engine while a request ran: 503 when the engine is gone, else 500."""
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(str(exc))
+    log.error("a request failed in the engine: %s", exc, exc_info=exc)   # the 500's cause, for the operator
     return APIError(500, str(exc) or "internal error", type="server_error", code="internal_error")
 
 

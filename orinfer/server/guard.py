@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from orinfer.server.errors import APIError
 from orinfer.server.metrics import ServerMetrics
 
+log = logging.getLogger(__name__)
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json"}
 
 
@@ -64,7 +66,7 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
-        cancelled = False
+        cancelled = raised = False
         try:
             if self._head_size(scope) > self.max_header_bytes:
                 err = APIError(431, f"the request headers are larger than {self.max_header_bytes} bytes",
@@ -86,8 +88,17 @@ class Guard:
         except asyncio.CancelledError:
             cancelled = True
             raise
+        except Exception:
+            # Named here, with the route and whether a response had started: the 500 it becomes in /metrics (or the
+            # broken stream) can then be traced to its request.
+            raised = True
+            log.exception("%s %s raised %s a response", scope.get("method", "?"), path,
+                          "after starting" if status[0] else "before")
+            raise
         finally:
             # A response that never started: cancelled (the client left, or the server is shutting down) is nginx's
             # 499, as the handlers answer a client that left; an app that returned without one got uvicorn's 500.
             code = status[0] or (499 if cancelled else 500)
+            if code == 500 and not status[0] and not raised:
+                log.error("%s %s returned no response: counted as 500", scope.get("method", "?"), path)
             self.metrics.http_requests.inc(route=path if path in _ROUTES else "other", code=str(code))

@@ -60,11 +60,10 @@ from orinfer.kernels.gated_delta_chunk import log_decay
 from orinfer.kernels.gated_delta_conv_window import (conv_silu, kept_history, program, with_row, write_histories,
                                                      zero_states)
 from orinfer.kernels.gated_delta_rows import _rows_kernel
-from orinfer.kernels.gemv import check_device
+from orinfer.kernels.gemv import TL_DTYPES, check_device
 from orinfer.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from orinfer.kernels.splitk import MAX_TILES, counters
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # The state tile [Dk, Dv] of a program lives in registers: 128 x 128 fp32 over 4 warps is 128 registers a thread
 # (ptxas: 240-255 in all, no spills, so two programs an SM; tests/test_gated_delta_codegen.py). Larger heads take the
 # unfused kernels (no Qwen3.5 size has them).
@@ -191,8 +190,8 @@ def _fuses(mixed: torch.Tensor, num_seqs: int, k_heads: int, dk: int, dv: int, p
     """Whether the fused kernels take the batch: the state tile fits a program's registers, a counter for each
     (sequence, key head), dtypes Triton names."""
     block_k, block_v = _blocks(dk, dv)
-    return (block_k * block_v <= MAX_STATE_TILE and num_seqs * k_heads <= MAX_TILES and mixed.dtype in _TL_DTYPES
-            and prod in _TL_DTYPES)
+    return (block_k * block_v <= MAX_STATE_TILE and num_seqs * k_heads <= MAX_TILES and mixed.dtype in TL_DTYPES
+            and prod in TL_DTYPES)
 
 
 def _launch(kernel, mixed, z, gates, conv_weight, A_log, dt_bias, norm_weight, eps, query_start_loc, conv_states,
@@ -208,7 +207,7 @@ def _launch(kernel, mixed, z, gates, conv_weight, A_log, dt_bias, norm_weight, e
         mixed.stride(0), z.stride(0), gates.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1),
         conv_states.stride(2), ssm_states.stride(0),
         HK=k_heads, HV=v_heads, DK=dk, DV=dv, BK=block_k, BV=block_v, KW=width,
-        BW=triton.next_power_of_2(width - 1), PROD_TY=_TL_DTYPES[prod], PDL=pdl, **flags,
+        BW=triton.next_power_of_2(width - 1), PROD_TY=TL_DTYPES[prod], PDL=pdl, **flags,
         num_warps=max(1, min(4, block_k * block_v // 4096)), launch_pdl=pdl)
 
 

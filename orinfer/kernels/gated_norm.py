@@ -13,10 +13,9 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.gated_delta import gated_rms_norm_ref
-from orinfer.kernels.gemv import check_device
+from orinfer.kernels.gemv import TL_DTYPES, check_device
 from orinfer.kernels.norm import MAX_FEATURES, _rows_view
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -55,7 +54,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)}, weight "
                          f"{tuple(weight.shape)} do not match")
     prod = torch.promote_types(weight.dtype, x.dtype)
-    if h > MAX_FEATURES or x.numel() == 0 or prod not in _TL_DTYPES:
+    if h > MAX_FEATURES or x.numel() == 0 or prod not in TL_DTYPES:
         return gated_rms_norm_ref(x, gate, weight, eps)
     weight = weight.contiguous()
     xv, n_rows, n_inner, sxo, sxi = _rows_view(x)
@@ -65,5 +64,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     rows_per_prog = max(1, min(16, 2048 // block_h))
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
         xv, gv, weight, out, n_rows, n_inner, eps, sxo, sxi, sgo, sgi, H=h, ROWS=rows_per_prog, BLOCK_H=block_h,
-        PROD_TY=_TL_DTYPES[prod], num_warps=max(1, min(16, rows_per_prog * block_h // 512)))
+        PROD_TY=TL_DTYPES[prod], num_warps=max(1, min(16, rows_per_prog * block_h // 512)))
     return out

@@ -53,6 +53,10 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
+# torch float dtype -> Triton's, for kernels told a dtype as a constexpr (one they round to or store in).
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

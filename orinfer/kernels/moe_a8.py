@@ -39,10 +39,11 @@ import triton.language as tl
 
 from orinfer.kernels.fp8_block import fp8_quantize_act_ref
 from orinfer.kernels.fp8_quant import act_buffers, fp8_quantize_act, quantize_groups
+from orinfer.kernels.gemv import TL_DTYPES
 from orinfer.kernels.moe_align import moe_align
 from orinfer.kernels.moe_config import Tile
 from orinfer.kernels.moe_fp8 import dequantize_experts
-from orinfer.kernels.moe_gemm import GROUP_M, _swiglu, band_tile, grouped_rows, load_step, moe_sum
+from orinfer.kernels.moe_gemm import GROUP_M, _swiglu, band_tile, grouped_rows, load_step, moe_sum, tile_operands
 
 # "w8a8": prefill batches of FP8 experts take these kernels (from MIN_TOKENS tokens); "w8a16": the grouped W8A16
 # GEMMs at every size. Read at import from ORINFER_FP8_EXPERTS (benchmarks may set the attribute).
@@ -100,13 +101,10 @@ def _grouped_a8_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, os_ptr, sorted_ptr,
     if expert >= 0:
         offs_m, pairs, rows, offs_n, rn = grouped_rows(sorted_ptr, pid_m, pid_n, A_ROWS, N_OUT, TOP_K, GATED, BLOCK_M,
                                                        BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        offs_k, a_ptrs, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs = tile_operands(
+            a_ptr, w_ptr, s_ptr, rows, rn, expert, stride_am, stride_we, stride_wn, stride_se, stride_sn, N_OUT,
+            UP_SROW, BN, BLOCK_K)
         as_ptrs = as_ptr + rows                                  # K block kb's scales at + kb * stride_as
-        wg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
-        wu_ptrs = wg_ptrs + N_OUT * stride_wn
-        sg_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn // BN) * stride_sn
-        su_ptrs = sg_ptrs + UP_SROW * stride_sn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -132,9 +130,6 @@ def _grouped_a8_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, os_ptr, sorted_ptr,
             tl.store(dst, acc_g.to(ACT_TY), mask=(pairs < N_PAIRS)[:, None] & n_ok)
 
 
-_TL_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
             out_scale: torch.Tensor | None, align, n_out: int, a_rows: int, n_pairs: int, top_k: int, gated: bool,
             tile: Tile, block_size: tuple[int, int], act_dtype: torch.dtype) -> None:
@@ -145,7 +140,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, scale: torc
         a, a_scale, w, scale, out, out if out_scale is None else out_scale, align.sorted_pairs, align.block_expert,
         num_blocks, a_rows, n_out, k, n_pairs, a.stride(0), a_scale.stride(1), w.stride(0), w.stride(1),
         scale.stride(0), scale.stride(1), triton.cdiv(n_out, bn) if gated else 0, out.stride(0),
-        0 if out_scale is None else out_scale.stride(0), ACT_TY=_TL_TYPES[act_dtype], TOP_K=top_k, GATED=gated,
+        0 if out_scale is None else out_scale.stride(0), ACT_TY=TL_DTYPES[act_dtype], TOP_K=top_k, GATED=gated,
         BN=bn, BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk, GROUP_M=GROUP_M, EVEN_K=k % bk == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 

@@ -105,6 +105,19 @@ def grouped_rows(sorted_ptr, pid_m, pid_n, A_ROWS, N_OUT, TOP_K: tl.constexpr, G
 
 
 @triton.jit
+def tile_operands(a_ptr, w_ptr, s_ptr, rows, rn, expert, stride_am, stride_we, stride_wn, stride_se, stride_sn,
+                  N_OUT, UP_SROW, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's first K step: (offs_k, the A rows' pointers [BLOCK_M, BLOCK_K], the expert's gate (or only) and up
+    weight tiles as W^T [BLOCK_K, BLOCK_N], K-major, and for FP8 weights each row's block-scale pointer, gate and up
+    [BLOCK_N]: scale row rn // BN, the up rows' from UP_SROW on)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    wg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
+    sg_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn // BN) * stride_sn
+    return offs_k, a_ptrs, wg_ptrs, wg_ptrs + N_OUT * stride_wn, sg_ptrs, sg_ptrs + UP_SROW * stride_sn
+
+
+@triton.jit
 def load_step(a_ptrs, wg_ptrs, wu_ptrs, k0, offs_k, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
     """One K step's tiles: a [BLOCK_M, BLOCK_K], the gate (or only) weight tile [BLOCK_K, BLOCK_N] and (GATED) the up
     one, inputs past K as zeros; not GATED, the weight tile stands in for the up one (unused)."""
@@ -130,12 +143,9 @@ def _grouped_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
     if expert >= 0:
         offs_m, pairs, rows, offs_n, rn = grouped_rows(sorted_ptr, pid_m, pid_n, A_ROWS, N_OUT, TOP_K, GATED, BLOCK_M,
                                                        BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        wg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + offs_k[:, None]
-        wu_ptrs = wg_ptrs + N_OUT * stride_wn
-        sg_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (rn // BN) * stride_sn    # FP8: [BLOCK_N] scale rows
-        su_ptrs = sg_ptrs + UP_SROW * stride_sn
+        offs_k, a_ptrs, wg_ptrs, wu_ptrs, sg_ptrs, su_ptrs = tile_operands(
+            a_ptr, w_ptr, s_ptr, rows, rn, expert, stride_am, stride_we, stride_wn, stride_se, stride_sn, N_OUT,
+            UP_SROW, BN, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):

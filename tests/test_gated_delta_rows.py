@@ -290,4 +290,6 @@ def test_gpu_the_bench_times_every_op():
 
     results = gdn_rows.run([2], [3], layers=2, bound=16, repeats=2)
     assert {r["op"] for r in results} == {"step fused", "step unfused", "advance fused", "advance unfused"}
-    assert all(r["us_per_layer"] > 0 for r in results)
+    prompts = gdn_rows.run([2], [70], layers=2, bound=None, repeats=2, groups={"chunked"})
+    assert [r["op"] for r in prompts] == ["chunked"]
+    assert all(r["us_per_layer"] > 0 for r in results + prompts)

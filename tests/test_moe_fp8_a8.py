@@ -37,13 +37,16 @@ def run(tokens: int, n_experts: int, top_k: int, hidden: int, inter: int, block:
     return got, want, (x, w13, s13, w2, s2, block, weights, ids)
 
 
-@pytest.mark.parametrize("tokens,n_experts,top_k,dtype,mode", [
-    (13, 5, 2, torch.bfloat16, "random"),
-    (9, 4, 4, torch.float16, "same"),      # one expert gets every token: several row blocks of one expert
-    (6, 6, 3, torch.bfloat16, "skip"),     # an expert no token chose
+@pytest.mark.parametrize("tokens,n_experts,top_k,dtype,mode,block,uniform", [
+    (13, 5, 2, torch.bfloat16, "random", (16, 32), False),  # 16-row scale blocks: two in a 32-column tile
+    (9, 4, 4, torch.float16, "same", (16, 32), False),      # one expert gets every token: several row blocks of one
+    (6, 6, 3, torch.bfloat16, "skip", (16, 32), False),     # an expert no token chose
+    (11, 4, 2, torch.bfloat16, "random", (32, 32), False),  # one scale row a tile, promoted per column all the same
+    (11, 4, 2, torch.bfloat16, "random", (32, 32), True),   # ... and by one FFMA an element (uniform_scale)
+    (13, 5, 2, torch.float16, "random", (16, 32), True),    # uniform_scale asked where two scale rows share a tile
 ])
-def test_w8a8_experts_match_their_reference(tokens, n_experts, top_k, dtype, mode):
-    got, want, _ = run(tokens, n_experts, top_k, 72, 40, (16, 32), dtype, SMALL, mode)
+def test_w8a8_experts_match_their_reference(tokens, n_experts, top_k, dtype, mode, block, uniform):
+    got, want, _ = run(tokens, n_experts, top_k, 72, 40, block, dtype, SMALL._replace(uniform_scale=uniform), mode)
     assert got.dtype == dtype and got.shape == (tokens, 72)
     torch.testing.assert_close(got.double(), want.double(), **tol(dtype, 2))
 
@@ -67,7 +70,7 @@ def test_the_epilogue_stores_h_as_codes_and_group_scales():
     align = moe_a8.moe_align(torch.zeros(tokens, 1, dtype=torch.int32, device=DEVICE), 1, 16)
     hq, hs = moe_a8.act_buffers(align.sorted_pairs.numel(), inter, block[1], DEVICE)
     moe_a8._launch(xq, xs, w13, s13, hq, hs, align, inter, tokens, tokens, 1, True, Tile(32, 32, 4, 1), block,
-                   torch.bfloat16)
+                   torch.bfloat16, False)
     order = align.sorted_pairs[:tokens].long()                 # sorted row r holds token order[r]
     d13 = moe_a8.dequantize_experts(w13, s13, block, True, torch.float64)[0]
     gu = (moe_a8._dequantized_act(x, block[1])[order] @ d13.T).to(torch.bfloat16).float()

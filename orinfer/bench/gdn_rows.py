@@ -14,8 +14,11 @@ fused step and advance are told (a verify graph's bucket: 16; the rollback tells
 one-row kernel where every sequence has one row); the row loop prepares min(4, next power of two of the bound) rows
 at once (`gated_delta_decode.rows_tile`).
 
-Run: `python -m orinfer.bench.gdn_rows [--model 35b-a3b] [--batches 1,8] [--rows 1,4] [--layers 48] [--json]`
-(needs a CUDA device).
+  chunked  the delta rule alone as a prompt runs it (`gated_delta_rule(decode=False)`: the chunked kernels of
+           kernels/gated_delta_chunk.py), for prefill shapes: `--ops chunked --batches 1,8 --rows 2048,256`
+
+Run: `python -m orinfer.bench.gdn_rows [--model 35b-a3b] [--batches 1,8] [--rows 1,4] [--layers 48]
+[--ops step,advance|chunked] [--json]` (needs a CUDA device).
 """
 
 from __future__ import annotations
@@ -58,8 +61,23 @@ def _inputs(batch: int, rows: int, layers: int, device: torch.device, k_heads: i
     return args, pools, layout
 
 
-def _ops(bound: int) -> dict[str, Callable]:
-    """name -> op(args, pools, layout) for one layer."""
+def _chunked(a: dict, p: dict, lay: dict) -> torch.Tensor:
+    """The delta rule of one layer over a prompt's rows (q, k, v and the gates as views of the step's rows)."""
+    from orinfer.kernels.gated_delta_chunk import gated_delta_rule
+
+    v_heads = a["A_log"].shape[0]
+    k_heads = (a["mixed"].shape[1] - v_heads * HEAD_DIM) // (2 * HEAD_DIM)
+    tokens = a["mixed"].shape[0]
+    q, k, v = a["mixed"].split([k_heads * HEAD_DIM, k_heads * HEAD_DIM, v_heads * HEAD_DIM], dim=-1)
+    beta, decay = a["gates"].split(v_heads, dim=-1)
+    return gated_delta_rule(q.view(tokens, k_heads, HEAD_DIM), k.view(tokens, k_heads, HEAD_DIM),
+                            v.view(tokens, v_heads, HEAD_DIM), decay, beta, a["A_log"], a["dt_bias"],
+                            lay["query_start_loc"], p["ssm_states"], lay["state_slots"], lay["has_initial_state"],
+                            decode=False)
+
+
+def _ops(bound: int, groups: set[str]) -> dict[str, Callable]:
+    """name -> op(args, pools, layout) for one layer, of the named groups (step, advance, chunked)."""
     from orinfer.kernels.causal_conv import causal_conv1d
     from orinfer.kernels.gated_delta import gated_delta_advance_ref, gated_delta_decode_step_ref
     from orinfer.kernels.gated_delta_chunk import gated_delta_rule
@@ -69,7 +87,7 @@ def _ops(bound: int) -> dict[str, Callable]:
     def advance_args(a: dict) -> dict:
         return {k: a[k] for k in ("mixed", "gates", "conv_weight", "A_log", "dt_bias")}
 
-    return {
+    ops = {
         "step fused": lambda a, p, lay: gated_delta_decode_step(**a, **p, **lay, max_rows_per_seq=bound),
         "step unfused": lambda a, p, lay: gated_delta_decode_step_ref(
             **a, **p, **lay, conv=causal_conv1d, rule=gated_delta_rule, norm=gated_rms_norm),
@@ -77,7 +95,9 @@ def _ops(bound: int) -> dict[str, Callable]:
                                                                max_rows_per_seq=bound),
         "advance unfused": lambda a, p, lay: gated_delta_advance_ref(**advance_args(a), **p, **lay,
                                                                      conv=causal_conv1d, rule=gated_delta_rule),
+        "chunked": _chunked,
     }
+    return {name: op for name, op in ops.items() if name.split()[0] in groups}
 
 
 def time_per_layer(op: Callable, args: dict, pools: list[dict], layout: dict, repeats: int) -> float:
@@ -90,14 +110,14 @@ def time_per_layer(op: Callable, args: dict, pools: list[dict], layout: dict, re
 
 
 def run(batches: list[int], rows_list: list[int], layers: int, bound: int | None, repeats: int,
-        model: str = "27b") -> list[dict]:
+        model: str = "27b", groups: set[str] = frozenset({"step", "advance"})) -> list[dict]:
     device = torch.device("cuda")
     results = []
     for batch in batches:
         for rows in rows_list:
             args, pools, layout = _inputs(batch, rows, layers, device, *MODELS[model])
             told = bound if bound is not None else rows
-            for name, op in _ops(told).items():
+            for name, op in _ops(told, groups).items():
                 us = time_per_layer(op, args, pools, layout, repeats)
                 results.append(dict(op=name, batch=batch, rows=rows, bound=told, us_per_layer=round(us, 2)))
             del pools
@@ -115,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_rows_per_seq the fused step and advance are told (default: the rows; a 16-row "
                              "graph: 16)")
     parser.add_argument("--model", choices=sorted(MODELS), default="27b", help="whose linear-attention heads")
+    parser.add_argument("--ops", default="step,advance", help="op groups (comma-separated): step, advance, chunked")
     parser.add_argument("--repeats", type=int, default=50, help="timed graph replays (the median is reported)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     results = run([int(b) for b in opts.batches.split(",")], [int(r) for r in opts.rows.split(",")], opts.layers,
-                  opts.bound, opts.repeats, opts.model)
+                  opts.bound, opts.repeats, opts.model, set(opts.ops.split(",")))
     print(f"# {torch.cuda.get_device_name()}: Qwen3.5-{opts.model} GDN shapes, bf16, us per layer ({opts.layers} "
           f"layers a graph)")
     for r in results:

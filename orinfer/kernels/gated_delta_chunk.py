@@ -13,12 +13,19 @@ at once; `_chunk_scan_kernel` walks each sequence's chunks in order, carrying th
 appear as exp of a difference G_i - G_j <= 0, never as a ratio gamma_i / gamma_j, so strong decays underflow to 0
 instead of dividing by it.
 
-Precision: fp32 throughout (the state's updates accumulate over the whole prompt). On the GPU a product runs as three
-tf32 tensor-core dots of hi/lo parts (x = hi + lo, hi with tf32's 10 mantissa bits), as Triton's tf32x3 does; but the
-operands the scan and the prepare kernel read (unit q and k, T, P) are stored already split, as "tf32 pairs", so
-that they go from memory into the dots instead of being split in registers: with Triton's tf32x3 on register tiles
-both kernels needed 255 registers and spilled (H200, Qwen3.5-35B-A3B's heads, 2048 tokens: 2021 us a layer; with the
-pairs 934, NOTES run 454).
+Precision: fp32 state, fp32 sums, and products at the model's precision (`dot_precision`):
+  fp32 inputs: a product runs as three tf32 tensor-core dots of hi/lo parts (x = hi + lo, hi rounded to tf32's 10
+      mantissa bits), about fp32 (as Triton's tf32x3). The operands the scan and the prepare kernel read (unit q and
+      k, T, P) are stored already split, as "tf32 pairs", so that they go from memory into the dots instead of being
+      split in registers: with Triton's tf32x3 on register tiles both kernels needed 255 registers and spilled
+      (H200, Qwen3.5-35B-A3B's heads, 2048 tokens: 2021 us a layer; with the pairs 934, NOTES run 454).
+  16-bit inputs (bf16 / fp16 models): one tf32 dot of the hi parts (each operand rounded to tf32 once; no lo parts
+      written or read). The state then carries errors of about tf32's unit roundoff (2^-11) of its values, whose
+      effect on the 16-bit outputs stays below their own rounding (the interpreter's emulation of this path: output
+      RMS error 0.00413 of the output against 0.00411 with three dots). Twice as fast: Qwen3.5-35B-A3B's heads at 2048
+      tokens 721 -> 362 us a layer, Qwen3.5-27B's 830 -> 401 (H200, NOTES run 462). fla-core, which vLLM and SGLang
+      run for these models, rounds the state to the 16-bit dtype for its products. ORINFER_GDN_FP32_PRODUCTS=1 keeps
+      three dots for 16-bit models too.
 
 T is found in blocks of SUB = 16 rows, in exact fp32 (FMA) products: each diagonal block by the Horner iteration
 X <- I - N X, which for N strictly lower and nilpotent within 4-row blocks settles block row r on step r (the
@@ -28,6 +35,8 @@ by block forward substitution, T_rc = -T_rr sum_j A_rj T_jc.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -44,6 +53,8 @@ UNIT_ROWS = 16     # rows a program of `_unit_rows_kernel`: 64 spilled at head d
 SCAN_WARPS = 4
 SCAN_BLOCK_V = 32  # state columns a scan program: 16 and 64 compiled to as many spills
 SCAN_STAGES = 1    # 2 stages of its operand tiles would need 565 KB of shared memory
+# 16-bit models' products in three tf32 dots as fp32 models' (about twice the time; module docstring).
+FP32_PRODUCTS = os.environ.get("ORINFER_GDN_FP32_PRODUCTS", "0") == "1"
 
 
 @triton.jit
@@ -83,8 +94,9 @@ def log_decay(a, dt_bias, A_log):
 
 @triton.jit
 def _tf32_split(x):
-    """(hi, lo), x = hi + lo exactly: hi holds tf32's 10 mantissa bits (x's low 13 bits cleared), lo the rest."""
-    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    """(hi, lo), x = hi + lo exactly: hi is x rounded to tf32's 10 mantissa bits (to nearest, ties away from zero:
+    the magnitude's bit 12 added, the low 13 bits cleared), lo the rest (|lo| <= 2^-11 |x|)."""
+    hi = ((x.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
     return hi, x - hi
 
 
@@ -92,9 +104,12 @@ def _tf32_split(x):
 def _mm_pairs(a_hi, a_lo, b_hi, b_lo, acc, PREC: tl.constexpr):
     """acc + a @ b at about fp32 accuracy for operands given as tf32 pairs (a as stored: no split, and no split
     copies, in registers): three tf32 tensor-core dots, the a_lo @ b_lo term (~2^-22 relative) dropped, as Triton's
-    tf32x3 does. PREC "ieee" (the interpreter): one exact dot of the pairs' sums (hi + lo is exact). acc None: 0."""
+    tf32x3 does. PREC "tf32" (16-bit models: the module docstring): one dot of the hi parts, the operands rounded
+    to tf32 once. PREC "ieee" (the interpreter): one exact dot of the pairs' sums (hi + lo is exact). acc None: 0."""
     if PREC == "ieee":
         return tl.dot(a_hi + a_lo, b_hi + b_lo, acc, input_precision="ieee")
+    if PREC == "tf32":  # the hi parts are tf32 values: the interpreter's exact dot computes what the GPU's does
+        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
     return tl.dot(a_hi, b_lo, acc, input_precision="tf32")
@@ -109,12 +124,13 @@ def _mm(a_hi, a_lo, b, acc, PREC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tokens"])
 def _unit_rows_kernel(q_ptr, k_ptr, kq_ptr, kt_ptr, tokens, scale, stride_qt, stride_qh, stride_kt, stride_kh,
-                      HK: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
+                      HK: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
     """BT token rows of one key head: k / |k| and q / |q| * scale as tf32 pairs, for the chunk kernels' dots.
 
     Grid (cdiv(T, BT), Hk), every row (padding too: nothing reads those). Writes kq [2 (k, q), 2 (hi, lo), T, Hk,
     Dk] and kt [2 (hi, lo), Hk, Dk, T] (k again, tokens contiguous: the scan's k^T @ u takes k^T as its first operand,
-    which a tf32 dot wants K-major) fp32: 24 bytes written per q/k element read."""
+    which a tf32 dot wants K-major) fp32: 24 bytes written per q/k element read (12 under PREC "tf32", whose dots
+    read no lo parts)."""
     kh = tl.program_id(1)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     valid = rows < tokens
@@ -125,13 +141,14 @@ def _unit_rows_kernel(q_ptr, k_ptr, kq_ptr, kt_ptr, tokens, scale, stride_qt, st
     q_hi, q_lo = _tf32_split(_unit_vectors(q_ptr, rows, stride_qt, kh * stride_qh, d, valid, DK) * scale)
     part = tokens.to(tl.int64) * (HK * DK)
     at = rows[:, None] * (HK * DK) + kh * DK + d[None, :]
-    tl.store(kq_ptr + at, k_hi, mask=mask)
-    tl.store(kq_ptr + part + at, k_lo, mask=mask)
-    tl.store(kq_ptr + 2 * part + at, q_hi, mask=mask)
-    tl.store(kq_ptr + 3 * part + at, q_lo, mask=mask)
     at_t = (kh * DK + d[None, :]).to(tl.int64) * tokens + rows[:, None]
+    tl.store(kq_ptr + at, k_hi, mask=mask)
+    tl.store(kq_ptr + 2 * part + at, q_hi, mask=mask)
     tl.store(kt_ptr + at_t, k_hi, mask=mask)
-    tl.store(kt_ptr + part + at_t, k_lo, mask=mask)
+    if PREC != "tf32":
+        tl.store(kq_ptr + part + at, k_lo, mask=mask)
+        tl.store(kq_ptr + 3 * part + at, q_lo, mask=mask)
+        tl.store(kt_ptr + part + at_t, k_lo, mask=mask)
 
 
 @triton.jit
@@ -165,11 +182,13 @@ def _unit_lower_inverse16(A):
 
 
 @triton.jit
-def _store_pair(ptr, part, offs, mask, x):
-    """Stores x as its tf32 pair: hi at ptr + offs, lo `part` elements further."""
+def _store_pair(ptr, part, offs, mask, x, PREC: tl.constexpr):
+    """Stores x as its tf32 pair: hi at ptr + offs, lo `part` elements further (not under PREC "tf32": no dot reads
+    it)."""
     hi, lo = _tf32_split(x)
     tl.store(ptr + offs, hi, mask=mask)
-    tl.store(ptr + part + offs, lo, mask=mask)
+    if PREC != "tf32":
+        tl.store(ptr + part + offs, lo, mask=mask)
 
 
 @triton.jit
@@ -180,14 +199,15 @@ def _block(ptr, rows, col0, valid, HV: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _store_block_row(ptr, part, rows, valid, x0, x1, x2, x3, HV: tl.constexpr, BT: tl.constexpr):
+def _store_block_row(ptr, part, rows, valid, x0, x1, x2, x3, HV: tl.constexpr, BT: tl.constexpr,
+                     PREC: tl.constexpr):
     """Stores the four [SUB, SUB] blocks of one block row, as tf32 pairs, into a [T, Hv, BT] scratch (`ptr` at the
     head)."""
     offs = rows[:, None] * (HV * BT) + tl.arange(0, SUB)[None, :]
-    _store_pair(ptr, part, offs, valid[:, None], x0)
-    _store_pair(ptr + SUB, part, offs, valid[:, None], x1)
-    _store_pair(ptr + 2 * SUB, part, offs, valid[:, None], x2)
-    _store_pair(ptr + 3 * SUB, part, offs, valid[:, None], x3)
+    _store_pair(ptr, part, offs, valid[:, None], x0, PREC)
+    _store_pair(ptr + SUB, part, offs, valid[:, None], x1, PREC)
+    _store_pair(ptr + 2 * SUB, part, offs, valid[:, None], x2, PREC)
+    _store_pair(ptr + 3 * SUB, part, offs, valid[:, None], x3, PREC)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "tokens"])
@@ -230,7 +250,7 @@ def _chunk_prepare_kernel(kq_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_ptr, tp_p
         q_hi, q_lo = _pair(kq_ptr + 2 * part, at, part, mask)
         offs = rows[:, None] * (HV * BT) + h * BT + i[None, :]
         _store_pair(tp_ptr + 2 * tp_part, tp_part, offs, valid[:, None],
-                    _mm_pairs(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), None, PREC) * decay)
+                    _mm_pairs(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), None, PREC) * decay, PREC)
         kk = _mm_pairs(k_hi, k_lo, tl.trans(k_hi), tl.trans(k_lo), None, PREC)
         tl.store(tp_ptr + offs, tl.where(i[:, None] > i[None, :], kk * decay * beta[:, None], 0.0),
                  mask=valid[:, None])
@@ -265,10 +285,10 @@ def _chunk_prepare_kernel(kq_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, qsl_ptr, tp_p
         T30 = -_dot16(T33, _dot16(A30, T00) + _dot16(A31, T10) + _dot16(A32, T20))
         zero = tl.zeros([SUB, SUB], dtype=tl.float32)
         T_at = tp_ptr + h * BT
-        _store_block_row(T_at, tp_part, r0, v0, T00, zero, zero, zero, HV, BT)
-        _store_block_row(T_at, tp_part, r1, v1, T10, T11, zero, zero, HV, BT)
-        _store_block_row(T_at, tp_part, r2, v2, T20, T21, T22, zero, HV, BT)
-        _store_block_row(T_at, tp_part, r3, v3, T30, T31, T32, T33, HV, BT)
+        _store_block_row(T_at, tp_part, r0, v0, T00, zero, zero, zero, HV, BT, PREC)
+        _store_block_row(T_at, tp_part, r1, v1, T10, T11, zero, zero, HV, BT, PREC)
+        _store_block_row(T_at, tp_part, r2, v2, T20, T21, T22, zero, HV, BT, PREC)
+        _store_block_row(T_at, tp_part, r3, v3, T30, T31, T32, T33, HV, BT, PREC)
 
 
 @triton.jit
@@ -420,6 +440,14 @@ def recurrent_fits(tokens: int, num_seqs: int, max_rows_per_seq: int | None) -> 
     return tokens <= num_seqs
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The chunk kernels' products for inputs of `dtype` (module docstring): "ieee" in the interpreter (exact);
+    on the GPU "tf32x3" (three tf32 dots, about fp32) for fp32 inputs or under FP32_PRODUCTS, else "tf32"."""
+    if interpreting():
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 or FP32_PRODUCTS else "tf32"
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -440,8 +468,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     else from the shapes alone, T <= B (decode rows, maybe padded), so the call needs no host sync and may be captured
     in a CUDA graph; grids depend on T, B and the head shapes only.
 
-    Dots: exact fp32 in the interpreter, three tf32 tensor-core passes on the GPU (about fp32's accuracy: the module
-    docstring; tf32 alone rounds the state's updates to 10 mantissa bits, an error the recurrence carries along).
+    Dots: exact fp32 in the interpreter; on the GPU three tf32 tensor-core passes for fp32 inputs (about fp32's
+    accuracy), one for 16-bit inputs (operands rounded to tf32 once: the module docstring's "Precision").
     """
     check_device(v)
     tokens, k_heads, dk = k.shape
@@ -475,7 +503,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
             *common, v.stride(0), v.stride(1), a.stride(0), b.stride(0), out.stride(0), out.stride(1),
             ssm_states.stride(0), DK=dk, DV=dv, BK=block_k, BV=block_v, num_warps=2 if block_k <= 128 else 4)
         return out
-    prec = "ieee" if interpreting() else "tf32x3"
+    prec = dot_precision(v.dtype)
     # Scratch (fp32): unit k and q as tf32 pairs [2, 2, T, Hk, Dk], k's pair again tokens-contiguous [2, Hk, Dk, T],
     # T and P rows as pairs [2, 2, T, Hv, 64] and G [T, Hv]: 80 KiB a token at Qwen3.5-35B-A3B's heads.
     kq = torch.empty(2, 2, tokens, k_heads, dk, dtype=torch.float32, device=v.device)
@@ -485,7 +513,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     if tokens:
         _unit_rows_kernel[(triton.cdiv(tokens, UNIT_ROWS), k_heads)](
             q, k, kq, kt, tokens, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), HK=k_heads, DK=dk,
-            BK=block_k, BT=UNIT_ROWS, num_warps=4)
+            BK=block_k, BT=UNIT_ROWS, PREC=prec, num_warps=4)
         # Sequence b has cdiv(n_b, 64) chunks: at most T // 64 + B over the batch, and at most T.
         _chunk_prepare_kernel[(min(tokens, tokens // CHUNK + num_seqs), v_heads)](
             kq, a, b, A_log, dt_bias, query_start_loc, tp, cum, num_seqs, tokens, group, a.stride(0), b.stride(0),

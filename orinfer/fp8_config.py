@@ -3,12 +3,14 @@
 Each quantized linear W [N, K] is stored as `weight` float8_e4m3fn [N, K] and `weight_scale_inv` float32
 [ceil(N / bn), ceil(K / bk)] for `weight_block_size` [bn, bk] (Qwen: [128, 128]); despite its name the scale is the
 multiplier: W[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]. Edge blocks of shapes that do not divide
-are partial. Activations are quantized per call ("dynamic") by engines that run W8A8; orinfer keeps them 16/32-bit
-(W8A16), which is at least as accurate.
+are partial. Activations are quantized per call ("dynamic"): orinfer runs W8A8 where it pays (prefill, decode
+batches of 3+ rows) as other engines do, and W8A16 for one or two rows; ORINFER_FP8_ACTIVATIONS=16bit keeps x in 16
+bits everywhere (`ACTIVATIONS`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,18 @@ _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 # where FP8 saves nothing). Under tensor parallelism a rank's share of them would also make blocks of its own, with
 # scales unlike the single process's.
 ONLINE_16_BIT = ("in_proj_a", "in_proj_b")
+# Whether FP8 layers quantize their activations: "dynamic" (the default) per token and 128-group where W8A8 pays,
+# as the checkpoints declare and other engines run them; "16bit": never (W8A16 everywhere: the logits of the 16-bit
+# model of the dequantised weights, at a slower prefill and slower decode batches; benchmarks/NOTES.md run 460-461).
+# It sets the defaults of ORINFER_FP8_SMALL_M, ORINFER_FP8_PREFILL (kernels/fp8_ops.py) and ORINFER_FP8_EXPERTS
+# (kernels/moe_a8.py), which the kernels read at import; an FP8 layer refuses any other value when it is built.
+ACTIVATIONS = os.environ.get("ORINFER_FP8_ACTIVATIONS", "dynamic")
+
+
+def check_activations_setting() -> None:
+    """ConfigError naming ORINFER_FP8_ACTIVATIONS when it holds neither of its values."""
+    if ACTIVATIONS not in ("dynamic", "16bit"):
+        raise ConfigError(f"ORINFER_FP8_ACTIVATIONS={ACTIVATIONS!r}: expected 'dynamic' (the default) or '16bit'")
 
 
 @dataclass(frozen=True)

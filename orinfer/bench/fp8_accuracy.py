@@ -5,8 +5,8 @@ One set of random FP8 weights of a preset's shapes (`loader.random_model`, codes
 the model. Its dequantised weights (fp32) are copied into two models of the same architecture without quantization:
 one run in fp32 (the reference; the torch backend, TF32 off) and one whose weights are those values rounded to the
 activation dtype (the "16-bit model"). The FP8 model runs the engine's own kernels (triton backend) in that dtype,
-once with the default paths (prefill W8A8: x quantized per token and 128-group) and once with the prefill's x kept in
-16 bits (`fp8_ops.PREFILL = "dequant"`, W8A16 everywhere). Every model sees the same prompt (random token ids) through
+once with the default paths (prefill W8A8: x quantized per token and 128-group) and once with x kept in 16 bits
+everywhere, as ORINFER_FP8_ACTIVATIONS=16bit runs it (W8A16). Every model sees the same prompt (random token ids) through
 the paged path (`engine.logits_probe.paged_logits`): a prefill of `--prompt-len` tokens, then `--decode` decode
 steps. Reported per model, for the prompt's rows and for the decode rows: the largest absolute logit error and the
 RMS error, both over the reference logits' RMS, and how often the arg-max token differs from the reference's.
@@ -30,7 +30,7 @@ from orinfer.args import EngineArgs
 from orinfer.config import ModelConfig, preset
 from orinfer.engine.llm_engine import EngineParts
 from orinfer.engine.logits_probe import paged_logits
-from orinfer.kernels import fp8_ops
+from orinfer.kernels import fp8_ops, moe_a8
 from orinfer.layers.fp8_linear import FP8Linear
 from orinfer.layers.ops import get_ops
 from orinfer.llm import LLM
@@ -96,12 +96,12 @@ def measure(cfg: ModelConfig, name: str, prompt_len: int, decode: int, dtype: to
     del models
     fp8_llm = _llm(fp8, cfg, dtype, device, backend)
     logits["FP8 (default paths)"] = paged_logits(fp8_llm, ids, prompt_len)
-    before = fp8_ops.PREFILL
-    fp8_ops.PREFILL = "dequant"
+    before = fp8_ops.PREFILL, fp8_ops.SMALL_M, moe_a8.MODE
+    fp8_ops.PREFILL, fp8_ops.SMALL_M, moe_a8.MODE = "dequant", "w8a16", "w8a16"   # what the 16bit setting picks
     try:
-        logits["FP8, prefill x in 16 bits"] = paged_logits(fp8_llm, ids, prompt_len)
+        logits["FP8, x in 16 bits (ORINFER_FP8_ACTIVATIONS=16bit)"] = paged_logits(fp8_llm, ids, prompt_len)
     finally:
-        fp8_ops.PREFILL = before
+        fp8_ops.PREFILL, fp8_ops.SMALL_M, moe_a8.MODE = before
     ref = logits.pop("fp32 reference")
     return {"preset": name, "dtype": str(dtype).removeprefix("torch."), "prompt_len": prompt_len, "decode": decode,
             "seed": seed, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -23,7 +23,8 @@ gate/up, and the SwiGLU of `fp8_gate_up_silu(..., act_group=)` in front of down)
 have made of x; both entry points take an Fp8Act in place of x on those paths.
 
 The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL / ORINFER_FP8_FEED (0: no
-feeding) at import (benchmarks may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows
+feeding) at import, SMALL_M's and PREFILL's defaults from ORINFER_FP8_ACTIVATIONS (`fp8_config.ACTIVATIONS`: "16bit"
+makes them "w8a16" and "dequant") (benchmarks may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows
 and the reference (dequantise + matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores
 otherwise), the kernels bk % 16 == 0 (the reference otherwise).
 """
@@ -44,13 +45,16 @@ from orinfer.kernels.fp8_feed import silu_and_mul_fp8
 from orinfer.kernels.fp8_gemm import fp8_gemm
 from orinfer.kernels.fp8_gemv import fp8_gemv
 from orinfer.kernels.fp8_mm import DECODE_128, fp8_mm
+from orinfer.fp8_config import ACTIVATIONS
 from orinfer.kernels.fp8_quant import Fp8Act, fp8_quantize_act
 
 MMA_MAX_ROWS = 64      # W8A16 up to here: bound by the weight read; beyond, the bf16 MMA rate starts to bind
 GEMV_MAX_ROWS = 2      # `fp8_gemv` takes this many rows (one weight pass for both)
 ONE_ROW = os.environ.get("ORINFER_FP8_ONE_ROW", "fma")          # fma | mma
-SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a8")         # w8a8 | w8a16
-PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "auto")         # auto | scaled_mm | triton | w8a16 | dequant
+_X16 = ACTIVATIONS == "16bit"                                   # x never quantized (fp8_config.ACTIVATIONS)
+SMALL_M = os.environ.get("ORINFER_FP8_SMALL_M", "w8a16" if _X16 else "w8a8")    # w8a8 | w8a16
+# auto | scaled_mm | triton | w8a16 | dequant
+PREFILL = os.environ.get("ORINFER_FP8_PREFILL", "dequant" if _X16 else "auto")
 FEED = os.environ.get("ORINFER_FP8_FEED", "1") != "0"           # producers hand W8A8 paths their x quantized
 W8A8_PATHS = ("w8a8", "scaled_mm")                              # the paths that quantize x (and take an Fp8Act)
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from orinfer.kernels.fp8_block import fp8_quantize_act_ref
+from orinfer.fp8_config import ACTIVATIONS
 from orinfer.kernels.fp8_quant import act_buffers, fp8_quantize_act, quantize_groups
 from orinfer.kernels.gemv import TL_DTYPES
 from orinfer.kernels.moe_align import moe_align
@@ -46,8 +47,9 @@ from orinfer.kernels.moe_fp8 import dequantize_experts
 from orinfer.kernels.moe_gemm import GROUP_M, _swiglu, band_tile, grouped_rows, load_step, moe_sum, tile_operands
 
 # "w8a8": prefill batches of FP8 experts take these kernels (from MIN_TOKENS tokens); "w8a16": the grouped W8A16
-# GEMMs at every size. Read at import from ORINFER_FP8_EXPERTS (benchmarks may set the attribute).
-MODE = os.environ.get("ORINFER_FP8_EXPERTS", "w8a8")
+# GEMMs at every size. Read at import from ORINFER_FP8_EXPERTS (benchmarks may set the attribute); its default is
+# "w8a16" under ORINFER_FP8_ACTIVATIONS=16bit (`fp8_config.ACTIVATIONS`).
+MODE = os.environ.get("ORINFER_FP8_EXPERTS", "w8a16" if ACTIVATIONS == "16bit" else "w8a8")
 # Below this many tokens the W8A16 kernels' tuned tiles win or tie (H200, graph replays of one layer, NOTES run 457:
 # Qwen3.5-35B-A3B FP8 at 256 tokens 291 us W8A8 against 272, Qwen3-30B-A3B 208 against 255; at 512 286 / 239 against
 # 449 / 325).

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from orinfer.errors import ConfigError, WeightsError
+from orinfer.fp8_config import check_activations_setting
 from orinfer.kernels.fp8_block import FP8_DTYPE, fp8_block_dequantize_ref, fp8_block_quantize
 from orinfer.kernels.fp8_quant import Fp8Act
 from orinfer.layers.linear import LinearBase, shard_offsets
@@ -54,6 +55,7 @@ class FP8Linear(LinearBase):
     def __init__(self, in_features: int, shard_sizes: dict[object, int], bias: bool, ops: Ops, dtype: torch.dtype,
                  block_size: tuple[int, int], online: bool = False, dense_shards: tuple[object, ...] = ()) -> None:
         super().__init__()
+        check_activations_setting()
         self.ops, self.block_size, self.online = ops, tuple(block_size), online
         self.in_features, self.out_features = in_features, sum(shard_sizes.values())
         order = list(shard_sizes)

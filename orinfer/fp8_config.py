@@ -107,3 +107,9 @@ class FP8Config:
         if self.modules_to_not_convert:
             out["modules_to_not_convert"] = list(self.modules_to_not_convert)
         return out
+
+
+# The random FP8 models of `orinfer bench --synthetic ... --quant fp8` (and the tools built on them) keep
+# ONLINE_16_BIT 16-bit as the releases do: otherwise the packed in_proj's 32-row b / a shards would split its 128-row
+# blocks and take paths (a row -> scale-row map, dequantised prefill) that no released checkpoint takes (NOTES run 464).
+SYNTHETIC_FP8 = FP8Config(modules_to_not_convert=ONLINE_16_BIT)

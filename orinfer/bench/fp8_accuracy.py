@@ -36,12 +36,12 @@ from orinfer.layers.ops import get_ops
 from orinfer.llm import LLM
 from orinfer.loader import random_model
 from orinfer.models.registry import build_model
-from orinfer.quant_config import FP8Config
+from orinfer.fp8_config import SYNTHETIC_FP8
 
 
 def fp8_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend: str, seed: int) -> nn.Module:
     """Random block-wise FP8 weights of cfg's shapes (128 x 128 blocks), activations in `dtype`."""
-    return random_model(dataclasses.replace(cfg, quantization=FP8Config()), get_ops(backend, device), dtype, dtype,
+    return random_model(dataclasses.replace(cfg, quantization=SYNTHETIC_FP8), get_ops(backend, device), dtype, dtype,
                         device, seed=seed)
 
 

@@ -18,7 +18,7 @@ from orinfer.bench.engine_bench import (DECODE_PROMPT_LEN, bench_engine, build_s
 from orinfer.bench.roofline import decode_bytes_per_step, routed_expert_bytes
 from orinfer.args import EngineArgs, add_engine_args, engine_args_from_namespace
 from orinfer.config import ModelConfig, QuantConfig, preset, resolve_dtype
-from orinfer.fp8_config import FP8Config
+from orinfer.fp8_config import SYNTHETIC_FP8
 from orinfer.gptq_config import GPTQConfig
 from orinfer.server.interpreter import freeze_startup_heap
 from orinfer.spec_decode.config import QUANTIZATIONS as SPEC_QUANTIZATIONS
@@ -94,7 +94,7 @@ def route_every_token_to_the_first_experts(model: torch.nn.Module) -> int:
 
 
 # --quant: the weight format of the random weights.
-SYNTHETIC_QUANT = {"awq": QuantConfig(group_size=128), "fp8": FP8Config(), "gptq4": GPTQConfig(bits=4),
+SYNTHETIC_QUANT = {"awq": QuantConfig(group_size=128), "fp8": SYNTHETIC_FP8, "gptq4": GPTQConfig(bits=4),
                    "gptq8": GPTQConfig(bits=8)}
 
 BENCH_ENGINE_SETTINGS = ("dtype", "backend", "cuda_graph", "fused_ffn", "async_scheduling", "pre_dequant",

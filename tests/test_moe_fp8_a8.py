@@ -19,7 +19,7 @@ from orinfer.kernels.fp8_quant import fp8_quantize_act
 from orinfer.kernels.moe_a8 import A8Config, PREFILL, fused_moe_fp8_a8, fused_moe_fp8_a8_ref
 from orinfer.kernels.moe_config import Tile
 from orinfer.kernels.moe_fp8 import fused_moe_fp8_ref
-from orinfer.kernels.moe_ops import fused_moe_fp8
+from orinfer.kernels.moe_ops import fused_moe, fused_moe_fp8
 
 skip_module_without_kernels()
 
@@ -122,3 +122,21 @@ def test_gpu_w8a8_with_the_folded_shared_expert():
     n_experts, hidden, inter, top_k = QWEN3_5_35B
     got, want, _ = run(512, n_experts + 1, top_k + 1, hidden, inter, (128, 128), torch.bfloat16, PREFILL, "shared")
     torch.testing.assert_close(got.double(), want.double(), **tol(torch.bfloat16, 2))
+
+
+def test_an_a8_config_forces_the_w8a8_kernels():
+    """`fused_moe_fp8(config=<"a8" config>)` (what moe_tune times) runs the W8A8 kernels with those tiles; x they do
+    not take, and the 16-bit experts' entry point, refuse it by name."""
+    (w13, s13, w2, s2), _ = fp8_experts(4, 72, 40, (16, 32))
+    x = randn(11, 72, dtype=torch.bfloat16)
+    weights, ids = routing(11, 4, 2, "random")
+    forced = moe_a8.as_config(SMALL._replace(uniform_scale=True))
+    got = fused_moe_fp8(x, w13, s13, w2, s2, (16, 32), weights, ids, config=forced)
+    want = fused_moe_fp8_a8_ref(x, w13, s13, w2, s2, (16, 32), weights, ids)
+    torch.testing.assert_close(got.double(), want.double(), **tol(torch.bfloat16, 2))
+    with pytest.raises(ValueError, match="W8A8 kernels, which take 16-bit x"):
+        fused_moe_fp8(x.float(), w13, s13, w2, s2, (16, 32), weights, ids, config=forced)
+    with pytest.raises(ValueError, match="cannot run 11 tokens"):
+        fused_moe(x, randn(4, 80, 72, dtype=torch.bfloat16), randn(4, 72, 40, dtype=torch.bfloat16), weights, ids,
+                  config=forced)
+

@@ -232,12 +232,18 @@ def test_gpu_every_fp8_tuning_candidate_is_correct():
 def test_gpu_fp8_tune_writes_a_table_that_fused_moe_fp8_loads(tmp_path, monkeypatch):
     from orinfer.kernels import moe_config, moe_tune
 
-    path = moe_tune.tune(8, 256, 128, 2, tokens=(1, 64), dtype=torch.float8_e4m3fn, out_dir=tmp_path, quick=True,
-                         log=lambda s: None)
+    from orinfer.kernels import moe_a8
+
+    path = moe_tune.tune(8, 256, 128, 2, tokens=(1, 64, 512), dtype=torch.float8_e4m3fn, out_dir=tmp_path,
+                         quick=True, log=lambda s: None)
     table = moe_config.load_table(str(path))
-    assert "float8_e4m3fn" in path.name and sorted(table) == [1, 64]
+    assert "float8_e4m3fn" in path.name and sorted(table) == [1, 64, 512]
+    a8_table = moe_config.load_table(str(tmp_path / path.name.replace("float8_e4m3fn", moe_config.W8A8_LABEL)))
+    assert sorted(a8_table) == [512] and a8_table[512].path == moe_config.A8       # from MIN_TOKENS only
     monkeypatch.setattr(moe_config, "TABLE_DIR", tmp_path)
     (w13, s13, w2, s2), _ = fp8_experts(8, 256, 128, (128, 128))
     x = randn(1, 256, dtype=torch.bfloat16)
     assert moe_config.pick_config(x, w13, 2) == table[1]
+    assert moe_a8.tuned_config(randn(512, 256, dtype=torch.bfloat16), w13, 2) == moe_a8.from_config(a8_table[512])
     check_fp8(1, 8, 2, 256, 128, (128, 128), torch.bfloat16, None)
+    check_fp8(512, 8, 2, 256, 128, (128, 128), torch.bfloat16, None)   # through the tuned W8A8 tiles

@@ -439,6 +439,30 @@ def test_config_table_round_trip_and_lookup(tmp_path):
     assert moe_config.load_table(str(tmp_path / "missing.json")) == {}
 
 
+def test_w8a8_tables_are_written_and_read_apart(tmp_path, monkeypatch):
+    """The W8A8 configs of FP8 experts ("a8", with uniform_scale) go to a table of their own (W8A8_LABEL) beside the
+    FP8 one, and read back as the kernels' A8Config; `tuned_config` takes only an "a8" entry."""
+    from orinfer.kernels import moe_a8
+
+    a8 = MoeConfig(moe_config.A8, 64, Tile(128, 128, 8, 3), Tile(256, 128, 8, 3), uniform_scale=True)
+    fp8 = MoeConfig("grouped", 32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3))
+    shape = (128, 2048, 768, 8)
+    moe_tune._write_table(tmp_path, "NVIDIA H200", shape, torch.float8_e4m3fn, {"256": moe_config.config_to_json(fp8)})
+    path = moe_tune._write_table(tmp_path, "NVIDIA H200", shape, moe_config.W8A8_LABEL,
+                                 {"2048": {**moe_config.config_to_json(a8), "us": 500.0}})
+    assert path.name == "NVIDIA_H200_E128_H2048_I768_k8_float8_e4m3fn_w8a8.json"
+    monkeypatch.setattr(moe_config, "TABLE_DIR", tmp_path)
+    assert moe_config.table_for("NVIDIA H200", *shape, moe_config.W8A8_LABEL) == {2048: a8}
+    assert moe_config.table_for("NVIDIA H200", *shape, torch.float8_e4m3fn) == {256: fp8}
+    assert moe_a8.from_config(a8) == moe_a8.A8Config(64, a8.up, a8.down, True) and moe_a8.as_config(
+        moe_a8.from_config(a8)) == a8
+    w13 = torch.empty(128, 2 * 768, 2048)
+    for entry, want in ((a8, moe_a8.from_config(a8)), (fp8, None), (None, None)):
+        monkeypatch.setattr(moe_a8, "table_lookup", lambda *args, entry=entry: entry)
+        assert moe_a8.tuned_config(torch.empty(2048, 2048), w13, 8) == want
+    assert moe_config.valid(a8, 3) and not moe_config.valid(a8._replace(block_m=48), 3)
+
+
 def test_folded_experts_take_their_own_table_else_the_routed_experts_one(tmp_path, monkeypatch):
     """E + 1 slots with k + 1 pairs (a folded shared expert) read the table of E experts and k pairs when they have
     none of their own; one of their own wins; no table at all stays {} (the defaults)."""

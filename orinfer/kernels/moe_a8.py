@@ -42,7 +42,7 @@ from orinfer.fp8_config import ACTIVATIONS
 from orinfer.kernels.fp8_quant import act_buffers, fp8_quantize_act, quantize_groups
 from orinfer.kernels.gemv import TL_DTYPES
 from orinfer.kernels.moe_align import moe_align
-from orinfer.kernels.moe_config import Tile
+from orinfer.kernels.moe_config import A8, W8A8_LABEL, MoeConfig, Tile, table_lookup
 from orinfer.kernels.moe_fp8 import dequantize_experts
 from orinfer.kernels.moe_gemm import GROUP_M, _swiglu, band_tile, grouped_rows, load_step, moe_sum, tile_operands
 
@@ -81,6 +81,24 @@ WIDE_FROM = 1024  # tokens from which PREFILL's 64-row tiles run
 def default_config(tokens: int) -> A8Config:
     """The tiles for a call of `tokens` tokens."""
     return PREFILL if tokens >= WIDE_FROM else FEW_ROWS
+
+
+def from_config(cfg: MoeConfig) -> A8Config:
+    """The A8Config of an "a8" MoeConfig (a table entry, or one the tuner forces)."""
+    return A8Config(cfg.block_m, cfg.up, cfg.down, cfg.uniform_scale)
+
+
+def as_config(cfg: A8Config) -> MoeConfig:
+    """The "a8" MoeConfig of an A8Config (what a table stores)."""
+    return MoeConfig(A8, cfg.block_m, cfg.up, cfg.down, 1, cfg.uniform_scale)
+
+
+def tuned_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> A8Config | None:
+    """The current GPU's W8A8 table entry (`moe_tune`, label W8A8_LABEL) for x's tokens and these experts, None
+    without one (the call then takes `default_config`). Host-only: safe inside CUDA-graph capture."""
+    experts, two_inter, hidden = w13.shape
+    cfg = table_lookup(x, experts, hidden, two_inter // 2, top_k, W8A8_LABEL)
+    return from_config(cfg) if cfg is not None and cfg.path == A8 else None
 
 
 def supported(x: torch.Tensor, block_size: tuple[int, int]) -> bool:

@@ -5,17 +5,20 @@ A `MoeConfig` says which path runs a call of `fused_moe` and how its two GEMMs a
     path     "decode" (`moe_decode`: per-expert GEMVs over the pairs as routed, few tokens) or "grouped"
              (`moe_align` + the grouped GEMMs of `moe_gemm` + the combine), or "gemv" (one token, FP8 experts or
              16-bit ones with x of their dtype: `moe_fp8_decode` / `moe_gemv16`, one-row GEMVs in 16-byte chunks;
-             block_m 1)
-    block_m  grouped: rows per expert block (16, 32, 64 or 128); decode: 1 = one token, FMA loop on the CUDA cores,
+             block_m 1), or "a8" (FP8 experts at prefill with 16-bit x: the W8A8 grouped GEMMs of `moe_a8`)
+    block_m  grouped, a8: rows per expert block (16, 32, 64 or 128); decode: 1 = one token, FMA loop on the CUDA cores,
              16 = up to 16 tokens, tensor-core dots with the tokens padded to 16
     up       Tile of the gate/up + SwiGLU GEMM: (block_n, block_k, num_warps, num_stages)
     down     Tile of the down GEMM (gemv: block_k counts the inputs of all the pairs a step reads side by side)
     split    decode only: the pairs of a step are shared over this many programs per down tile (then a sum kernel)
+    uniform_scale  a8 only: `moe_a8.A8Config.uniform_scale` (one FFMA an element promotes a K step's dot)
 
 Table files (`moe_configs/<GPU>_E<E>_H<H>_I<I>_k<k>_<dtype>.json`, GPU = torch.cuda.get_device_name with every run of
 characters other than letters, digits, '-', '.' made '_'; dtype = the weights', bfloat16, float16 or float8_e4m3fn
 (FP8 block-wise experts, tuned with 128x128 blocks: their tiles already step inside one scale column), or w4g<G> for
-4-bit experts in groups of G (AWQ, GPTQ-Int4: tiles already in W4 chunks, `moe_w4.w4_config` leaves them as they are)):
+4-bit experts in groups of G (AWQ, GPTQ-Int4: tiles already in W4 chunks, `moe_w4.w4_config` leaves them as they are),
+or W8A8_LABEL for the "a8" configs of FP8 experts at prefill, a table of its own beside the float8_e4m3fn one: the
+W8A8 kernels take the calls from `moe_a8.MIN_TOKENS` tokens, and only from that table):
 
     {"device": "NVIDIA H200", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "dtype": "bfloat16",
      "configs": {"1": {"path": "decode", "block_m": 1, "up": [4, 512, 4, 1], "down": [2, 1024, 4, 1], "split": 1,
@@ -46,6 +49,8 @@ TABLE_DIR = Path(__file__).with_name("moe_configs")
 DECODE_MAX_TOKENS = 16          # the decode path's dot pads the tokens to 16
 GEMV = "gemv"                   # the path of the one-token GEMV kernels (`moe_fp8_decode`, `moe_gemv16`)
 GROUPED_BLOCK_M = (16, 32, 64, 128)
+A8 = "a8"                       # the path of the W8A8 FP8 expert kernels (`moe_a8`)
+W8A8_LABEL = "float8_e4m3fn_w8a8"  # the weights' part of the name of their tables
 
 
 class Tile(NamedTuple):
@@ -61,6 +66,7 @@ class MoeConfig(NamedTuple):
     up: Tile
     down: Tile
     split: int = 1
+    uniform_scale: bool = False
 
 
 def valid(cfg: MoeConfig, tokens: int) -> bool:
@@ -69,7 +75,7 @@ def valid(cfg: MoeConfig, tokens: int) -> bool:
         return (cfg.block_m == 1 and tokens == 1) or (cfg.block_m == 16 and tokens <= DECODE_MAX_TOKENS)
     if cfg.path == GEMV:
         return cfg.block_m == 1 and tokens == 1
-    return cfg.path == "grouped" and cfg.block_m in GROUPED_BLOCK_M
+    return cfg.path in ("grouped", A8) and cfg.block_m in GROUPED_BLOCK_M
 
 
 def default_config(tokens: int, experts: int, top_k: int, wide: bool) -> MoeConfig:
@@ -107,12 +113,16 @@ def w4_label(group_size: int) -> str:
 
 
 def config_to_json(cfg: MoeConfig) -> dict:
-    return {"path": cfg.path, "block_m": cfg.block_m, "up": list(cfg.up), "down": list(cfg.down), "split": cfg.split}
+    entry = {"path": cfg.path, "block_m": cfg.block_m, "up": list(cfg.up), "down": list(cfg.down), "split": cfg.split}
+    if cfg.path == A8:
+        entry["uniform_scale"] = cfg.uniform_scale
+    return entry
 
 
 def config_from_json(entry: dict) -> MoeConfig:
     return MoeConfig(str(entry["path"]), int(entry["block_m"]), Tile(*map(int, entry["up"])),
-                     Tile(*map(int, entry["down"])), int(entry.get("split", 1)))
+                     Tile(*map(int, entry["down"])), int(entry.get("split", 1)),
+                     bool(entry.get("uniform_scale", False)))
 
 
 @functools.lru_cache(maxsize=None)

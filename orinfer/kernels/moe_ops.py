@@ -18,7 +18,8 @@ Dtypes: x fp32/fp16/bf16 with weights of the same dtype, or fp32 x with 16-bit w
 `fused_moe_fp8` runs the same two paths over FP8 block-wise experts (`kernels/moe_fp8.py`: e4m3 weights, fp32 block
 scales applied in the kernels, any float x); a block width bk that is not a multiple of 16 takes its reference.
 Prefill batches (`moe_a8.takes`: 16-bit x, `moe_a8.MIN_TOKENS` tokens or more) take the W8A8 grouped GEMMs of
-`kernels/moe_a8.py` instead (x and h quantized per token and group, FP8 tensor cores), unless a config is forced. One
+`kernels/moe_a8.py` instead (x and h quantized per token and group, FP8 tensor cores) with the tiles of the GPU's W8A8
+table (`moe_a8.tuned_config`) or the defaults, unless a config is forced (an "a8" config forces those kernels). One
 token with 16-bit x takes a third path, "gemv" (`kernels/moe_fp8_decode.py`: the experts as one-row FP8 GEMVs in
 16-byte chunks), whatever the table's entry for T = 1 names, unless that entry is a "gemv" config (its tiles run) or
 the caller forces a config.
@@ -34,7 +35,7 @@ from orinfer.kernels import moe_a8
 from orinfer.kernels.gemv import check_device
 from orinfer.kernels.moe import fused_moe_ref
 from orinfer.kernels.moe_a8 import fused_moe_fp8_a8
-from orinfer.kernels.moe_config import GEMV, MoeConfig, default_config, pick_config, table_lookup, valid, w4_label
+from orinfer.kernels.moe_config import A8, GEMV, MoeConfig, default_config, pick_config, table_lookup, valid, w4_label
 from orinfer.kernels.moe_decode import fused_moe_decode
 from orinfer.kernels.moe_fp8 import check_expert_scales, fp8_config, fused_moe_fp8_ref
 from orinfer.kernels.moe_fp8_decode import default_gemv_config, fused_moe_fp8_gemv
@@ -97,16 +98,24 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
                   config: MoeConfig | None = None) -> torch.Tensor:
     """`fused_moe_fp8_ref`'s contract: w13 e4m3 [E, 2I, H] with s13 fp32 [E, 2 ceil(I/bn), ceil(H/bk)], w2 e4m3
     [E, H, I] with s2 fp32 [E, ceil(H/bn), ceil(I/bk)]; the rest as `fused_moe`. `config` is a 16-bit config (its
-    K tiles are fitted to bk: `moe_fp8.fp8_config`) or, for one token, a "gemv" config (`moe_fp8_decode`); without
-    one, one token with 16-bit x takes the gemv path (module docstring)."""
+    K tiles are fitted to bk: `moe_fp8.fp8_config`), for one token a "gemv" config (`moe_fp8_decode`), or an "a8"
+    config (the W8A8 kernels, `moe_a8`; 16-bit x); without one, the module docstring's dispatch."""
     _check(x, w13, w2, topk_weights, topk_ids)
     check_expert_scales(w13, s13, w2, s2, block_size)
     if x.dtype not in _FLOAT_TYPES or block_size[1] % 16:
         _refuse_capture(x, f"FP8 weights in blocks of {block_size[1]} inputs")
         return fused_moe_fp8_ref(x, w13, s13, w2, s2, block_size, topk_weights, topk_ids)
-    if config is None and moe_a8.takes(x, x.shape[0], block_size):
+    a8 = None
+    if config is not None and config.path == A8:              # forced (tests, the tuner)
+        if not moe_a8.supported(x, block_size):
+            raise ValueError(f"config {config} runs the W8A8 kernels, which take 16-bit x with experts in blocks whose "
+                             f"width is a power of two >= 32; got {x.dtype} x, blocks {block_size}")
+        a8 = moe_a8.from_config(config)
+    elif config is None and moe_a8.takes(x, x.shape[0], block_size):
+        a8 = moe_a8.tuned_config(x, w13, topk_ids.shape[1]) or moe_a8.default_config(x.shape[0])
+    if a8 is not None:
         return fused_moe_fp8_a8(x.contiguous(), w13, s13, w2, s2, tuple(block_size), topk_weights.float().contiguous(),
-                                topk_ids.contiguous())
+                                topk_ids.contiguous(), a8)
     return _run(x, w13, w2, topk_weights, topk_ids, config, (s13, s2), tuple(block_size))
 
 
@@ -128,7 +137,7 @@ def fused_moe_w4(x: torch.Tensor, w13: W4Experts, w2: W4Experts, topk_weights: t
     topk_weights, topk_ids = topk_weights.float().contiguous(), topk_ids.contiguous()
     cfg = config or _w4_table_config(x, w13, w2, top_k) or default_config(tokens, w13.num_experts, top_k,
                                                                           x.dtype == torch.float32)
-    if not valid(cfg, tokens) or cfg.path == GEMV:
+    if not valid(cfg, tokens) or cfg.path in (GEMV, A8):
         raise ValueError(f"config {cfg} cannot run {tokens} tokens of 4-bit experts")
     cfg = w4_config(cfg, w13.group_size, w2.group_size)
     if cfg.path == "decode":
@@ -162,8 +171,8 @@ def _run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: tor
     cfg = pick_config(x, w13, top_k) if config is None else config
     if scales is not None and config is None and tokens == 1 and x.dtype != torch.float32 and cfg.path != GEMV:
         cfg = default_gemv_config(top_k, w2.shape[2])              # the table's T = 1 entry is for another path
-    if not valid(cfg, tokens):
-        raise ValueError(f"config {cfg} cannot run {tokens} tokens")
+    if not valid(cfg, tokens) or cfg.path == A8:  # "a8" configs: `fused_moe_fp8` takes them before this
+        raise ValueError(f"config {cfg} cannot run {tokens} tokens of these experts")
     if cfg.path == GEMV and scales is None:
         if not gemv16_supported(x, w13):
             raise ValueError(f"config {cfg} cannot run {x.dtype} x with {w13.dtype} experts: the gemv path of 16-bit "

@@ -18,7 +18,9 @@ in the last, and the table is named for E + 1 and k + 1), then every candidate o
 Those configs and the default are then timed as whole `fused_moe` calls, and the fastest call wins: a sum of stages
 timed apart (each with its own cold L2 and launch) misranked them (run 306: tables slower than the default at 32-128
 tokens), and the whole call is what a step runs. 4-bit experts (--dtype w4: AWQ / GPTQ-Int4 in groups of 128) have
-no per-stage entry points, so all their candidates are whole calls (`tune_tokens_w4`).
+no per-stage entry points, so all their candidates are whole calls (`tune_tokens_w4`). FP8 experts from
+`moe_a8.MIN_TOKENS` tokens also get their W8A8 kernels' tiles tuned, as whole calls (`tune_tokens_a8`), into a table
+of their own (label W8A8_LABEL), which `fused_moe_fp8` reads for the calls it sends to those kernels.
 Timing: CUDA-graph replays of the call over BANKS copies of the weights in turn (`_time`: no launch overhead, and the
 weights come from HBM as they do in a decode step). A candidate that does not compile or fit (shared memory,
 registers) is skipped. The table goes
@@ -39,8 +41,9 @@ import torch
 
 from orinfer.kernels.fp8_block import FP8_DTYPE
 from orinfer.kernels.moe_fp8 import expert_scale_shapes
-from orinfer.kernels.moe_config import (DECODE_MAX_TOKENS, GEMV, GROUPED_BLOCK_M, TABLE_DIR, MoeConfig, Tile,
-                                        config_to_json, default_config, load_table, table_name, w4_label)
+from orinfer.kernels.moe_config import (A8, DECODE_MAX_TOKENS, GEMV, GROUPED_BLOCK_M, TABLE_DIR, W8A8_LABEL,
+                                        MoeConfig, Tile, config_to_json, default_config, load_table, table_name,
+                                        w4_label)
 
 PRESETS = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3.5-35b-a3b": (256, 2048, 512, 8)}
 
@@ -270,6 +273,55 @@ def tune_tokens_w4(tokens: int, banks: list, top_k: int, quick: bool = False, sh
     return best, best_us, results[default]
 
 
+# W8A8 expert tiles (`moe_a8`): up's block_n and both block_k are the FP8 block width (bk), so up varies in warps and
+# stages only; down's block_n too. Rows a block: one warpgroup's 32 up to two warpgroups' 128.
+A8_BLOCK_M = (32, 64, 128)
+A8_UP = [(4, 3), (8, 3), (4, 4), (8, 4)]                                    # (num_warps, num_stages)
+A8_DOWN = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3), (128, 4, 4), (64, 4, 4)]   # (block_n, warps, stages)
+
+
+def a8_candidates(bk: int, quick: bool = False) -> tuple[list[MoeConfig], list[Tile]]:
+    """What `tune_tokens_a8` races for FP8 blocks bk wide: the "a8" configs of every block_m with each up tile
+    (beside a 128-wide down tile), and the down tiles it then tries with each block_m's best up tile."""
+    few = (lambda c: c[:2]) if quick else (lambda c: c)
+    ups = [MoeConfig(A8, m, Tile(bk, bk, w, s), Tile(128, bk, 4, 3), uniform_scale=m >= 64)  # as measured, run 460
+           for m in few(A8_BLOCK_M) for w, s in few(A8_UP)]
+    return ups, [Tile(n, bk, w, s) for n, w, s in few(A8_DOWN)]
+
+
+def tune_tokens_a8(tokens: int, banks: list[tuple[torch.Tensor, torch.Tensor]], top_k: int,
+                   scales: tuple[torch.Tensor, torch.Tensor], quick: bool = False, shared_slot: bool = False
+                   ) -> tuple[MoeConfig, float, float]:
+    """`tune_tokens` for the W8A8 kernels of FP8 experts (16-bit x, tokens from moe_a8.MIN_TOKENS): whole
+    `fused_moe_fp8` calls with forced "a8" configs. First the up candidates of `a8_candidates`, then each block_m's
+    best with every down tile, then the best with uniform_scale flipped; the default (`moe_a8.default_config`)
+    races too."""
+    from orinfer.kernels import moe_a8
+    from orinfer.kernels.moe_ops import fused_moe_fp8
+
+    (s13, s2), (w13, _) = scales, banks[0]
+    experts, _, hidden = w13.shape
+    dev = w13.device
+    x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    weights, ids = routing(tokens, experts, top_k, dev, shared_slot)
+
+    def timed(cfgs: list[MoeConfig]) -> dict[MoeConfig, float]:
+        return {c: _time(lambda a, b, c=c: fused_moe_fp8(x, a, s13, b, s2, FP8_BLOCK, weights, ids, config=c),
+                         banks) for c in dict.fromkeys(cfgs)}
+
+    default = moe_a8.as_config(moe_a8.default_config(tokens))
+    results = timed([default])
+    ups, downs = a8_candidates(FP8_BLOCK[1], quick)
+    results.update(timed(ups))
+    for block_m in dict.fromkeys(c.block_m for c in ups):   # each block_m's best up tile with every down tile
+        best_up, _ = _best({c: us for c, us in results.items() if c.block_m == block_m})
+        results.update(timed([best_up._replace(down=down) for down in downs]))
+    best, _ = _best(results)
+    results.update(timed([best._replace(uniform_scale=not best.uniform_scale)]))
+    best, best_us = _best(results)
+    return best, best_us, results[default]
+
+
 def _fp8_tiles(tiles: list[Tile]) -> list[Tile]:
     """The tensor-core tiles with K steps inside one FP8 scale column (block_k <= 128), without repeats."""
     return list(dict.fromkeys(t._replace(block_k=min(t.block_k, FP8_BLOCK[1])) for t in tiles))
@@ -297,8 +349,10 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
             scales = (torch.ones(shapes[0], device=dev), torch.ones(shapes[1], device=dev))
         w13, w2 = w13.to(dtype), w2.to(dtype)
         banks = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(BANKS - 1)]
-    name = torch.cuda.get_device_name(dev)
-    configs = {}
+    from orinfer.kernels.moe_a8 import MIN_TOKENS
+
+    configs: dict[str, dict] = {}
+    a8_configs: dict[str, dict] = {}
     for t in tokens:
         if dtype == "w4":
             cfg, us, default_us = tune_tokens_w4(t, banks, top_k, quick, shared_slot)
@@ -306,12 +360,27 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
             cfg, us, default_us = tune_tokens(t, banks, top_k, quick, scales, shared_slot)
         configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
         log(f"T={t}: {cfg} {us:.1f} us (default {default_us:.1f} us)")
+        if scales is not None and t >= MIN_TOKENS:
+            cfg, us, default_us = tune_tokens_a8(t, banks, top_k, scales, quick, shared_slot)
+            a8_configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
+            log(f"T={t} W8A8: {cfg} {us:.1f} us (default {default_us:.1f} us)")
+    shape = (experts, hidden, inter, top_k)
+    path = _write_table(out_dir, torch.cuda.get_device_name(dev), shape, weights, configs)
+    if a8_configs:
+        log(f"wrote {_write_table(out_dir, torch.cuda.get_device_name(dev), shape, W8A8_LABEL, a8_configs)}")
+    return path
+
+
+def _write_table(out_dir: Path, device_name: str, shape: tuple[int, int, int, int], weights: torch.dtype | str,
+                 configs: dict[str, dict]) -> Path:
+    """Writes (or updates) the table of this GPU, expert shape (E, H, I, k) and weights label; returns its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / table_name(name, experts, hidden, inter, top_k, weights)
+    path = out_dir / table_name(device_name, *shape, weights)
     if path.is_file():                          # entries of other token counts (an earlier run) are kept
         configs = {**json.loads(path.read_text())["configs"], **configs}
     configs = dict(sorted(configs.items(), key=lambda item: int(item[0])))
-    table = {"device": name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
+    experts, hidden, inter, top_k = shape
+    table = {"device": device_name, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
              "dtype": weights if isinstance(weights, str) else str(weights).removeprefix("torch."), "configs": configs}
     path.write_text(json.dumps(table, indent=1) + "\n")
     load_table.cache_clear()

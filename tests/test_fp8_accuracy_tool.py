@@ -17,8 +17,9 @@ def test_fp8_accuracy_report_on_a_tiny_model():
                               num_key_value_heads=2, head_dim=64, vocab_size=1024, num_hidden_layers=2)
     report = fp8_accuracy.measure(cfg, "tiny", 40, 4, torch.bfloat16, torch.device("cpu"), 0)
     rows = report["rows"]
-    assert list(rows) == ["bfloat16 model", "FP8 (default paths)", "FP8, x in 16 bits (ORINFER_FP8_ACTIVATIONS=16bit)"]
-    assert rows["FP8 (default paths)"] == rows["bfloat16 model"] == rows["FP8, x in 16 bits (ORINFER_FP8_ACTIVATIONS=16bit)"]
+    x16 = "FP8, x in 16 bits (ORINFER_FP8_ACTIVATIONS=16bit)"
+    assert list(rows) == ["bfloat16 model", "FP8 (default paths)", x16]
+    assert rows["FP8 (default paths)"] == rows["bfloat16 model"] == rows[x16]
     for part in ("prompt", "decode"):
         err = rows["bfloat16 model"][part]
         assert 0 < err["rms_err"] <= err["max_err"] < 0.2, err      # bf16's rounding: small, not zero

@@ -6,9 +6,9 @@ the model. Its dequantised weights (fp32) are copied into two models of the same
 one run in fp32 (the reference; the torch backend, TF32 off) and one whose weights are those values rounded to the
 activation dtype (the "16-bit model"). The FP8 model runs the engine's own kernels (triton backend) in that dtype,
 once with the default paths (prefill W8A8: x quantized per token and 128-group) and once with x kept in 16 bits
-everywhere, as ORINFER_FP8_ACTIVATIONS=16bit runs it (W8A16). Every model sees the same prompt (random token ids) through
-the paged path (`engine.logits_probe.paged_logits`): a prefill of `--prompt-len` tokens, then `--decode` decode
-steps. Reported per model, for the prompt's rows and for the decode rows: the largest absolute logit error and the
+everywhere, as ORINFER_FP8_ACTIVATIONS=16bit runs it (W8A16). Every model sees the same prompt (random token ids)
+through the paged path (`engine.logits_probe.paged_logits`): a prefill of `--prompt-len` tokens, then `--decode`
+decode steps. Reported per model, for the prompt's rows and for the decode rows: the largest absolute logit error and the
 RMS error, both over the reference logits' RMS, and how often the arg-max token differs from the reference's.
 
     python -m orinfer.bench.fp8_accuracy --synthetic qwen3-8b [--prompt-len 512] [--decode 16] [--dtype bfloat16]

@@ -24,8 +24,8 @@ have made of x; both entry points take an Fp8Act in place of x on those paths.
 
 The settings are read from ORINFER_FP8_ONE_ROW / ORINFER_FP8_SMALL_M / ORINFER_FP8_PREFILL / ORINFER_FP8_FEED (0: no
 feeding) at import, SMALL_M's and PREFILL's defaults from ORINFER_FP8_ACTIVATIONS (`fp8_config.ACTIVATIONS`: "16bit"
-makes them "w8a16" and "dequant") (benchmarks may also set the module attributes). fp32 x takes the W8A16 kernels for decode rows
-and the reference (dequantise + matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores
+makes them "w8a16" and "dequant"); benchmarks may also set the module attributes. fp32 x takes the W8A16 kernels for
+decode rows and the reference (dequantise + matmul) for prefill; W8A8 needs a power-of-two bk >= 32 (W8A16 tensor cores
 otherwise), the kernels bk % 16 == 0 (the reference otherwise).
 """
 

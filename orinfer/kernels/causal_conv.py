@@ -18,6 +18,20 @@ from orinfer.kernels.gated_delta_chunk import sequence_chunk
 from orinfer.kernels.gemv import check_device, interpreting
 
 
+@triton.jit
+def _tap(w_ptr, ch, c_mask, j, KW: tl.constexpr):
+    """Tap j of the channels' kernels as a [1, BLOCK_C] fp32 row."""
+    return tl.load(w_ptr + ch * KW + j, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _store_silu(out_ptr, begin, rows, ch, mask, acc, stride_ot):
+    """silu(acc) stored at the sequence's `rows` (x row begin + row) and channels `ch`."""
+    out = acc / (1.0 + tl.exp(-acc))
+    at = out_ptr + (begin + rows).to(tl.int64)[:, None] * stride_ot + ch[None, :]
+    tl.store(at, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _causal_conv_kernel(x_ptr, w_ptr, qsl_ptr, state_ptr, slot_ptr, init_ptr, out_ptr, num_seqs, C,
                         stride_xt, stride_ot, stride_ss, stride_sc, stride_sk,
@@ -37,24 +51,35 @@ def _causal_conv_kernel(x_ptr, w_ptr, qsl_ptr, state_ptr, slot_ptr, init_ptr, ou
         state = state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * stride_ss
         ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = ch < C
+        # Rows r >= K-1: a window inside x. The first K-1 rows of a sequence (the only ones whose window reaches
+        # into the old state) are left to the smaller tile below, so that this one forms no state address: as one
+        # tile, its per-channel-strided state loads (a predicated 2-byte load an element) took the kernel to 255
+        # registers with spills and ~5x its bandwidth time (Qwen3.5-35B-A3B, 2048 tokens: 83 us a layer, run 464).
         r = chunk * BLOCK_T + tl.arange(0, BLOCK_T)  # rows within the sequence
         r_mask = (r < n)[:, None] & c_mask[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(KW):
-            p = r + j  # window position: < K-1 in the old state, else x row begin + p - (K-1)
-            in_x = (p >= KW - 1)[:, None]
+            p = r + j  # window position: x row begin + p - (K-1) where p >= K-1
             xv = tl.load(x_ptr + (begin + p - (KW - 1)).to(tl.int64)[:, None] * stride_xt + ch[None, :],
-                         mask=r_mask & in_x, other=0.0).to(tl.float32)
-            hv = tl.load(state + ch[None, :] * stride_sc + p[:, None] * stride_sk, mask=r_mask & ~in_x & init,
-                         other=0.0).to(tl.float32)
-            acc += (xv + hv) * tl.load(w_ptr + ch * KW + j, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-        out = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + (begin + r).to(tl.int64)[:, None] * stride_ot + ch[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=r_mask)
+                         mask=r_mask & (p >= KW - 1)[:, None], other=0.0).to(tl.float32)
+            acc += xv * _tap(w_ptr, ch, c_mask, j, KW)
+        _store_silu(out_ptr, begin, r, ch, r_mask & (r >= KW - 1)[:, None], acc, stride_ot)
         if chunk == 0:
-            # (New names: a variable the loop above set may not change its shape in this branch.)
+            # The first K-1 rows, their windows across the old state and x.
             e = tl.arange(0, BLOCK_W)
-            last = n + e  # the window's last K-1 positions
+            e_mask = ((e < KW - 1) & (e < n))[:, None] & c_mask[None, :]
+            head = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                pe = e + j  # (a name of its own: `p` holds the larger tile's positions)
+                in_x = (pe >= KW - 1)[:, None]
+                xe = tl.load(x_ptr + (begin + pe - (KW - 1)).to(tl.int64)[:, None] * stride_xt + ch[None, :],
+                             mask=e_mask & in_x, other=0.0).to(tl.float32)
+                he = tl.load(state + ch[None, :] * stride_sc + pe[:, None] * stride_sk, mask=e_mask & ~in_x & init,
+                             other=0.0).to(tl.float32)
+                head += (xe + he) * _tap(w_ptr, ch, c_mask, j, KW)
+            _store_silu(out_ptr, begin, e, ch, e_mask, head, stride_ot)
+            # The new state: the window's last K-1 positions.
+            last = n + e
             last_in_x = (last >= KW - 1)[None, :]
             s_mask = c_mask[:, None] & (e < KW - 1)[None, :]
             x_last = tl.load(x_ptr + (begin + last - (KW - 1)).to(tl.int64)[None, :] * stride_xt + ch[:, None],

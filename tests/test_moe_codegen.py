@@ -82,8 +82,8 @@ for x, w in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp32", "bf1
 align = {"ids_ptr": "*i32", "counts_ptr": "*i32", "sorted_ptr": "*i32", "start_ptr": "*i32", "block_ptr": "*i32",
          "N": "i32", "E": "i32", "P": "i32", "FILL": "i32", "chunks": "i32", "num_blocks": "i32"}
 for fn, consts in ((moe_align._count_kernel, dict(CHUNK=128, E_TILE=64)),
-                   (moe_align._offsets_kernel, dict(BLOCK_M=64, BLOCK_C=32, BLOCK_E=E, BLOCK_B=32)),
-                   (moe_align._scatter_kernel, dict(CHUNK=128))):
+                   (moe_align._offsets_kernel, dict(BLOCK_M=64, BLOCK_C=32, BLOCK_E=E)),
+                   (moe_align._scatter_kernel, dict(CHUNK=128, BLOCK_M=64, BLOCK_E=E, BLOCK_B=32))):
     out[fn.__name__] = build(fn, {a: align[a] for a in fn.arg_names if a not in consts}, consts, 4)
 print(json.dumps({k: {"ops": v["sass"], "wgmma": "ttng.warp_group_dot" in v["ttgir"]} for k, v in out.items()}))
 """

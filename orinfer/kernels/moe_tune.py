@@ -364,10 +364,10 @@ def tune(experts: int, hidden: int, inter: int, top_k: int, tokens: tuple[int, .
             cfg, us, default_us = tune_tokens_a8(t, banks, top_k, scales, quick, shared_slot)
             a8_configs[str(t)] = {**config_to_json(cfg), "us": round(us, 2), "default_us": round(default_us, 2)}
             log(f"T={t} W8A8: {cfg} {us:.1f} us (default {default_us:.1f} us)")
-    shape = (experts, hidden, inter, top_k)
-    path = _write_table(out_dir, torch.cuda.get_device_name(dev), shape, weights, configs)
+    shape, gpu = (experts, hidden, inter, top_k), torch.cuda.get_device_name(dev)
+    path = _write_table(out_dir, gpu, shape, weights, configs)
     if a8_configs:
-        log(f"wrote {_write_table(out_dir, torch.cuda.get_device_name(dev), shape, W8A8_LABEL, a8_configs)}")
+        log(f"wrote {_write_table(out_dir, gpu, shape, W8A8_LABEL, a8_configs)}")
     return path
 
 
